@@ -1,0 +1,271 @@
+"""Triton kernels: gather many tensors into one flat buffer and scatter it back.
+
+One launch serves any number of tensors. The host builds one int64 table per
+call (:func:`build_table`)::
+
+    [ src_bytes | numel | extent | flat_start | kind ]  one column per segment
+    [ scale bits ]                                      the float64 scale, bit-cast
+    [ work ]                                            one entry per program:
+                                                        segment << 32 | block
+
+Every program copies one ``BLOCK`` of one segment, so a 1-element bias and a
+25M-element weight cost the same per program and no program idles on mixed
+sizes. A tensor's address is a byte offset from one ``base`` pointer (a tensor
+of the call), because a loaded *offset* can carry a ``tl.multiple_of`` hint and
+a loaded raw address cannot, and only hinted accesses become 128-bit.
+
+A hint is a promise about every value, so the table stores offsets rounded
+down to the alignment (``src_bytes`` to 16 bytes, ``flat_start`` to 16 bytes'
+worth of flat elements): the promise always holds. The remainders sit in
+``kind`` (dtype code | src remainder << 8 | flat remainder << 16). A full block
+of a segment with both remainders zero takes the unmasked, vectorized fast
+path; everything else takes the masked path, which adds the remainders back.
+
+Element math is in fp32, or fp64 when either side of the copy is fp64; 16-bit
+results are rounded from an fp32 value (as torch's own casts do).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048
+NUM_WARPS = 4
+ALIGN_BYTES = 16
+
+# dtype codes in the table's ``kind`` column
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+# the KINDS constexpr is a bitmask of the codes a launch holds; mixed launches
+# always use ALL_KINDS, so a model's dtype mix costs one specialization
+ALL_KINDS = 15
+
+
+@triton.constexpr_function
+def _dtype_of(code):
+    return (tl.float16, tl.bfloat16, tl.float32, tl.float64)[code]
+
+
+@triton.constexpr_function
+def _compute_dtype(a, b):
+    return tl.float64 if tl.float64 in (a, b) else tl.float32
+
+
+@triton.jit
+def _upcast(x, COMPUTE: tl.constexpr):
+    # bf16 goes through fp32 first: the interpreter stores it as raw bits and
+    # only bf16<->fp32 is exact there; on the GPU the extra cast is free.
+    if x.dtype == tl.bfloat16:
+        return x.to(tl.float32).to(COMPUTE)
+    return x.to(COMPUTE)
+
+
+@triton.jit
+def _round_to_bf16(y):
+    # fp32 -> bf16, round to nearest even, done on the bits: Triton's interpreter
+    # truncates in ``.to(tl.bfloat16)``, the GPU rounds; this is exact on both.
+    bits = y.to(tl.uint32, bitcast=True)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    rounded = tl.where(y != y, bits | 0x400000, rounded)  # NaN stays a (quiet) NaN
+    return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _downcast(y, DST: tl.constexpr):
+    # 16-bit results are always rounded from an fp32 value (fp64 goes via fp32),
+    # as torch's own fp64 -> fp16/bf16 casts do, so both backends agree.
+    if DST == tl.bfloat16:
+        return _round_to_bf16(y.to(tl.float32))
+    if DST == tl.float16:
+        return y.to(tl.float32).to(DST)
+    return y.to(DST)
+
+
+@triton.jit
+def _flag_nonfinite(x, flag, CHECK_FINITE: tl.constexpr):
+    if CHECK_FINITE:
+        # NaN fails every comparison, so ``|x| < inf`` is false exactly for inf and NaN
+        if tl.max((~(tl.abs(x) < float("inf"))).to(tl.int32), axis=0) > 0:
+            # every writer stores the same 1: the race is benign and the flag exact
+            tl.store(flag, 1)
+
+
+@triton.jit
+def _segment(table, n_segments, BLOCK: tl.constexpr, FLAT_VEC: tl.constexpr):
+    """This program's segment and block, read from the table, hints applied.
+
+    The hints must be applied here, on the loads: ``tl.multiple_of`` on a value
+    returned from a multi-result call marks the call, and so every result.
+    """
+    work = tl.load(table + 5 * n_segments + 1 + tl.program_id(0))
+    seg = work >> 32
+    start = tl.multiple_of((work - (seg << 32)) * BLOCK, BLOCK)
+    src_bytes = tl.multiple_of(tl.load(table + seg), 16)
+    numel = tl.load(table + n_segments + seg)
+    extent = tl.load(table + 2 * n_segments + seg)
+    flat_start = tl.multiple_of(tl.load(table + 3 * n_segments + seg), FLAT_VEC)
+    kind = tl.load(table + 4 * n_segments + seg)
+    return seg, start, src_bytes, numel, extent, flat_start, kind
+
+
+@triton.jit
+def _gather(base, src_bytes, out, flat_start, start, numel, extent, kind, scale_bits, flag,
+            SRC: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK: tl.constexpr):
+    OUT: tl.constexpr = out.dtype.element_ty
+    COMPUTE: tl.constexpr = _compute_dtype(SRC, OUT)
+    scale = tl.load(scale_bits).to(tl.float64, bitcast=True).to(COMPUTE)
+    lanes = tl.arange(0, BLOCK)
+    src_rem = (kind >> 8) & 255
+    flat_rem = kind >> 16
+    # Each branch ends in its own store and check: a value flowing out of both
+    # branches would force one register layout on both loads, and the masked
+    # load's layout would cost the fast one its vectorization.
+    if (src_rem == 0) & (flat_rem == 0) & (start + BLOCK <= numel):
+        src = (base + src_bytes).to(tl.pointer_type(SRC), bitcast=True) + start
+        x = _upcast(tl.load(src + lanes), COMPUTE)
+        tl.store(out + flat_start + start + lanes, _downcast(x * scale, OUT))
+        _flag_nonfinite(x, flag, CHECK_FINITE)
+    else:
+        src = (base + src_bytes + src_rem).to(tl.pointer_type(SRC), bitcast=True)
+        offs = start + lanes
+        x = _upcast(tl.load(src + offs, mask=offs < numel, other=0.0), COMPUTE)
+        # elements in [numel, extent) are layout padding: written as zero
+        tl.store(out + flat_start + flat_rem + offs, _downcast(x * scale, OUT),
+                 mask=offs < extent)
+        _flag_nonfinite(x, flag, CHECK_FINITE)
+
+
+@triton.jit
+def _flatten_kernel(table, base, out, flag, n_segments,
+                    KINDS: tl.constexpr, CHECK_FINITE: tl.constexpr,
+                    BLOCK: tl.constexpr, OUT_VEC: tl.constexpr):
+    seg, start, src_bytes, numel, extent, flat_start, kind = _segment(table, n_segments, BLOCK,
+                                                                      OUT_VEC)
+    scale_bits = table + 5 * n_segments
+    code = kind & 255
+    # single-dtype launches compile one branch; mixed launches pick per segment
+    for CODE in tl.static_range(4):
+        if ((KINDS >> CODE) & 1) != 0:
+            if (KINDS == (1 << CODE)) or (code == CODE):
+                _gather(base, src_bytes, out, flat_start, start, numel, extent, kind,
+                        scale_bits, flag, _dtype_of(CODE), CHECK_FINITE, BLOCK)
+
+
+@triton.jit
+def _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale_bits,
+             DST: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    FLAT: tl.constexpr = flat.dtype.element_ty
+    COMPUTE: tl.constexpr = _compute_dtype(DST, FLAT)
+    scale = tl.load(scale_bits).to(tl.float64, bitcast=True).to(COMPUTE)
+    lanes = tl.arange(0, BLOCK)
+    dst_rem = (kind >> 8) & 255
+    flat_rem = kind >> 16
+    if (dst_rem == 0) & (flat_rem == 0) & (start + BLOCK <= numel):
+        dst = (base + dst_bytes).to(tl.pointer_type(DST), bitcast=True) + start
+        y = _upcast(tl.load(flat + flat_start + start + lanes), COMPUTE) * scale
+        if ACCUMULATE:
+            y += _upcast(tl.load(dst + lanes), COMPUTE)
+        tl.store(dst + lanes, _downcast(y, DST))
+    else:
+        dst = (base + dst_bytes + dst_rem).to(tl.pointer_type(DST), bitcast=True)
+        offs = start + lanes
+        mask = offs < numel
+        y = _upcast(tl.load(flat + flat_start + flat_rem + offs, mask=mask, other=0.0),
+                    COMPUTE) * scale
+        if ACCUMULATE:
+            y += _upcast(tl.load(dst + offs, mask=mask, other=0.0), COMPUTE)
+        tl.store(dst + offs, _downcast(y, DST), mask=mask)
+
+
+@triton.jit
+def _unflatten_kernel(table, base, flat, n_segments,
+                      KINDS: tl.constexpr, ACCUMULATE: tl.constexpr,
+                      BLOCK: tl.constexpr, FLAT_VEC: tl.constexpr):
+    seg, start, dst_bytes, numel, extent, flat_start, kind = _segment(table, n_segments, BLOCK,
+                                                                      FLAT_VEC)
+    scale_bits = table + 5 * n_segments
+    code = kind & 255
+    for CODE in tl.static_range(4):
+        if ((KINDS >> CODE) & 1) != 0:
+            if (KINDS == (1 << CODE)) or (code == CODE):
+                _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale_bits,
+                         _dtype_of(CODE), ACCUMULATE, BLOCK)
+
+
+def kinds_mask(dtypes) -> int:
+    """The KINDS constexpr for a launch over tensors of these dtypes."""
+    codes = {DTYPE_CODES[d] for d in dtypes}
+    return 1 << codes.pop() if len(codes) == 1 else ALL_KINDS
+
+
+def _pick_base(tensors, flat):
+    """The tensor whose first byte is the base of all byte offsets: a non-empty,
+    16-byte aligned one if any (an unaligned base only costs vectorization)."""
+    candidates = [t for t in tensors if t.numel() > 0] or [flat]
+    for t in candidates:
+        if t.data_ptr() % ALIGN_BYTES == 0:
+            return t
+    return candidates[0]
+
+
+def build_table(tensors, starts, extents, flat, base, scale):
+    """The int64 launch table (see the module docstring) and the program count.
+
+    ``starts[i]``/``extents[i]``: where segment i begins in ``flat`` and how many
+    flat elements its programs cover (>= numel; the excess is written as zero
+    by the gather). Segments covering nothing get no programs.
+    """
+    n = len(tensors)
+    base_addr = base.data_ptr()
+    flat_vec = ALIGN_BYTES // flat.element_size()
+    # flat_start is rounded down so that (flat address + flat_start) is aligned
+    flat_skew = (flat.data_ptr() // flat.element_size()) % flat_vec
+    table = np.empty(5 * n + 1, dtype=np.int64)
+    blocks = np.empty(n, dtype=np.int64)
+    for i, (t, start, extent) in enumerate(zip(tensors, starts, extents)):
+        src_bytes = t.data_ptr() - base_addr
+        flat_rem = (start + flat_skew) % flat_vec
+        table[i] = src_bytes - src_bytes % ALIGN_BYTES
+        table[n + i] = t.numel()
+        table[2 * n + i] = extent
+        table[3 * n + i] = start - flat_rem
+        table[4 * n + i] = DTYPE_CODES[t.dtype] | (src_bytes % ALIGN_BYTES) << 8 | flat_rem << 16
+        blocks[i] = -(-max(extent, t.numel()) // BLOCK)
+    table[5 * n] = np.array([scale], dtype=np.float64).view(np.int64)[0]
+    programs = int(blocks.sum())
+    segment_of = np.repeat(np.arange(n, dtype=np.int64), blocks)
+    first_block = np.repeat(np.cumsum(blocks) - blocks, blocks)
+    work = (segment_of << 32) | (np.arange(programs, dtype=np.int64) - first_block)
+    full = torch.from_numpy(np.concatenate([table, work]))
+    return full.to(flat.device, non_blocking=True), programs
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous, non-empty) seen as bytes: the base pointer argument."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def flatten(tensors, starts, extents, out, scale, flag):
+    """Gather contiguous ``tensors`` into ``out``; ``flag``: zeroed uint8[1] or None."""
+    base = _pick_base(tensors, out)
+    table, programs = build_table(tensors, starts, extents, out, base, scale)
+    if programs == 0:
+        return
+    _flatten_kernel[(programs,)](
+        table, _byte_view(base), out, flag if flag is not None else table, len(tensors),
+        KINDS=kinds_mask(t.dtype for t in tensors), CHECK_FINITE=flag is not None,
+        BLOCK=BLOCK, OUT_VEC=ALIGN_BYTES // out.element_size(), num_warps=NUM_WARPS)
+
+
+def unflatten(flat, tensors, starts, scale, accumulate):
+    """Write (or add) each segment of ``flat`` into its contiguous tensor."""
+    base = _pick_base(tensors, flat)
+    table, programs = build_table(tensors, starts, [t.numel() for t in tensors], flat, base,
+                                  scale)
+    if programs == 0:
+        return
+    _unflatten_kernel[(programs,)](
+        table, _byte_view(base), flat, len(tensors),
+        KINDS=kinds_mask(t.dtype for t in tensors), ACCUMULATE=accumulate,
+        BLOCK=BLOCK, FLAT_VEC=ALIGN_BYTES // flat.element_size(), num_warps=NUM_WARPS)
