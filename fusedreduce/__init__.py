@@ -4,9 +4,23 @@ Gradients are gathered from many tensors into a few flat buffers by fused
 kernels (``fusedreduce.kernels``), reduced with one ``torch.distributed``
 collective per buffer, and scattered back, cast and scaled in the same pass.
 """
-from .buckets import Bucket, BucketPlan
-from .collectives import all_reduce_plan
 from . import kernels
+from .broadcast import broadcast_optimizer_state, parameter_broadcast
+from .buckets import Bucket, BucketPlan, TensorSpec
+from .collectives import all_reduce_plan, broadcast_tensors
+from .optimizer import DistributedOptimizer
+from .reducer import DistributedGradReducer
 
-__all__ = ["Bucket", "BucketPlan", "all_reduce_plan", "kernels"]
+__all__ = [
+    "Bucket",
+    "BucketPlan",
+    "TensorSpec",
+    "DistributedGradReducer",
+    "DistributedOptimizer",
+    "all_reduce_plan",
+    "broadcast_optimizer_state",
+    "broadcast_tensors",
+    "kernels",
+    "parameter_broadcast",
+]
 __version__ = "0.1.0"

@@ -30,6 +30,7 @@ __all__ = [
     "unflatten_cast_scale",
     "triton_available",
     "resolve_backend",
+    "check_scale",
     "SUPPORTED_DTYPES",
 ]
 
@@ -91,11 +92,13 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "triton"
 
 
-def _check_scale(scale) -> float:
+def check_scale(scale, name: str = "scale") -> float:
+    """``scale`` as a float; TypeError/ValueError (naming ``name``) unless it is a
+    finite Python number."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a Python int or float, got {type(scale).__name__}")
+        raise TypeError(f"{name} must be a Python int or float, got {type(scale).__name__}")
     if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+        raise ValueError(f"{name} must be finite, got {scale}")
     return float(scale)
 
 
@@ -188,7 +191,7 @@ def flatten_cast_scale(
         tensor([0.5000, 0.5000, 0.5000, 0.5000, 0.5000, 0.5000, 1.0000, 1.0000, 1.0000, 1.0000])
     """
     tensors = _check_tensors(tensors, "tensors")
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     starts, size = _layout(tensors, offsets, "tensors")
     if out is None:
         _check_dtype(dtype, "dtype")
@@ -273,7 +276,7 @@ def unflatten_cast_scale(
     if flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError(f"flat must be a 1-D contiguous tensor, got shape {tuple(flat.shape)}")
     tensors = _check_tensors(tensors, "tensors")
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     if tensors and tensors[0].device != flat.device:
         raise ValueError(f"tensors are on {tensors[0].device} but flat is on {flat.device}")
     starts, size = _layout(tensors, offsets, "tensors")

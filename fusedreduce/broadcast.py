@@ -1,0 +1,165 @@
+"""Parameter and optimizer-state broadcast through fused buckets.
+
+``parameter_broadcast`` is the PyTorch counterpart of MindSpore's
+``parameter_broadcast(net, layout, cur_rank, initial_rank)``;
+``broadcast_optimizer_state`` follows Horovod's: ranks whose optimizer has no
+state yet (nothing stepped) receive the source's full state.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .collectives import broadcast_tensors, require_process_group
+
+
+def _global_rank(group, group_rank: int) -> int:
+    if group is None:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def parameter_broadcast(
+    module: torch.nn.Module,
+    layout: Optional[Dict[str, Any]] = None,
+    cur_rank: Optional[int] = None,
+    initial_rank: int = 0,
+    *,
+    src: Optional[int] = None,
+    group=None,
+    buffers: bool = True,
+    bucket_cap_mb: float = 25.0,
+) -> None:
+    """Copy ``module``'s parameters (and buffers) from the source rank to all ranks.
+
+    One broadcast per fused bucket; afterwards every rank's tensors are bitwise
+    equal to the source's, whatever their dtype.
+
+    Args:
+        module: the module whose parameters are overwritten in place.
+        layout: a dict keyed by parameter name (values are ignored): only these
+            parameters are broadcast (MindSpore's parallel layout dict).
+            Default: all parameters.
+        cur_rank: this process's rank in ``group``, as a check (the seed's
+            argument); default: not checked.
+        initial_rank: the first rank of the (pipeline) group, the default source.
+        src: the source rank within ``group``; default ``initial_rank``.
+        group: the process group; default: the world.
+        buffers: also broadcast the module's buffers (BatchNorm statistics...)
+            when no ``layout`` restricts the broadcast.
+        bucket_cap_mb: the byte cap of a fused bucket, in MiB.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: ``cur_rank`` is not this process's rank; ``initial_rank``
+            or ``src`` is not a rank of ``group``; a ``layout`` name is not in
+            ``module.named_parameters()``. Raised before any communication.
+
+    Example:
+        >>> parameter_broadcast(model)            # rank 0's weights everywhere  # doctest: +SKIP
+    """
+    world_size = require_process_group(group)
+    rank = dist.get_rank(group)
+    if cur_rank is not None and cur_rank != rank:
+        raise ValueError(f"cur_rank={cur_rank} is not this process's rank ({rank})")
+    for name, value in (("initial_rank", initial_rank), ("src", src)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value < world_size):
+            raise ValueError(f"{name}={value!r} is not a rank of the group "
+                             f"(0..{world_size - 1})")
+    named = dict(module.named_parameters())
+    if layout is not None:
+        unknown = [n for n in layout if n not in named]
+        if unknown:
+            raise ValueError(f"layout names parameters not in module.named_parameters(): "
+                             f"{unknown[:5]}")
+        tensors = [named[n] for n in named if n in layout]
+    else:
+        tensors = list(named.values())
+        if buffers:
+            tensors += [b for _, b in module.named_buffers()]
+    source = initial_rank if src is None else src
+    with torch.no_grad():
+        broadcast_tensors([t.data for t in tensors], _global_rank(group, source), group=group,
+                          bucket_cap_mb=bucket_cap_mb)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0, group=None) -> None:
+    """Give every rank rank ``src``'s optimizer state and hyperparameters.
+
+    The state's tensors are fused per dtype (one broadcast per bucket), the
+    rest (scalars, hyperparameters, the structure) goes with one object
+    broadcast. Works when other ranks have no state yet: they receive the
+    source's full state, loaded with ``optimizer.load_state_dict``.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: ``src`` is not a rank of the group; the ranks' optimizers
+            differ in parameter groups (raised on every rank).
+
+    Example:
+        >>> broadcast_optimizer_state(optimizer, src=0)          # doctest: +SKIP
+    """
+    world_size = require_process_group(group)
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world_size:
+        raise ValueError(f"src={src!r} is not a rank of the group (0..{world_size - 1})")
+    rank = dist.get_rank(group)
+    global_src = _global_rank(group, src)
+    state_dict = optimizer.state_dict()
+    # the source describes its state: tensors become (shape, dtype) placeholders
+    skeleton = None
+    if rank == src:
+        skeleton = copy.copy(state_dict)
+        skeleton["state"] = {k: {name: _placeholder(v) for name, v in entry.items()}
+                             for k, entry in state_dict["state"].items()}
+    shared: List[Any] = [skeleton, [len(g["params"]) for g in state_dict["param_groups"]]]
+    everyone: List[Any] = [None] * world_size
+    dist.all_gather_object(everyone, shared[1], group=group)
+    if any(sizes != everyone[src] for sizes in everyone):
+        raise ValueError(f"the ranks' optimizers have different parameter groups (parameters "
+                         f"per group, by rank: {everyone})")
+    holder = [skeleton]
+    dist.broadcast_object_list(holder, src=global_src, group=group)
+    skeleton = holder[0]
+    devices = _param_devices(optimizer)
+    if rank == src:
+        received = state_dict
+    else:
+        received = copy.copy(skeleton)
+        received["state"] = {k: {name: _materialize(v, devices.get(k)) for name, v in entry.items()}
+                             for k, entry in skeleton["state"].items()}
+    tensors = [v for k in sorted(received["state"]) for _, v in sorted(received["state"][k].items())
+               if isinstance(v, torch.Tensor)]
+    broadcast_tensors(tensors, global_src, group=group)
+    if rank != src:
+        optimizer.load_state_dict(received)
+
+
+class _TensorPlaceholder:
+    """Shape, dtype and device kind of a state tensor, sent instead of its data."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.dtype, self.on_cpu = tuple(t.shape), t.dtype, t.device.type == "cpu"
+
+
+def _placeholder(value):
+    return _TensorPlaceholder(value) if isinstance(value, torch.Tensor) else value
+
+
+def _materialize(value, device):
+    if isinstance(value, _TensorPlaceholder):
+        where = torch.device("cpu") if value.on_cpu or device is None else device
+        return torch.empty(value.shape, dtype=value.dtype, device=where)
+    return value
+
+
+def _param_devices(optimizer) -> Dict[int, torch.device]:
+    devices, index = {}, 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            devices[index] = p.device
+            index += 1
+    return devices
