@@ -7,14 +7,16 @@ collective per buffer, and scattered back, cast and scaled in the same pass.
 from . import kernels
 from .broadcast import broadcast_optimizer_state, parameter_broadcast
 from .buckets import Bucket, BucketPlan, TensorSpec
-from .collectives import all_reduce_plan, broadcast_tensors
-from .optimizer import DistributedOptimizer
+from .collectives import adasum_allreduce, all_reduce_plan, broadcast_tensors
+from .optimizer import AdaSumByDeltaWeight, DistributedOptimizer
 from .reducer import DistributedGradReducer
 
 __all__ = [
+    "AdaSumByDeltaWeight",
     "Bucket",
     "BucketPlan",
     "TensorSpec",
+    "adasum_allreduce",
     "DistributedGradReducer",
     "DistributedOptimizer",
     "all_reduce_plan",

@@ -208,3 +208,166 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *, group=None,
             for t in same:
                 t.copy_(flat[start:start + t.numel()].view(t.shape))
                 start += t.numel()
+
+
+# ------------------------------------------------------------------ AdaSum
+
+_subgroups: dict = {}
+
+
+def _global_ranks(group) -> List[int]:
+    size = dist.get_world_size(group)
+    return list(range(size)) if group is None else \
+        [dist.get_global_rank(group, r) for r in range(size)]
+
+
+def _local_group(group, local_size: int):
+    """This rank's block of ``local_size`` consecutive ranks, as a process group.
+
+    ``new_group`` is collective over the whole world, so every rank creates
+    every block, once per (group, local_size), in the same order.
+    """
+    key = (group, local_size)
+    if key not in _subgroups:
+        ranks = _global_ranks(group)
+        _subgroups[key] = [dist.new_group(ranks[i:i + local_size])
+                           for i in range(0, len(ranks), local_size)]
+    return _subgroups[key][dist.get_rank(group) // local_size]
+
+
+def check_local_size(local_size, world_size: int) -> int:
+    if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
+            or world_size % local_size:
+        raise ValueError(f"local_size must be a positive int dividing the world size "
+                         f"({world_size}), got {local_size!r}")
+    return local_size
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group) -> None:
+    """Send ``send`` to and receive ``recv`` from global rank ``peer``, concurrently."""
+    ops = [dist.P2POp(dist.isend, send, peer, group), dist.P2POp(dist.irecv, recv, peer, group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+
+
+def _clip(bounds: Sequence[int], lo: int, hi: int) -> List[int]:
+    """Segment boundaries seen from the slice ``[lo, hi)`` of the buffer."""
+    return [min(max(b, lo), hi) - lo for b in bounds]
+
+
+def adasum_tree(buffer: torch.Tensor, bounds: Sequence[int], ranks: Sequence[int], me: int,
+                group=None, backend: str = "auto") -> None:
+    """AdaSum of the ``buffer``s of ``ranks`` (global ranks), in place, per segment.
+
+    The tree is fixed, so the result is defined for any number of ranks n:
+    with P the largest power of two <= n, each rank r >= P is first combined
+    into r - P (r - P on the left); then ranks 0..P-1 combine level by level at
+    distance d = 1, 2, 4, ... (the lower rank on the left). The power-of-two
+    part runs as recursive vector halving with distance doubling: at each level
+    a rank swaps half of its slice with ``me ^ d``, the per-segment statistics
+    of the slices are summed over the 2d ranks sharing the level's vectors by
+    a butterfly exchange of 3 doubles per segment (IEEE addition commutes, so
+    every rank gets bitwise the same sums), and the halves are combined; a
+    reverse all-gather then rebuilds the result. Every rank ends with bitwise
+    the same buffer; each sends about 2(P-1)/P of it (plus n > P's extra
+    vector).
+    """
+    n = len(ranks)
+    if n == 1:
+        return
+    top = 1 << (n.bit_length() - 1)
+    if me >= top:
+        dist.send(buffer, ranks[me - top], group)
+        dist.recv(buffer, ranks[me - top], group)
+        return
+    if me + top < n:
+        other = torch.empty_like(buffer)
+        dist.recv(other, ranks[me + top], group)
+        stats = kernels.adasum_stats(buffer, other, bounds, backend=backend)
+        kernels.adasum_combine(buffer, other, bounds, stats, out=buffer, backend=backend)
+    lo, hi, distance, levels = 0, buffer.numel(), 1, []
+    while distance < top:
+        peer = ranks[me ^ distance]
+        mid = lo + (hi - lo) // 2
+        lower = not me & distance
+        keep, give = ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
+        received = torch.empty(keep[1] - keep[0], dtype=buffer.dtype, device=buffer.device)
+        _exchange(buffer[give[0]:give[1]], received, peer, group)
+        mine = buffer[keep[0]:keep[1]]
+        left, right = (mine, received) if lower else (received, mine)
+        local = _clip(bounds, *keep)
+        stats = kernels.adasum_stats(left, right, local, backend=backend)
+        step = 1
+        while step <= distance:  # butterfly sum over the 2 * distance ranks
+            theirs = torch.empty_like(stats)
+            _exchange(stats, theirs, ranks[me ^ step], group)
+            stats = stats + theirs
+            step <<= 1
+        kernels.adasum_combine(left, right, local, stats, out=mine, backend=backend)
+        levels.append((lo, hi, keep, give, peer))
+        lo, hi = keep
+        distance <<= 1
+    for lo, hi, keep, give, peer in reversed(levels):
+        _exchange(buffer[keep[0]:keep[1]], buffer[give[0]:give[1]], peer, group)
+    if me + top < n:
+        dist.send(buffer, ranks[me + top], group)
+
+
+def adasum_comm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """AdaSum combines 16-bit inputs in fp32, fp64 in fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def adasum_allreduce(tensors: Sequence[torch.Tensor], group=None, *, local_size: int = 1,
+                     bucket_cap_mb: float = 25.0, backend: str = "auto") -> List[torch.Tensor]:
+    """AdaSum of every rank's ``tensors``, per tensor; new tensors, the same on all ranks.
+
+    For two gradients of a tensor, ``AdaSum(a, b) = (1 - a·b/(2‖a‖²))·a +
+    (1 - a·b/(2‖b‖²))·b``: orthogonal gradients add, parallel ones average.
+    Ranks combine along a fixed tree (``adasum_tree``), so any world size works
+    and the result is bitwise identical on every rank. Coefficients are per
+    tensor, never per fused buffer: the bucketing does not change the result.
+
+    Args:
+        tensors: this rank's tensors (fp16, bf16, fp32, fp64; any shapes);
+            16-bit ones are combined in fp32. The same shapes and dtypes on
+            every rank.
+        group: the process group; default: the world.
+        local_size: first average inside consecutive blocks of this many ranks
+            (a node's GPUs), then AdaSum across the blocks.
+        bucket_cap_mb: the byte cap of a fused bucket, in MiB.
+        backend: the kernels' backend.
+
+    Returns:
+        One new tensor per input, in its dtype.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised; the ranks' tensor
+            lists differ (raised on every rank, naming the first difference).
+        TypeError: a sparse, integer or non-tensor entry (the index is named).
+        ValueError: ``local_size`` does not divide the world size.
+
+    Example:
+        >>> averaged = adasum_allreduce([p.grad for p in model.parameters()])  # doctest: +SKIP
+    """
+    world_size = require_process_group(group)
+    check_local_size(local_size, world_size)
+    tensors = list(tensors)
+    plan = BucketPlan(tensors, bucket_cap_mb=bucket_cap_mb, comm_dtype=adasum_comm_dtype)
+    if world_size > 1:
+        names = [f"tensors[{i}] {tuple(s.shape)} {s.dtype}" for i, s in enumerate(plan.specs)]
+        verify_same_on_all_ranks(plan.signature() + [("local_size", local_size)],
+                                 names + ["local_size"], group, what="tensor")
+    rank = dist.get_rank(group)
+    everyone = _global_ranks(group)
+    column = everyone[rank % local_size::local_size]
+    local = _local_group(group, local_size) if local_size > 1 else None
+    outputs = [torch.empty_like(t) for t in tensors]
+    for bucket in plan.buckets:
+        buffer = plan.flatten(bucket, tensors, scale=1.0 / local_size, backend=backend)
+        if local is not None:
+            dist.all_reduce(buffer, group=local)
+        bounds = list(bucket.offsets) + [bucket.size]
+        adasum_tree(buffer, bounds, column, rank // local_size, group, backend)
+        plan.unflatten(bucket, buffer, outputs, backend=backend)
+    return outputs

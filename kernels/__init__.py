@@ -28,6 +28,9 @@ from . import _torch
 __all__ = [
     "flatten_cast_scale",
     "unflatten_cast_scale",
+    "adasum_stats",
+    "adasum_combine",
+    "ADASUM_NORM_FLOOR",
     "triton_available",
     "resolve_backend",
     "check_scale",
@@ -37,22 +40,31 @@ __all__ = [
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKENDS = ("auto", "triton", "torch")
 
-_triton_module = None
+#: AdaSum coefficients are 1 where a squared norm is below this: sqrt(float64 tiny)
+ADASUM_NORM_FLOOR = math.sqrt(2.2250738585072014e-308)
+
+_triton_modules = None
 _triton_error: Optional[BaseException] = None
 
 
-def _triton():
-    """The Triton kernel module, imported on first use (Triton is optional)."""
-    global _triton_module, _triton_error
-    if _triton_module is None and _triton_error is None:
+def _triton_kernels():
+    """The Triton kernel modules ``(flatten, adasum)``, imported on first use
+    (Triton is optional), or None when Triton cannot be imported."""
+    global _triton_modules, _triton_error
+    if _triton_modules is None and _triton_error is None:
         os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
         try:
-            from . import flatten as module
+            from . import adasum, flatten
         except ImportError as exc:  # Triton missing or broken
             _triton_error = exc
         else:
-            _triton_module = module
-    return _triton_module
+            _triton_modules = (flatten, adasum)
+    return _triton_modules
+
+
+def _triton():
+    modules = _triton_kernels()
+    return modules[0] if modules else None
 
 
 def triton_available() -> bool:
@@ -292,3 +304,108 @@ def unflatten_cast_scale(
         for t, s in zip(tensors, staged):
             if s is not t:
                 t.copy_(s)
+
+
+def _check_pair(a, b):
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name} has layout {t.layout}; it must be a dense tensor")
+        _check_dtype(t.dtype, f"{name}.dtype")
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a 1-D contiguous buffer, got shape "
+                             f"{tuple(t.shape)}")
+    if a.dtype != b.dtype or a.device != b.device or a.numel() != b.numel():
+        raise ValueError(f"a and b must match in dtype, device and size: a is {a.numel()} "
+                         f"{a.dtype} on {a.device}, b is {b.numel()} {b.dtype} on {b.device}")
+
+
+def _check_segments(segments, size: int):
+    if isinstance(segments, torch.Tensor):
+        segments = segments.tolist()
+    bounds = [int(s) for s in segments]
+    if len(bounds) < 1 or bounds[0] != 0 or bounds[-1] != size:
+        raise ValueError(f"segments must be the boundaries [0, ..., {size}] of the buffer, "
+                         f"got {bounds[:3]}...{bounds[-2:]}")
+    for i in range(1, len(bounds)):
+        if bounds[i] < bounds[i - 1]:
+            raise ValueError(f"segments must not decrease: segments[{i}]={bounds[i]} < "
+                             f"segments[{i - 1}]={bounds[i - 1]}")
+    return bounds
+
+
+def adasum_stats(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int], *,
+                 backend: str = "auto") -> torch.Tensor:
+    """Per segment ``(a·b, ‖a‖², ‖b‖²)`` of two flat buffers, as float64 ``[n, 3]``.
+
+    Products and sums are fp64 (squared norms of fp32 data can leave fp32's
+    range); block sums are added in a fixed order, so the result is
+    deterministic. Segment ``i`` is ``[segments[i], segments[i + 1])``.
+
+    Args:
+        a, b: 1-D contiguous buffers of one floating dtype, device and size.
+        segments: ``n + 1`` non-decreasing boundaries from 0 to ``a.numel()``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Raises:
+        TypeError/ValueError: as for the flatten kernels; bad ``segments``.
+
+    Example:
+        >>> a, b = torch.tensor([3.0, 4.0, 1.0]), torch.tensor([1.0, 0.0, 2.0])
+        >>> adasum_stats(a, b, [0, 2, 3])
+        tensor([[ 3., 25.,  1.],
+                [ 2.,  1.,  4.]], dtype=torch.float64)
+    """
+    _check_pair(a, b)
+    bounds = _check_segments(segments, a.numel())
+    out = torch.zeros(len(bounds) - 1, 3, dtype=torch.float64, device=a.device)
+    if resolve_backend(backend, a.device) == "torch":
+        _torch.adasum_stats(a, b, bounds, out)
+    else:
+        _triton_kernels()[1].stats(a, b, bounds, out)
+    return out
+
+
+def adasum_combine(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int],
+                   stats: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+                   backend: str = "auto") -> torch.Tensor:
+    """``out = ca·a + cb·b`` per segment: the AdaSum of ``a`` and ``b``.
+
+    ``ca = 1 - a·b / (2‖a‖²)`` and ``cb = 1 - a·b / (2‖b‖²)`` from that
+    segment's row of ``stats`` (``adasum_stats``); a coefficient is 1 where its
+    squared norm is below ``ADASUM_NORM_FLOOR``, so ``AdaSum(g, 0) = g``.
+    Computed in fp32 (fp64 for fp64 buffers), written in the buffers' dtype.
+
+    Args:
+        a, b: 1-D contiguous buffers of one floating dtype, device and size.
+        segments: ``n + 1`` boundaries, as for ``adasum_stats``.
+        stats: float64 ``[n, 3]`` on the buffers' device.
+        out: where to write (may be ``a`` or ``b``); default a new buffer.
+
+    Raises:
+        TypeError/ValueError: bad buffers, ``segments``, ``stats`` or ``out``.
+
+    Example:
+        >>> a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+        >>> adasum_combine(a, b, [0, 2], adasum_stats(a, b, [0, 2]))  # orthogonal: a + b
+        tensor([1., 1.])
+    """
+    _check_pair(a, b)
+    bounds = _check_segments(segments, a.numel())
+    if not isinstance(stats, torch.Tensor) or stats.dtype != torch.float64 \
+            or stats.shape != (len(bounds) - 1, 3) or stats.device != a.device:
+        raise ValueError(f"stats must be a float64 tensor of shape ({len(bounds) - 1}, 3) on "
+                         f"{a.device}")
+    if out is None:
+        out = torch.empty_like(a)
+    elif not isinstance(out, torch.Tensor) or out.dtype != a.dtype or out.device != a.device \
+            or out.shape != a.shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {a.dtype} tensor of shape {tuple(a.shape)} "
+                         f"on {a.device}")
+    stats = stats.contiguous()
+    if resolve_backend(backend, a.device) == "torch":
+        _torch.adasum_combine(a, b, bounds, stats, out, ADASUM_NORM_FLOOR)
+    else:
+        _triton_kernels()[1].combine(a, b, bounds, stats, out)
+    return out

@@ -116,3 +116,53 @@ def unflatten(flat, tensors, offsets, scale, accumulate):
     with torch.no_grad():
         for t, off in zip(tensors, offsets):
             _apply(op, t, flat[off:off + t.numel()], scale)
+
+
+# ------------------------------------------------------------------ AdaSum
+
+ADASUM_BLOCK = 1 << 16
+
+
+def adasum_stats(a, b, boundaries, out):
+    """Each segment's ``(a·b, ‖a‖², ‖b‖²)`` into ``out`` (float64 [n, 3]).
+
+    In fp64, block by block in a fixed order (AdaSum's norms of fp32 data can
+    leave fp32's range; fp64 products cannot).
+    """
+    rows = []
+    with torch.no_grad():
+        for lo, hi in zip(boundaries[:-1], boundaries[1:]):
+            dot = a2 = b2 = torch.zeros((), dtype=torch.float64, device=a.device)
+            for start in range(lo, hi, ADASUM_BLOCK):
+                end = min(hi, start + ADASUM_BLOCK)
+                x = a[start:end].to(torch.float64)
+                y = b[start:end].to(torch.float64)
+                dot, a2, b2 = dot + torch.dot(x, y), a2 + torch.dot(x, x), b2 + torch.dot(y, y)
+            rows.append(torch.stack([dot, a2, b2]))
+        if rows:
+            out.copy_(torch.stack(rows))
+
+
+def adasum_coefficients(segment_stats, floor):
+    """``(ca, cb)``, float64 [n] each: 1 where the squared norm is below ``floor``."""
+    dot, a2, b2 = segment_stats.unbind(1)
+
+    def coefficient(norm2):
+        small = norm2 < floor
+        return torch.where(small, 1.0, 1.0 - dot / (2.0 * torch.where(small, 1.0, norm2)))
+
+    return coefficient(a2), coefficient(b2)
+
+
+def adasum_combine(a, b, boundaries, segment_stats, out, floor):
+    """``out = ca·a + cb·b`` per segment, in fp32 (fp64 for fp64 buffers)."""
+    ca, cb = adasum_coefficients(segment_stats, floor)
+    compute = compute_dtype(a.dtype, a.dtype)
+    with torch.no_grad():
+        for i, (lo, hi) in enumerate(zip(boundaries[:-1], boundaries[1:])):
+            if hi == lo:
+                continue
+            # new tensors throughout: ``out`` may be ``a`` or ``b``
+            mixed = a[lo:hi].to(compute) * ca[i].to(compute)
+            mixed += b[lo:hi].to(compute) * cb[i].to(compute)
+            _round_into(out[lo:hi], mixed)
