@@ -4,7 +4,7 @@ Gradients are gathered from many tensors into a few flat buffers by fused
 kernels (``fusedreduce.kernels``), reduced with one ``torch.distributed``
 collective per buffer, and scattered back, cast and scaled in the same pass.
 """
-from . import kernels
+from . import hooks, kernels
 from .broadcast import broadcast_optimizer_state, parameter_broadcast
 from .buckets import Bucket, BucketPlan, TensorSpec
 from .collectives import adasum_allreduce, all_reduce_plan, broadcast_tensors
@@ -22,6 +22,7 @@ __all__ = [
     "all_reduce_plan",
     "broadcast_optimizer_state",
     "broadcast_tensors",
+    "hooks",
     "kernels",
     "parameter_broadcast",
 ]

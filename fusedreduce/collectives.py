@@ -358,11 +358,23 @@ def adasum_allreduce(tensors: Sequence[torch.Tensor], group=None, *, local_size:
         names = [f"tensors[{i}] {tuple(s.shape)} {s.dtype}" for i, s in enumerate(plan.specs)]
         verify_same_on_all_ranks(plan.signature() + [("local_size", local_size)],
                                  names + ["local_size"], group, what="tensor")
+    outputs = [torch.empty_like(t) for t in tensors]
+    adasum_plan(plan, tensors, outputs, group=group, local_size=local_size, backend=backend)
+    return outputs
+
+
+def adasum_plan(plan: BucketPlan, tensors: Sequence[torch.Tensor],
+                outputs: Sequence[torch.Tensor], *, group=None, local_size: int = 1,
+                backend: str = "auto") -> None:
+    """The AdaSum of ``tensors`` across ranks into ``outputs``, bucket by bucket.
+
+    ``adasum_allreduce`` without its checks: the caller vouches that every rank
+    has the same plan (``plan`` built with ``comm_dtype=adasum_comm_dtype``).
+    """
     rank = dist.get_rank(group)
     everyone = _global_ranks(group)
     column = everyone[rank % local_size::local_size]
     local = _local_group(group, local_size) if local_size > 1 else None
-    outputs = [torch.empty_like(t) for t in tensors]
     for bucket in plan.buckets:
         buffer = plan.flatten(bucket, tensors, scale=1.0 / local_size, backend=backend)
         if local is not None:
@@ -370,4 +382,3 @@ def adasum_allreduce(tensors: Sequence[torch.Tensor], group=None, *, local_size:
         bounds = list(bucket.offsets) + [bucket.size]
         adasum_tree(buffer, bounds, column, rank // local_size, group, backend)
         plan.unflatten(bucket, buffer, outputs, backend=backend)
-    return outputs
