@@ -1,16 +1,18 @@
-"""The torch fallback of the flatten kernels: same semantics, plain torch ops.
+"""The torch fallback of the kernels: same semantics, plain torch ops.
 
-Used on CPU and wherever Triton is not wanted. Each segment is written in as
-few passes as its dtype pair allows; the element math follows the kernels'
-rule (fp32, or fp64 when either side is fp64):
+Used on CPU and wherever Triton is not wanted. The element math follows the
+kernels' rule (fp32, or fp64 when either side is fp64; 16-bit results rounded
+from fp32). Python overhead per tensor matters as much as bandwidth here (a
+ResNet-50 has 161 gradients), so the work is done by a few ``torch._foreach_*``
+calls over all segments at once wherever the dtypes allow:
 
-- ``scale == 1``: one ``copy_`` (the cast is the only rounding);
-- same dtype: one ``torch.mul(..., out=)`` (torch computes 16-bit math in fp32);
-- widening (the destination holds every source value exactly and is the
-  compute dtype): ``copy_`` then an in-place ``mul_`` on chunks small enough to
-  still be in cache;
-- anything else (narrowing, fp16<->bf16): the product in the compute dtype in a
-  cache-sized scratch chunk, then one cast into the destination.
+- *exact* pairs (the destination holds every source value: the same dtype, or
+  widening): one ``_foreach_copy_``, then, if ``scale != 1``, one in-place
+  ``_foreach_mul_`` in the destination dtype, when that is the compute dtype
+  (fp32/fp64: foreach ops round the scalar to the tensors' dtype);
+- other pairs (16-bit destinations with a scale, narrowing, fp16<->bf16): per
+  segment, the product in the compute dtype on a cache-sized piece, then one
+  rounding into the destination.
 """
 from __future__ import annotations
 
@@ -74,20 +76,69 @@ def _apply(op, dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
            src.view(dst.shape) if src.dim() == 1 else src, scale)
 
 
+def _exact(dst_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
+    return dst_dtype == src_dtype or dst_dtype in _WIDENS_TO[src_dtype]
+
+
+def _pair(segment: torch.Tensor, t: torch.Tensor):
+    """``(segment, t)`` as two tensors of one shape (flat when ``t`` is contiguous)."""
+    return (segment, t.view(-1)) if t.is_contiguous() else (segment.view(t.shape), t)
+
+
+def _segments(flat: torch.Tensor, offsets, numels, extents=None):
+    """Views of ``flat``: each segment, and (with ``extents``) every element that no
+    segment covers, from one ``split_with_sizes`` call."""
+    sizes, kinds, position = [], [], 0
+    for off, n, ext in zip(offsets, numels, extents or numels):
+        if off > position:
+            sizes.append(off - position)
+            kinds.append(False)
+        sizes.append(n)
+        kinds.append(True)
+        if ext > n:
+            sizes.append(ext - n)
+            kinds.append(False)
+        position = off + max(n, ext)
+    if flat.numel() > position:
+        sizes.append(flat.numel() - position)
+        kinds.append(False)
+    views = flat.split_with_sizes(sizes) if sizes else []
+    return ([v for v, k in zip(views, kinds) if k], [v for v, k in zip(views, kinds) if not k])
+
+
+def _scaled_copies(dsts, srcs, scale: float, accumulate: bool = False) -> None:
+    """``dst = cast(src * scale)`` (or ``dst = cast(dst + src * scale)``) per pair."""
+    # foreach ops round the scalar to the tensors' dtype: only fp32/fp64
+    # destinations (the compute dtype itself) may take the scaled foreach path
+    exact = [i for i, (d, s) in enumerate(zip(dsts, srcs))
+             if _exact(d.dtype, s.dtype) and d.numel()
+             and (scale == 1.0 or d.dtype in (torch.float32, torch.float64))]
+    if exact:
+        d_exact, s_exact = [dsts[i] for i in exact], [srcs[i] for i in exact]
+        if not accumulate:
+            torch._foreach_copy_(d_exact, s_exact)
+            if scale != 1.0:
+                torch._foreach_mul_(d_exact, scale)
+        elif all(d.dtype == s.dtype == compute_dtype(d.dtype, s.dtype)
+                 for d, s in zip(d_exact, s_exact)):
+            torch._foreach_add_(d_exact, s_exact, alpha=scale)
+        else:
+            exact = []
+    done = set(exact)
+    op = _add_scaled if accumulate else _write_scaled
+    for i, (d, s) in enumerate(zip(dsts, srcs)):
+        if i not in done and d.numel():
+            _apply(op, d, s, scale)
+
+
 def flatten(tensors, offsets, extents, out, scale, check_finite):
     """Fill ``out`` (validated by the caller); return the non-finite flag or None."""
     with torch.no_grad():
-        written = 0
-        for t, off, ext in zip(tensors, offsets, extents):
-            if off > written:
-                out[written:off].zero_()
-            n = t.numel()
-            _apply(_write_scaled, out[off:off + n], t, scale)
-            if ext > n:
-                out[off + n:off + ext].zero_()
-            written = max(written, off + max(n, ext))
-        if written < out.numel():
-            out[written:].zero_()
+        segments, gaps = _segments(out, offsets, [t.numel() for t in tensors], extents)
+        pairs = [_pair(seg, t) for seg, t in zip(segments, tensors)]
+        _scaled_copies([d for d, _ in pairs], [s for _, s in pairs], scale)
+        if gaps:
+            torch._foreach_zero_(gaps)
         if not check_finite:
             return None
         return _found_nonfinite(tensors, out)
@@ -112,10 +163,10 @@ def _found_nonfinite(tensors, out) -> torch.Tensor:
 
 def unflatten(flat, tensors, offsets, scale, accumulate):
     """Write (or add) each segment of ``flat`` into its tensor, in place."""
-    op = _add_scaled if accumulate else _write_scaled
     with torch.no_grad():
-        for t, off in zip(tensors, offsets):
-            _apply(op, t, flat[off:off + t.numel()], scale)
+        segments, _ = _segments(flat, offsets, [t.numel() for t in tensors])
+        pairs = [_pair(seg, t) for seg, t in zip(segments, tensors)]
+        _scaled_copies([t for _, t in pairs], [seg for seg, _ in pairs], scale, accumulate)
 
 
 # ------------------------------------------------------------------ AdaSum
