@@ -18,6 +18,7 @@ Semantics shared by both backends:
 from __future__ import annotations
 
 import math
+import operator
 import os
 from typing import Optional, Sequence, Tuple, Union
 
@@ -137,6 +138,16 @@ def _check_tensors(tensors, name: str) -> Tuple[torch.Tensor, ...]:
     return tensors
 
 
+def _index(value, name: str) -> int:
+    """``value`` as an int (numpy and torch integers included); TypeError otherwise."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+
+
 def _layout(tensors, offsets, name: str):
     """Start offsets of the segments and the flat size they need."""
     numels = [t.numel() for t in tensors]
@@ -146,11 +157,13 @@ def _layout(tensors, offsets, name: str):
             starts.append(position)
             position += n
         return starts, position
-    offsets = [int(o) for o in offsets]
+    offsets = [_index(o, f"offsets[{i}]") for i, o in enumerate(offsets)]
     if len(offsets) != len(tensors):
         raise ValueError(f"offsets has {len(offsets)} entries but {name} has {len(tensors)}")
     end = 0
     for i, (o, n) in enumerate(zip(offsets, numels)):
+        if o < 0:
+            raise ValueError(f"offsets[{i}]={o} is negative")
         if o < end:
             raise ValueError(f"offsets[{i}]={o} overlaps the previous segment (which ends at "
                              f"{end}); offsets must be increasing and segments disjoint")
@@ -324,7 +337,7 @@ def _check_pair(a, b):
 def _check_segments(segments, size: int):
     if isinstance(segments, torch.Tensor):
         segments = segments.tolist()
-    bounds = [int(s) for s in segments]
+    bounds = [_index(s, f"segments[{i}]") for i, s in enumerate(segments)]
     if len(bounds) < 1 or bounds[0] != 0 or bounds[-1] != size:
         raise ValueError(f"segments must be the boundaries [0, ..., {size}] of the buffer, "
                          f"got {bounds[:3]}...{bounds[-2:]}")

@@ -17,9 +17,10 @@ a loaded raw address cannot, and only hinted accesses become 128-bit.
 A hint is a promise about every value, so the table stores offsets rounded
 down to the alignment (``src_bytes`` to 16 bytes, ``flat_start`` to 16 bytes'
 worth of flat elements): the promise always holds. The remainders sit in
-``kind`` (dtype code | src remainder << 8 | flat remainder << 16). A full block
-of a segment with both remainders zero takes the unmasked, vectorized fast
-path; everything else takes the masked path, which adds the remainders back.
+``kind`` (dtype code | src remainder << 8 | flat remainder << 16 | a flag at
+bit 24 for an unaligned flat buffer). A full block of a segment with nothing
+above bit 8 of ``kind`` set takes the unmasked, vectorized fast path;
+everything else takes the masked path, which adds the remainders back.
 
 Element math is in fp32, or fp64 when either side of the copy is fp64; 16-bit
 results are rounded from an fp32 value (as torch's own casts do).
@@ -37,6 +38,8 @@ ALIGN_BYTES = 16
 
 # dtype codes in the table's ``kind`` column
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+# set in ``kind`` when the flat buffer itself is not 16-byte aligned
+UNALIGNED_FLAT = 1 << 24
 # the KINDS constexpr is a bitmask of the codes a launch holds; mixed launches
 # always use ALL_KINDS, so a model's dtype mix costs one specialization
 ALL_KINDS = 15
@@ -54,10 +57,12 @@ def _compute_dtype(a, b):
 
 @triton.jit
 def _upcast(x, COMPUTE: tl.constexpr):
-    # bf16 goes through fp32 first: the interpreter stores it as raw bits and
-    # only bf16<->fp32 is exact there; on the GPU the extra cast is free.
+    # bf16 is the top half of an fp32: widen it on the bits, which is exact on
+    # the GPU and in the interpreter alike (whose bf16 -> fp32 cast mangles
+    # subnormals)
     if x.dtype == tl.bfloat16:
-        return x.to(tl.float32).to(COMPUTE)
+        bits = x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+        return bits.to(tl.float32, bitcast=True).to(COMPUTE)
     return x.to(COMPUTE)
 
 
@@ -117,11 +122,11 @@ def _gather(base, src_bytes, out, flat_start, start, numel, extent, kind, scale_
     scale = tl.load(scale_bits).to(tl.float64, bitcast=True).to(COMPUTE)
     lanes = tl.arange(0, BLOCK)
     src_rem = (kind >> 8) & 255
-    flat_rem = kind >> 16
+    flat_rem = (kind >> 16) & 255
     # Each branch ends in its own store and check: a value flowing out of both
     # branches would force one register layout on both loads, and the masked
     # load's layout would cost the fast one its vectorization.
-    if (src_rem == 0) & (flat_rem == 0) & (start + BLOCK <= numel):
+    if ((kind >> 8) == 0) & (start + BLOCK <= numel):
         src = (base + src_bytes).to(tl.pointer_type(SRC), bitcast=True) + start
         x = _upcast(tl.load(src + lanes), COMPUTE)
         tl.store(out + flat_start + start + lanes, _downcast(x * scale, OUT))
@@ -130,9 +135,10 @@ def _gather(base, src_bytes, out, flat_start, start, numel, extent, kind, scale_
         src = (base + src_bytes + src_rem).to(tl.pointer_type(SRC), bitcast=True)
         offs = start + lanes
         x = _upcast(tl.load(src + offs, mask=offs < numel, other=0.0), COMPUTE)
-        # elements in [numel, extent) are layout padding: written as zero
-        tl.store(out + flat_start + flat_rem + offs, _downcast(x * scale, OUT),
-                 mask=offs < extent)
+        # elements in [numel, extent) are layout padding: written as +0 (not
+        # 0 * scale, which is -0 for a negative scale)
+        tl.store(out + flat_start + flat_rem + offs,
+                 _downcast(tl.where(offs < numel, x * scale, 0.0), OUT), mask=offs < extent)
         _flag_nonfinite(x, flag, CHECK_FINITE)
 
 
@@ -160,8 +166,8 @@ def _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale_bits,
     scale = tl.load(scale_bits).to(tl.float64, bitcast=True).to(COMPUTE)
     lanes = tl.arange(0, BLOCK)
     dst_rem = (kind >> 8) & 255
-    flat_rem = kind >> 16
-    if (dst_rem == 0) & (flat_rem == 0) & (start + BLOCK <= numel):
+    flat_rem = (kind >> 16) & 255
+    if ((kind >> 8) == 0) & (start + BLOCK <= numel):
         dst = (base + dst_bytes).to(tl.pointer_type(DST), bitcast=True) + start
         y = _upcast(tl.load(flat + flat_start + start + lanes), COMPUTE) * scale
         if ACCUMULATE:
@@ -219,18 +225,19 @@ def build_table(tensors, starts, extents, flat, base, scale):
     n = len(tensors)
     base_addr = base.data_ptr()
     flat_vec = ALIGN_BYTES // flat.element_size()
-    # flat_start is rounded down so that (flat address + flat_start) is aligned
-    flat_skew = (flat.data_ptr() // flat.element_size()) % flat_vec
+    # an unaligned flat buffer sends every block down the masked path
+    flat_unaligned = UNALIGNED_FLAT if flat.data_ptr() % ALIGN_BYTES else 0
     table = np.empty(5 * n + 1, dtype=np.int64)
     blocks = np.empty(n, dtype=np.int64)
     for i, (t, start, extent) in enumerate(zip(tensors, starts, extents)):
         src_bytes = t.data_ptr() - base_addr
-        flat_rem = (start + flat_skew) % flat_vec
+        flat_rem = start % flat_vec
         table[i] = src_bytes - src_bytes % ALIGN_BYTES
         table[n + i] = t.numel()
         table[2 * n + i] = extent
         table[3 * n + i] = start - flat_rem
-        table[4 * n + i] = DTYPE_CODES[t.dtype] | (src_bytes % ALIGN_BYTES) << 8 | flat_rem << 16
+        table[4 * n + i] = (DTYPE_CODES[t.dtype] | (src_bytes % ALIGN_BYTES) << 8
+                            | flat_rem << 16 | flat_unaligned)
         blocks[i] = -(-max(extent, t.numel()) // BLOCK)
     table[5 * n] = np.array([scale], dtype=np.float64).view(np.int64)[0]
     programs = int(blocks.sum())

@@ -1,0 +1,116 @@
+"""Compile the flatten kernels ahead of time for a CUDA target and report what came out.
+
+    python tests/compile_kernels.py {flatten,unflatten} CAPABILITY
+
+Prints one JSON list, one entry per launch variant: the constexprs, whether
+PTX came out, the global loads/stores of the PTX by width in bits, and every
+value of the TTIR that carries a ``tt.divisibility`` hint. It needs no GPU, but
+it must run without ``TRITON_INTERPRET``: under the interpreter ``@triton.jit``
+makes functions that cannot be compiled (test_compile_aot.py runs it in a
+subprocess for that reason).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from collections import Counter
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from fusedreduce.kernels import flatten as kernels  # noqa: E402
+
+BUFFER_TYPES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
+# what kinds_mask can return: one dtype code's bit, or ALL_KINDS for a mix
+KINDS = sorted({1 << code for code in kernels.DTYPE_CODES.values()} | {kernels.ALL_KINDS})
+# launched tensors get 16-byte divisibility when aligned, as every fresh allocation is
+ALIGNED = [["tt.divisibility", 16]]
+
+GLOBAL_ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[\w:]+)*)")
+# a named SSA value of the TTIR, e.g. `%numel_17 = tt.load %numel_16 {...} : !tt.ptr<i64>`
+NAMED_VALUE = re.compile(r"^\s*%([A-Za-z_][A-Za-z_]*?)(?:_\d+)? = ([\w.]+)\b(.*)$")
+DIVISIBILITY = re.compile(r"tt\.divisibility = dense<(\d+)>")
+
+
+def variants(kernel: str):
+    """(signature, constexprs, attrs) of every launch the Python launcher can make."""
+    for kinds in KINDS:
+        for buffer, size in BUFFER_TYPES.items():
+            for flag in (False, True):
+                if kernel == "flatten":
+                    # without check_finite the launcher passes the table as the flag
+                    signature = {"table": "*i64", "base": "*u8", "out": f"*{buffer}",
+                                 "flag": "*u8" if flag else "*i64", "n_segments": "i32",
+                                 "KINDS": "constexpr", "CHECK_FINITE": "constexpr",
+                                 "BLOCK": "constexpr", "OUT_VEC": "constexpr"}
+                    constexprs = {"KINDS": kinds, "CHECK_FINITE": flag, "BLOCK": kernels.BLOCK,
+                                  "OUT_VEC": kernels.ALIGN_BYTES // size}
+                    pointers = 4
+                else:
+                    signature = {"table": "*i64", "base": "*u8", "flat": f"*{buffer}",
+                                 "n_segments": "i32", "KINDS": "constexpr",
+                                 "ACCUMULATE": "constexpr", "BLOCK": "constexpr",
+                                 "FLAT_VEC": "constexpr"}
+                    constexprs = {"KINDS": kinds, "ACCUMULATE": flag, "BLOCK": kernels.BLOCK,
+                                  "FLAT_VEC": kernels.ALIGN_BYTES // size}
+                    pointers = 3
+                yield buffer, signature, constexprs, {(i,): ALIGNED for i in range(pointers)}
+
+
+def global_accesses(ptx: str) -> dict:
+    """{"ld": {bits: count}, "st": {bits: count}} over the PTX's global loads and stores."""
+    counts = {"ld": Counter(), "st": Counter()}
+    for op, suffixes in GLOBAL_ACCESS.findall(ptx):
+        lanes = re.search(r"\.v(\d+)", suffixes)
+        width = re.search(r"\.[bfsu](\d+)\b", suffixes)
+        bits = (int(lanes.group(1)) if lanes else 1) * (int(width.group(1)) if width else 0)
+        counts[op][bits] += 1
+    return {op: dict(c) for op, c in counts.items()}
+
+
+def hinted_values(ttir: str) -> list:
+    """[name, op, divisibility or None] for every named scalar load, and every named
+    value that carries a divisibility hint, of the TTIR."""
+    found = []
+    for line in ttir.splitlines():
+        match = NAMED_VALUE.match(line)
+        if not match:
+            continue
+        name, op, rest = match.groups()
+        hint = DIVISIBILITY.search(rest)
+        scalar_load = op == "tt.load" and "tensor<" not in rest
+        if scalar_load or hint:
+            found.append([name, op, int(hint.group(1)) if hint else None])
+    return found
+
+
+def main(kernel: str, capability: int) -> None:
+    fn = {"flatten": kernels._flatten_kernel, "unflatten": kernels._unflatten_kernel}[kernel]
+    target = GPUTarget("cuda", capability, 32)
+    report = []
+    for buffer, signature, constexprs, attrs in variants(kernel):
+        start = time.perf_counter()
+        compiled = triton.compile(
+            triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                                      attrs=attrs),
+            target=target, options={"num_warps": kernels.NUM_WARPS})
+        ptx = compiled.asm.get("ptx", "")
+        report.append({
+            "buffer": buffer,
+            "constexprs": constexprs,
+            "seconds": round(time.perf_counter() - start, 3),
+            "has_ptx": f".entry {fn.__name__}" in ptx,
+            "accesses": global_accesses(ptx),
+            "hinted": hinted_values(compiled.asm.get("ttir", "")),
+        })
+    print(json.dumps({"kernel": kernel, "capability": capability, "block": kernels.BLOCK,
+                      "num_warps": kernels.NUM_WARPS, "variants": report}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

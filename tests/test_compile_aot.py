@@ -1,0 +1,104 @@
+"""Every Triton launch variant compiles for sm_80 and sm_90, vectorized, with honest hints.
+
+No GPU needed: tests/compile_kernels.py compiles each variant the launchers
+can request (every KINDS mask x buffer dtype x CHECK_FINITE/ACCUMULATE) and
+reports on its PTX and TTIR. It runs in a subprocess without TRITON_INTERPRET,
+because under the interpreter (which conftest.py turns on) ``@triton.jit``
+functions cannot be compiled. A cold compile of one kernel for one target
+takes ~30 s on two cores, so each (kernel, target) is its own test and xdist
+can spread them; Triton's on-disk cache makes repeat runs quick.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusedreduce.kernels import triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton cannot be imported here")
+
+HELPER = Path(__file__).with_name("compile_kernels.py")
+TARGETS = [80, 90]
+KERNELS = ["flatten", "unflatten"]
+BUFFER_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
+# bits of the KINDS mask and the element size of their dtype (kernels.flatten.DTYPE_CODES)
+KIND_BYTES = {1: 2, 2: 2, 4: 4, 8: 8}
+
+
+@functools.lru_cache(maxsize=None)
+def compile_report(kernel: str, capability: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(HELPER), kernel, str(capability)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-5000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    seconds = sum(v["seconds"] for v in report["variants"])
+    print(f"{kernel} sm_{capability}: {len(report['variants'])} variants in {seconds:.1f} s")
+    return report
+
+
+def accesses_per_thread(report: dict, element_bytes: int) -> int:
+    """128-bit accesses one thread makes to move one BLOCK of elements of this size."""
+    threads = 32 * report["num_warps"]
+    total = report["block"] * element_bytes
+    assert total % (16 * threads) == 0, "a BLOCK must split into 16-byte pieces per thread"
+    return total // (16 * threads)
+
+
+def expected_128_bit(report: dict, variant: dict) -> tuple:
+    """(loads, stores) of 128 bits the fast paths of all the variant's branches make:
+    each branch moves a whole BLOCK of every array it touches in 16-byte pieces."""
+    kinds = [bit for bit in KIND_BYTES if variant["constexprs"]["KINDS"] & bit]
+    per = functools.partial(accesses_per_thread, report)
+    buffer = per(BUFFER_BYTES[variant["buffer"]])
+    tensors = sum(per(KIND_BYTES[bit]) for bit in kinds)
+    if report["kernel"] == "flatten":
+        return tensors, buffer * len(kinds)
+    reread = tensors if variant["constexprs"]["ACCUMULATE"] else 0
+    return buffer * len(kinds) + reread, tensors
+
+
+@pytest.mark.parametrize("capability", TARGETS)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_every_variant_compiles_to_ptx_whose_fast_path_is_all_128_bit(kernel, capability):
+    report = compile_report(kernel, capability)
+    assert len(report["variants"]) == 5 * 4 * 2
+    for variant in report["variants"]:
+        name = f"{kernel} sm_{capability} {variant['buffer']} {variant['constexprs']}"
+        assert variant["has_ptx"], f"{name}: no PTX"
+        loads, stores = expected_128_bit(report, variant)
+        got = (variant["accesses"]["ld"].get("128", 0), variant["accesses"]["st"].get("128", 0))
+        assert got == (loads, stores), (
+            f"{name}: {got[0]} loads and {got[1]} stores of 128 bits, want {loads} and {stores}; "
+            f"all accesses by width in bits: {variant['accesses']}")
+
+
+@pytest.mark.parametrize("capability", TARGETS)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_divisibility_hints_sit_only_on_values_that_honour_them(kernel, capability):
+    """The table stores byte offsets, flat starts and block starts rounded to their
+    alignment, so only those may carry hints. ``numel``, ``extent`` and ``kind``
+    are arbitrary: a hint on them (as when ``tl.multiple_of`` on one result of a
+    multi-result call marked them all) would let full blocks of odd-sized
+    segments take the vectorized path and read or write out of bounds."""
+    report = compile_report(kernel, capability)
+    table_loads = {"numel", "kind"} | ({"extent"} if kernel == "flatten" else set())
+    for variant in report["variants"]:
+        name = f"{kernel} sm_{capability} {variant['buffer']} {variant['constexprs']}"
+        hinted = {(n, op, d) for n, op, d in variant["hinted"]}
+        for n, op, d in hinted:
+            assert n not in table_loads | {"seg", "work", "code"} or d is None, (
+                f"{name}: %{n} ({op}) carries tt.divisibility = {d}")
+        loaded = {n for n, op, d in hinted if op == "tt.load"}
+        assert table_loads <= loaded, f"{name}: no scalar loads named {table_loads - loaded}"
+        vec = 16 // BUFFER_BYTES[variant["buffer"]]
+        for honest in [("src_bytes", "tt.load", 16), ("flat_start", "tt.load", vec),
+                       ("start", "arith.muli", report["block"])]:
+            assert honest in hinted, (
+                f"{name}: hint {honest} missing; found {sorted(hinted, key=str)}")

@@ -1,0 +1,222 @@
+"""Bad input to the flatten kernels raises a clear error, naming the culprit, before writing.
+
+Every case passes a valid ``out`` (or valid destinations) filled with a
+sentinel next to the bad argument and checks afterwards that not a bit of it
+changed: validation must finish before the first write.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fusedreduce.kernels import flatten_cast_scale, triton_available, unflatten_cast_scale
+
+SENTINEL = 7.0
+
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+
+
+def sentinel(n, dtype=torch.float32, **kwargs):
+    return torch.full((n,), SENTINEL, dtype=dtype, **kwargs)
+
+
+def sparse(n=3):
+    return torch.sparse_coo_tensor([[0]], [1.0], (n,), check_invariants=True)
+
+
+# (id, exception, message pattern, make_args() -> positional args, keyword args)
+FLATTEN_CASES = [
+    ("tensor on another device", ValueError, r"tensors\[1\] is on meta but tensors\[0\] is on cpu",
+     lambda: ([torch.ones(2), torch.empty(3, device="meta")], sentinel(5)), {}),
+    ("sparse coo tensor", TypeError, r"tensors\[1\] has layout torch\.sparse_coo",
+     lambda: ([torch.ones(2), sparse()], sentinel(5)), {}),
+    ("sparse csr tensor", TypeError, r"tensors\[1\] has layout torch\.sparse_csr",
+     lambda: ([torch.ones(2), torch.eye(2).to_sparse_csr()], sentinel(6)), {}),
+    ("integer tensor", TypeError, r"tensors\[1\]\.dtype must be one of .* got torch\.int32",
+     lambda: ([torch.ones(2), torch.ones(3, dtype=torch.int32)], sentinel(5)), {}),
+    ("bool tensor", TypeError, r"tensors\[2\]\.dtype must be one of .* got torch\.bool",
+     lambda: ([torch.ones(2), torch.ones(1), torch.ones(2, dtype=torch.bool)], sentinel(5)), {}),
+    ("complex tensor", TypeError, r"tensors\[0\]\.dtype .* got torch\.complex64",
+     lambda: ([torch.ones(2, dtype=torch.complex64)], sentinel(2)), {}),
+    ("float entry", TypeError, r"tensors\[1\] must be a torch\.Tensor, got float",
+     lambda: ([torch.ones(2), 3.0], sentinel(3)), {}),
+    ("None entry", TypeError, r"tensors\[0\] must be a torch\.Tensor, got NoneType",
+     lambda: ([None, torch.ones(2)], sentinel(3)), {}),
+    ("bare tensor", TypeError, r"tensors must be a list or tuple of tensors, got Tensor",
+     lambda: (torch.ones(2), sentinel(2)), {}),
+    ("generator", TypeError, r"tensors must be a list or tuple of tensors, got generator",
+     lambda: ((t for t in [torch.ones(2)]), sentinel(2)), {}),
+    ("out too large", ValueError, r"out has 6 elements but the tensors need 5\b",
+     lambda: ([torch.ones(2), torch.ones(3)], sentinel(6)), {}),
+    ("out too small", ValueError, r"out has 4 elements but the tensors need 5\b",
+     lambda: ([torch.ones(2), torch.ones(3)], sentinel(4)), {}),
+    ("out too small for the offsets", ValueError, r"out has 6 elements .* need at least 7",
+     lambda: ([torch.ones(2), torch.ones(3)], sentinel(6)), {"offsets": [0, 4]}),
+    ("out of an integer dtype", TypeError, r"out\.dtype must be one of .* got torch\.int32",
+     lambda: ([torch.ones(2)], sentinel(2, torch.int32)), {}),
+    ("out on another device", ValueError, r"out is on meta but the tensors are on cpu",
+     lambda: ([torch.ones(2)], torch.empty(2, device="meta")), {}),
+    ("2-D out", ValueError, r"out must be a 1-D contiguous tensor, got shape \(1, 2\)",
+     lambda: ([torch.ones(2)], sentinel(2).view(1, 2)), {}),
+    ("non-contiguous out", ValueError, r"out must be a 1-D contiguous tensor, .* strides \(2,\)",
+     lambda: ([torch.ones(2)], sentinel(4)[::2]), {}),
+    ("out not a tensor", TypeError, r"out must be a torch\.Tensor, got list",
+     lambda: ([torch.ones(2)], [0.0, 0.0]), {}),
+    ("integer dtype", TypeError, r"dtype must be one of .* got torch\.int8",
+     lambda: ([torch.ones(2)],), {"dtype": torch.int8}),
+    ("infinite scale", ValueError, r"scale must be finite, got inf",
+     lambda: ([torch.ones(2)], sentinel(2)), {"scale": float("inf")}),
+    ("NaN scale", ValueError, r"scale must be finite, got nan",
+     lambda: ([torch.ones(2)], sentinel(2)), {"scale": float("nan")}),
+    ("string scale", TypeError, r"scale must be a Python int or float, got str",
+     lambda: ([torch.ones(2)], sentinel(2)), {"scale": "2"}),
+    ("None scale", TypeError, r"scale must be a Python int or float, got NoneType",
+     lambda: ([torch.ones(2)], sentinel(2)), {"scale": None}),
+    ("bool scale", TypeError, r"scale must be a Python int or float, got bool",
+     lambda: ([torch.ones(2)], sentinel(2)), {"scale": True}),
+    ("tensor scale", TypeError, r"scale must be a Python int or float, got Tensor",
+     lambda: ([torch.ones(2)], sentinel(2)), {"scale": torch.tensor(2.0)}),
+    ("overlapping offsets", ValueError, r"offsets\[1\]=1 overlaps the previous segment",
+     lambda: ([torch.ones(2), torch.ones(2)], sentinel(4)), {"offsets": [0, 1]}),
+    ("decreasing offsets", ValueError, r"offsets\[1\]=0 overlaps",
+     lambda: ([torch.ones(2), torch.ones(2)], sentinel(6)), {"offsets": [4, 0]}),
+    ("negative offset", ValueError, r"offsets\[0\]=-1",
+     lambda: ([torch.ones(2)], sentinel(2)), {"offsets": [-1]}),
+    ("too few offsets", ValueError, r"offsets has 1 entries but tensors has 2",
+     lambda: ([torch.ones(2), torch.ones(2)], sentinel(4)), {"offsets": [0]}),
+    ("too many offsets", ValueError, r"offsets has 3 entries but tensors has 2",
+     lambda: ([torch.ones(2), torch.ones(2)], sentinel(4)), {"offsets": [0, 2, 4]}),
+]
+
+UNFLATTEN_CASES = [
+    ("flat not a tensor", TypeError, r"flat must be a torch\.Tensor, got list",
+     lambda: ([1.0, 2.0], [sentinel(2)]), {}),
+    ("sparse flat", TypeError, r"flat has layout torch\.sparse_coo",
+     lambda: (sparse(2), [sentinel(2)]), {}),
+    ("integer flat", TypeError, r"flat\.dtype must be one of .* got torch\.int64",
+     lambda: (torch.ones(2, dtype=torch.int64), [sentinel(2)]), {}),
+    ("2-D flat", ValueError, r"flat must be a 1-D contiguous tensor, got shape \(2, 1\)",
+     lambda: (torch.ones(2, 1), [sentinel(2)]), {}),
+    ("non-contiguous flat", ValueError, r"flat must be a 1-D contiguous tensor",
+     lambda: (torch.ones(4)[::2], [sentinel(2)]), {}),
+    ("flat too small", ValueError, r"flat has 4 elements but the segments need 5",
+     lambda: (torch.ones(4), [sentinel(2), sentinel(3)]), {}),
+    ("flat too small for the offsets", ValueError, r"flat has 5 elements .* need 6",
+     lambda: (torch.ones(5), [sentinel(2), sentinel(3)]), {"offsets": [0, 3]}),
+    ("destinations on another device", ValueError, r"tensors are on meta but flat is on cpu",
+     lambda: (torch.ones(2), [torch.empty(2, device="meta")]), {}),
+    ("destination on another device", ValueError,
+     r"tensors\[1\] is on meta but tensors\[0\] is on cpu",
+     lambda: (torch.ones(4), [sentinel(2), torch.empty(2, device="meta")]), {}),
+    ("integer destination", TypeError, r"tensors\[1\]\.dtype must be one of .* got torch\.int32",
+     lambda: (torch.ones(4), [sentinel(2), sentinel(2, torch.int32)]), {}),
+    ("sparse destination", TypeError, r"tensors\[1\] has layout torch\.sparse_coo",
+     lambda: (torch.ones(5), [sentinel(2), sparse()]), {}),
+    ("non-tensor destination", TypeError, r"tensors\[1\] must be a torch\.Tensor, got int",
+     lambda: (torch.ones(4), [sentinel(2), 2]), {}),
+    ("bare tensor destination", TypeError, r"tensors must be a list or tuple of tensors",
+     lambda: (torch.ones(2), sentinel(2)), {}),
+    ("NaN scale", ValueError, r"scale must be finite, got nan",
+     lambda: (torch.ones(2), [sentinel(2)]), {"scale": float("nan")}),
+    ("string scale", TypeError, r"scale must be a Python int or float, got str",
+     lambda: (torch.ones(2), [sentinel(2)]), {"scale": "0.5"}),
+    ("overlapping offsets", ValueError, r"offsets\[1\]=1 overlaps",
+     lambda: (torch.ones(4), [sentinel(2), sentinel(2)]), {"offsets": [0, 1]}),
+    ("too few offsets", ValueError, r"offsets has 1 entries but tensors has 2",
+     lambda: (torch.ones(4), [sentinel(2), sentinel(2)]), {"offsets": [0]}),
+]
+
+
+def _tensors_in(args):
+    """Every dense tensor an argument list holds (the ones that must stay untouched)."""
+    found = []
+    for a in args:
+        items = a if isinstance(a, (list, tuple)) else [a]
+        found += [t for t in items if isinstance(t, torch.Tensor) and t.layout == torch.strided
+                  and t.device.type == "cpu"]
+    return found
+
+
+def _raises_before_writing(fn, make_args, kwargs, backend, error, pattern):
+    args = make_args()
+    watched = _tensors_in(args)
+    before = [t.clone() for t in watched]
+    with pytest.raises(error, match=pattern):
+        fn(*args, **kwargs, backend=backend)
+    for t, b in zip(watched, before):
+        assert torch.equal(t, b), "an argument changed although the call raised"
+
+
+@pytest.mark.parametrize("name, error, pattern, make_args, kwargs", FLATTEN_CASES,
+                         ids=[c[0] for c in FLATTEN_CASES])
+def test_flatten_rejects_bad_input_before_writing(backend, name, error, pattern, make_args,
+                                                  kwargs):
+    _raises_before_writing(flatten_cast_scale, make_args, kwargs, backend, error, pattern)
+
+
+@pytest.mark.parametrize("name, error, pattern, make_args, kwargs", UNFLATTEN_CASES,
+                         ids=[c[0] for c in UNFLATTEN_CASES])
+def test_unflatten_rejects_bad_input_before_writing(backend, name, error, pattern, make_args,
+                                                    kwargs):
+    _raises_before_writing(unflatten_cast_scale, make_args, kwargs, backend, error, pattern)
+
+
+@pytest.mark.parametrize("bad", ["cuda", "Triton", "", None])
+def test_unknown_backend_is_rejected_before_writing(bad):
+    out, destination = sentinel(2), sentinel(2)
+    with pytest.raises(ValueError, match=r"backend must be one of .*'torch'"):
+        flatten_cast_scale([torch.ones(2)], out, backend=bad)
+    with pytest.raises(ValueError, match=r"backend must be one of .*'torch'"):
+        unflatten_cast_scale(torch.ones(2), [destination], backend=bad)
+    assert torch.all(out == SENTINEL) and torch.all(destination == SENTINEL)
+
+
+@pytest.mark.parametrize("offsets", [[0.5], ["3"]], ids=["fraction", "string"])
+def test_non_integer_offsets_are_rejected(backend, offsets):
+    with pytest.raises((TypeError, ValueError), match=r"offsets"):
+        flatten_cast_scale([torch.ones(2)], sentinel(8), offsets=offsets, backend=backend)
+
+
+_WITHOUT_INTERPRETER = """
+import json, torch
+from fusedreduce.kernels import flatten_cast_scale, unflatten_cast_scale
+out, destination = torch.full((3,), 7.0), torch.full((3,), 7.0)
+calls = {
+    "flatten": lambda: flatten_cast_scale([torch.ones(3)], out, backend="triton"),
+    "unflatten": lambda: unflatten_cast_scale(torch.ones(3), [destination], backend="triton"),
+}
+report = {}
+for name, call in calls.items():
+    try:
+        call()
+        report[name] = None
+    except Exception as exc:
+        report[name] = [type(exc).__name__, str(exc)]
+report["untouched"] = bool((out == 7).all() and (destination == 7).all())
+report["auto"] = flatten_cast_scale([torch.ones(3)], scale=2.0).tolist()
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton cannot be imported here")
+@pytest.mark.parametrize("interpret", [None, "0", ""], ids=["unset", "0", "empty"])
+def test_triton_backend_on_cpu_without_the_interpreter_says_how_to_fix_it(interpret):
+    # a fresh interpreter: this one imported triton with TRITON_INTERPRET=1
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret is not None:
+        env["TRITON_INTERPRET"] = interpret
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_INTERPRETER], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("flatten", "unflatten"):
+        assert report[name] is not None, f"{name} ran Triton on CPU without the interpreter"
+        kind, message = report[name]
+        assert kind == "RuntimeError" and "TRITON_INTERPRET" in message, report[name]
+    assert report["untouched"]
+    assert report["auto"] == [2.0, 2.0, 2.0], "backend='auto' must fall back to torch on CPU"
