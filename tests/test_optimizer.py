@@ -1,0 +1,438 @@
+"""DistributedOptimizer on local gloo ranks: training parity with a single
+process on the whole batch, parameter broadcasts, gradient accumulation,
+torch integrations (isinstance, state_dict, lr_scheduler, GradScaler) and the
+errors it raises on every rank.
+
+Rank functions never assert (a rank that raised would leave the others waiting
+in a collective): they return what they saw and the parent judges it.
+"""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_utils import rank_errors, run_ranks
+from fusedreduce import DistributedOptimizer
+from test_reducer import (CRASH_TIMEOUT, TIMEOUT, assert_raised_before_any_collective,
+                          outcomes_and_collectives, record_collectives)
+
+BATCH = 12  # rows per step; divisible by every world size used here
+STEPS = 20
+
+
+def _mlp(dtype):
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 3)).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.4)
+    return model
+
+
+def _batch(step, dtype):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return (torch.randn(BATCH, 6, generator=gen, dtype=torch.float64).to(dtype),
+            torch.randn(BATCH, 3, generator=gen, dtype=torch.float64).to(dtype))
+
+
+def _shard(rank, world_size, step, dtype):
+    x, y = _batch(step, dtype)
+    rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+    return x[rows], y[rows]
+
+
+def _make(name, params, lr=None, reduction="mean"):
+    """SGD with momentum or Adam; a sum-reduced loss is BATCH times larger, so
+    its learning rate is BATCH times smaller (else SGD diverges)."""
+    if lr is None:
+        lr = (0.05 if name == "sgd" else 0.01) / (BATCH if reduction == "sum" else 1)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.Adam(params, lr=lr)
+
+
+def _loss(model, x, y, reduction):
+    return nn.functional.mse_loss(model(x), y, reduction=reduction)
+
+
+def _perturb(model):
+    """A small divergence: a large one makes this replica's gradients (averaged
+    into everyone's) blow the training up."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ------------------------------------------------------------------- parity
+def _train(rank, world_size, dtype, reduce_method, kwargs):
+    """Both optimizers, STEPS steps each, from the same start on every rank."""
+    # sum across ranks of sum-reduced shard losses is the whole batch's sum;
+    # the mean across ranks of mean-reduced shard losses is the whole batch's mean
+    reduction = "mean" if reduce_method == "mean" else "sum"
+    events = []
+    record_collectives(events)
+    seen = {}
+    for name in ("sgd", "adam"):
+        model = _mlp(dtype)
+        opt = DistributedOptimizer(_make(name, model.parameters(), reduction=reduction),
+                                   reduce_method=reduce_method, **kwargs)
+        for step in range(STEPS):
+            opt.zero_grad()
+            events.clear()
+            _loss(model, *_shard(rank, world_size, step, dtype), reduction).backward()
+            opt.step()
+        seen[name] = _params(model)
+        seen[f"{name} all_reduces in the last backward"] = events.count("all_reduce")
+    return seen
+
+
+def _single_process(name, dtype, reduction):
+    model = _mlp(dtype)
+    opt = _make(name, model.parameters(), reduction=reduction)
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(model, *_batch(step, dtype), reduction).backward()
+        opt.step()
+    return _params(model)
+
+
+@pytest.mark.parametrize("dtype, world_size, reduce_method, kwargs", [
+    (torch.float64, 2, "mean", {}),
+    (torch.float64, 2, "sum", {"param_pack": False}),
+    (torch.float32, 3, "mean", {"param_pack_thd": 600}),
+], ids=["fp64-2ranks-mean", "fp64-2ranks-sum-unpacked", "fp32-3ranks-mean-small-packs"])
+def test_training_on_shards_matches_a_single_process_on_the_whole_batch(
+        dtype, world_size, reduce_method, kwargs):
+    results = run_ranks(_train, world_size, dtype, reduce_method, kwargs, timeout=TIMEOUT)
+    n_params = len(list(_mlp(dtype).parameters()))
+    reduction = "mean" if reduce_method == "mean" else "sum"
+    for name in ("sgd", "adam"):
+        for r in range(1, world_size):
+            assert all(torch.equal(a, b) for a, b in zip(results[0][name], results[r][name])), \
+                f"{name}: rank {r}'s replica differs from rank 0's"
+        reference = _single_process(name, dtype, reduction)
+        if dtype == torch.float64:
+            # the only difference is the order of the batch sum (shards, then
+            # ranks): a few ulps of fp64 per step, far below this over 20 steps
+            rtol, atol = 1e-10, 1e-12
+        else:
+            # fp32: each step's gradient differs from the single process's by a
+            # few ulps (another summation order); with lr <= 0.05 that moves a
+            # parameter by ~1e-8 per step, ~2e-7 after 20 steps (measured). A
+            # wrong reduction (a sum for a mean) is off by more than 1e-2.
+            rtol, atol = 1e-5, 2e-6
+        for i, (got, want) in enumerate(zip(results[0][name], reference)):
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol,
+                                       msg=f"{name}: parameters[{i}]")
+        all_reduces = results[0][f"{name} all_reduces in the last backward"]
+        if kwargs.get("param_pack") is False:
+            assert all_reduces == n_params, "param_pack=False: one all-reduce per gradient"
+        elif "param_pack_thd" in kwargs:
+            assert 1 < all_reduces < n_params, "a small param_pack_thd splits the packs"
+        else:
+            assert all_reduces == 1, "the default packs this model's gradients in one bucket"
+
+
+# --------------------------------------------------------------- broadcasts
+def _replicas(rank, world_size):
+    dtype = torch.float64
+    seen = {}
+
+    def step(model, opt, k):
+        opt.zero_grad()
+        _loss(model, *_shard(rank, world_size, k, dtype), "mean").backward()
+        opt.step()
+
+    # every 3 steps; rank 1 diverges right after construction and after step 4
+    model = _mlp(dtype)
+    opt = DistributedOptimizer(_make("sgd", model.parameters()), bcast_period=3)
+    if rank == 1:
+        _perturb(model)
+    for k in range(1, 8):
+        step(model, opt, k)
+        seen[f"3: after step {k}"] = _params(model)
+        if k == 4 and rank == 1:
+            _perturb(model)
+    # 0: once, at construction only
+    model = _mlp(dtype)
+    if rank == 1:
+        _perturb(model)
+    opt = DistributedOptimizer(_make("sgd", model.parameters()), bcast_period=0)
+    seen["0: after construction"] = _params(model)
+    if rank == 1:
+        _perturb(model)
+    for k in range(4):
+        step(model, opt, k)
+    seen["0: 4 steps after a later divergence"] = _params(model)
+    # -1: never
+    model = _mlp(dtype)
+    if rank == 1:
+        _perturb(model)
+    opt = DistributedOptimizer(_make("sgd", model.parameters()), bcast_period=-1)
+    seen["-1: after construction"] = _params(model)
+    for k in range(4):
+        step(model, opt, k)
+    seen["-1: after 4 steps"] = _params(model)
+    return seen
+
+
+def test_bcast_period_broadcasts_rank_0s_parameters_at_construction_and_every_k_steps():
+    results = run_ranks(_replicas, 2, timeout=TIMEOUT)
+    equal = {name: all(torch.equal(a, b) for a, b in zip(results[0][name], results[1][name]))
+             for name in results[0]}
+    expected = {"3: after step 1": False, "3: after step 2": False, "3: after step 3": True,
+                "3: after step 4": True, "3: after step 5": False, "3: after step 6": True,
+                "3: after step 7": True,
+                "0: after construction": True, "0: 4 steps after a later divergence": False,
+                "-1: after construction": False, "-1: after 4 steps": False}
+    assert equal == expected
+
+
+# ------------------------------------------------------------- accumulation
+def _micro_batch(rank, world_size, step, micro):
+    """Micro-batch ``micro`` (of 2) of rank ``rank``'s shard at ``step``."""
+    x, y = _shard(rank, world_size, step, torch.float64)
+    half = x.shape[0] // 2
+    rows = slice(micro * half, (micro + 1) * half)
+    return x[rows], y[rows]
+
+
+def _accumulating(rank, world_size):
+    model = _mlp(torch.float64)
+    opt = DistributedOptimizer(_make("sgd", model.parameters()), backward_passes_per_step=2)
+    early = []
+    for k in range(3):
+        opt.zero_grad()
+        for micro in range(2):
+            _loss(model, *_micro_batch(rank, world_size, k, micro), "sum").backward()
+            if micro == 0:
+                try:
+                    opt.step()
+                    early.append(None)
+                except RuntimeError as exc:
+                    early.append(str(exc))
+        opt.step()
+    trained = _params(model)
+    # after a pass inside no_sync() the gradients are not reduced either
+    model = _mlp(torch.float64)
+    opt = DistributedOptimizer(_make("sgd", model.parameters()))
+    with opt.no_sync():
+        _loss(model, *_micro_batch(rank, world_size, 0, 0), "sum").backward()
+    try:
+        opt.step()
+        no_sync_error = None
+    except RuntimeError as exc:
+        no_sync_error = str(exc)
+    unchanged = all(torch.equal(a, b) for a, b in zip(_params(model), _params(_mlp(torch.float64))))
+    return trained, early, no_sync_error, unchanged
+
+
+def test_backward_passes_per_step_accumulates_like_one_pass_on_twice_the_data():
+    world_size = 2
+    results = run_ranks(_accumulating, world_size, timeout=TIMEOUT)
+    # the reference: one process, one pass per step on every rank's two
+    # micro-batches (the whole batch), averaged over the ranks like the optimizer
+    model = _mlp(torch.float64)
+    opt = _make("sgd", model.parameters())
+    for k in range(3):
+        opt.zero_grad()
+        (_loss(model, *_batch(k, torch.float64), "sum") / world_size).backward()
+        opt.step()
+    for rank, (trained, early, no_sync_error, unchanged) in enumerate(results):
+        for i, (got, want) in enumerate(zip(trained, model.parameters())):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12,
+                                       msg=f"rank {rank}, parameters[{i}]")
+        assert len(early) == 3 and all(e is not None and "not reduced" in e for e in early), early
+        assert no_sync_error is not None and "not reduced" in no_sync_error
+        assert unchanged, "a refused step must not touch the parameters"
+
+
+# ---------------------------------------------------- torch integrations
+def _integrations(rank, world_size):
+    dtype = torch.float64
+    seen = {}
+    model = _mlp(dtype)
+    opt = DistributedOptimizer(_make("sgd", model.parameters(), lr=0.4))
+    seen["isinstance"] = (isinstance(opt, torch.optim.SGD), isinstance(opt, torch.optim.Optimizer))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    lrs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(5):
+            opt.zero_grad()
+            _loss(model, *_shard(rank, world_size, k, dtype), "mean").backward()
+            opt.step()
+            scheduler.step()
+            lrs.append(opt.param_groups[0]["lr"])
+    seen["lrs"] = lrs
+    seen["warnings"] = [str(w.message) for w in caught]
+    # a fresh replica resumes from the state dict and takes the same next step
+    state = opt.state_dict()
+    seen["state_dict is a plain SGD's"] = _loads_into_plain_sgd(model, state)
+    twin = copy.deepcopy(model)
+    twin_opt = DistributedOptimizer(torch.optim.SGD(twin.parameters(), lr=1.0))
+    # a deep copy, as from a checkpoint: load_state_dict keeps tensors of the
+    # right dtype and device as they are, so the twin would share (and step)
+    # the original's momentum buffers
+    twin_opt.load_state_dict(copy.deepcopy(state))
+    seen["loaded hyperparameters"] = {k: twin_opt.param_groups[0][k] for k in ("lr", "momentum")}
+    seen["loaded momentum buffers equal"] = all(
+        torch.equal(opt.state[p]["momentum_buffer"], twin_opt.state[q]["momentum_buffer"])
+        for p, q in zip(model.parameters(), twin.parameters()))
+    for m, o in ((model, opt), (twin, twin_opt)):
+        o.zero_grad()
+        _loss(m, *_shard(rank, world_size, 9, dtype), "mean").backward()
+        o.step()
+    seen["resumed step identical"] = all(torch.equal(a, b) for a, b in
+                                         zip(model.parameters(), twin.parameters()))
+    return seen
+
+
+def _loads_into_plain_sgd(model, state):
+    plain = torch.optim.SGD(copy.deepcopy(model).parameters(), lr=1.0)
+    plain.load_state_dict(state)
+    return plain.param_groups[0]["lr"] == state["param_groups"][0]["lr"]
+
+
+def test_it_is_the_wrapped_optimizer_to_schedulers_and_state_dicts():
+    results = run_ranks(_integrations, 2, timeout=TIMEOUT)
+    for rank, seen in enumerate(results):
+        assert seen["isinstance"] == (True, True)
+        assert seen["lrs"] == [0.4, 0.2, 0.2, 0.1, 0.1], f"rank {rank}: {seen['lrs']}"
+        assert not [w for w in seen["warnings"] if "lr_scheduler" in w], seen["warnings"]
+        assert seen["state_dict is a plain SGD's"]
+        assert seen["loaded hyperparameters"] == {"lr": 0.1, "momentum": 0.9}
+        assert seen["loaded momentum buffers equal"]
+        assert seen["resumed step identical"]
+
+
+def _scaled_training(rank, world_size):
+    model = _mlp(torch.float32)
+    opt = DistributedOptimizer(_make("sgd", model.parameters()))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    seen = []
+    for k in range(3):
+        opt.zero_grad()
+        loss = _loss(model, *_shard(rank, world_size, k, torch.float32), "mean")
+        if k == 1 and rank == 1:
+            loss = loss * float("inf")  # this rank alone overflows
+        before = _params(model)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        grads = [p.grad.clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        changed = [not torch.equal(a, b) for a, b in zip(before, _params(model))]
+        seen.append(dict(grads=grads, changed=changed, scale=scaler.get_scale()))
+    return seen, _params(model)
+
+
+def test_grad_scaler_sees_reduced_gradients_so_one_ranks_overflow_skips_the_step_everywhere():
+    world_size = 2
+    results = run_ranks(_scaled_training, world_size, timeout=TIMEOUT)
+    (first, second, third), final = results[0]
+    # step 0: the unscaled gradients are the mean of the ranks' own gradients
+    local = []
+    for r in range(world_size):
+        model = _mlp(torch.float32)
+        _loss(model, *_shard(r, world_size, 0, torch.float32), "mean").backward()
+        local.append([p.grad for p in model.parameters()])
+    for got, a, b in zip(first["grads"], *local):
+        # fp32 sum of two values, then exact power-of-two scalings: one rounding
+        torch.testing.assert_close(got, (a + b) / 2, rtol=2e-7, atol=1e-9)
+    assert all(first["changed"]) and first["scale"] == 2.0 ** 10
+    assert all(not torch.isfinite(g).all() for g in second["grads"])
+    assert not any(second["changed"]), "the overflowing step must be skipped"
+    assert second["scale"] == 2.0 ** 9
+    assert all(third["changed"]) and third["scale"] == 2.0 ** 9
+    for r in range(1, world_size):
+        others, their_final = results[r]
+        for mine, theirs in zip((first, second, third), others):
+            assert mine["scale"] == theirs["scale"] and mine["changed"] == theirs["changed"]
+            for a, b in zip(mine["grads"], theirs["grads"]):  # NaN where inf met -inf
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        assert all(torch.equal(a, b) for a, b in zip(final, their_final))
+
+
+# ------------------------------------------------------------------ errors
+def test_without_a_process_group_the_error_says_how_to_start_one():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        DistributedOptimizer(torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1))
+
+
+def _bad_arguments(rank, world_size):
+    model = _mlp(torch.float32)
+    make = lambda **kw: DistributedOptimizer(  # noqa: E731
+        torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+    cases = {
+        "reduce_method='max'": lambda: make(reduce_method="max"),
+        "reduce_method=None": lambda: make(reduce_method=None),
+        "reduce_method='MEAN'": lambda: make(reduce_method="MEAN"),
+        "bcast_period=-2": lambda: make(bcast_period=-2),
+        "backward_passes_per_step=0": lambda: make(backward_passes_per_step=0),
+        "param_pack_thd=0": lambda: make(param_pack_thd=0),
+        "not an optimizer": lambda: DistributedOptimizer(model),
+        "a step with a closure": lambda: make(bcast_period=-1).step(lambda: 0.0),
+    }
+    return outcomes_and_collectives(cases)
+
+
+def test_bad_arguments_raise_on_every_rank_before_any_collective():
+    results = run_ranks(_bad_arguments, 2, timeout=TIMEOUT)
+    expected = {
+        "reduce_method='max'": ("ValueError", "reduce_method"),
+        "reduce_method=None": ("ValueError", "reduce_method"),
+        "reduce_method='MEAN'": ("ValueError", "reduce_method"),
+        "bcast_period=-2": ("ValueError", "bcast_period"),
+        "backward_passes_per_step=0": ("ValueError", "backward_passes_per_step"),
+        "param_pack_thd=0": ("ValueError", "param_pack_thd"),
+        "not an optimizer": ("TypeError", "Optimizer"),
+        "a step with a closure": ("RuntimeError", "closure"),
+    }
+    assert_raised_before_any_collective(results, expected)
+
+
+def _mismatched_parameters(rank, world_size, change):
+    shapes = [(4, 3), (3,), (5,), (2, 2)]
+    if rank == 1:
+        shapes = change(shapes)
+    weights = [torch.zeros(s, requires_grad=True) for s in shapes]
+    opt = DistributedOptimizer(torch.optim.SGD(weights, lr=0.1))
+    sum(w.sum() for w in weights).backward()
+    opt.step()
+
+
+def _with_an_extra_parameter(shapes):
+    return shapes + [(7,)]
+
+
+def _with_a_smaller_first_parameter(shapes):
+    return [(2,)] + shapes[1:]
+
+
+def test_an_extra_parameter_on_one_rank_is_a_runtime_error_on_every_rank():
+    errors = rank_errors(_mismatched_parameters, 2, _with_an_extra_parameter,
+                         timeout=TIMEOUT)
+    assert all(e is not None and e[0] == "RuntimeError" and "parameter" in e[1]
+               for e in errors), errors
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: with the default bcast_period=0 the constructor broadcasts the parameters before "
+    "the ranks' parameter lists are checked; when rank 1's bucket is smaller than rank 0's "
+    "(a smaller parameters[0]) gloo aborts rank 1 (EnforceNotMet 'op.preamble.length <= "
+    "op.nbytes') instead of every rank raising a RuntimeError naming parameters[0]"))
+def test_a_differently_shaped_parameter_on_one_rank_is_a_runtime_error_on_every_rank():
+    errors = rank_errors(_mismatched_parameters, 2, _with_a_smaller_first_parameter,
+                         timeout=CRASH_TIMEOUT)
+    assert all(e is not None and e[0] == "RuntimeError" and "parameters[0]" in e[1]
+               for e in errors), errors
