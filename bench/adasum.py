@@ -1,4 +1,4 @@
-"""AdaSum benchmark: adasum_allreduce against a plain all-reduce of the same bytes, on N local ranks.
+"""AdaSum benchmark: adasum_allreduce vs an all-reduce of the same bytes, on N local ranks.
 
 On ``--world-size`` local processes (gloo on the CPU), each holding ResNet-50's
 161 gradient tensors in fp32 (``bench/models.py``; ``--quick``: width 16):
@@ -48,9 +48,6 @@ from .models import resnet50
 
 BUCKET_CAP_MB = 25.0
 METHODS = ("all_reduce", "grad_reducer", "adasum")
-RESULT_FIELDS = ("method", "world_size", "n_tensors", "n_elements", "bytes", "time_ms",
-                 "ratio_to_all_reduce", "bytes_sent_per_rank", "bytes_sent_source",
-                 "ratio_to_ring_bytes")
 
 
 def ring_bytes(nbytes: int, ranks: int) -> float:
