@@ -30,20 +30,15 @@ buffer, ``2(n-1)/n`` of its bytes; the baselines' own rows show that ring figure
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import time
-from datetime import timedelta
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fusedreduce import DistributedGradReducer, adasum_allreduce
 
 from . import common
-from .collectives import _timed
 from .models import resnet50
 
 BUCKET_CAP_MB = 25.0
@@ -90,41 +85,25 @@ class SentBytes:
             setattr(dist, name, fn)
 
 
-def _worker(rank, world_size, init_file, config, queue):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=600))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
-    try:
-        torch.manual_seed(0)
-        params = list(resnet50(width=config["width"]).parameters())
-        gen = torch.Generator().manual_seed(rank)
-        grads = [torch.randn(p.shape, generator=gen) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        reducer = DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB)
-        times = _timed({"all_reduce": lambda: dist.all_reduce(flat),
-                        "grad_reducer": lambda: reducer(grads),
-                        "adasum": lambda: adasum_allreduce(grads, bucket_cap_mb=BUCKET_CAP_MB)},
-                       config["repeats"])
-        with SentBytes() as sent:
-            adasum_allreduce(grads, bucket_cap_mb=BUCKET_CAP_MB)
-        queue.put((rank, {"times": times, "sent": sent.total, "n_tensors": len(params),
-                          "n_elements": flat.numel()}))
-    finally:
-        dist.destroy_process_group()
+def _rank_body(rank, world_size, config):
+    torch.manual_seed(0)
+    params = list(resnet50(width=config["width"]).parameters())
+    gen = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    reducer = DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB)
+    times = common.time_across_ranks(
+        {"all_reduce": lambda: dist.all_reduce(flat), "grad_reducer": lambda: reducer(grads),
+         "adasum": lambda: adasum_allreduce(grads, bucket_cap_mb=BUCKET_CAP_MB)},
+        config["repeats"])
+    with SentBytes() as sent:
+        adasum_allreduce(grads, bucket_cap_mb=BUCKET_CAP_MB)
+    return {"times": times, "sent": sent.total, "n_tensors": len(params),
+            "n_elements": flat.numel()}
 
 
 def measure(world_size: int, config: dict) -> List[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, config, queue))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        outcome = dict(queue.get(timeout=3600) for _ in range(world_size))
-        for p in procs:
-            p.join()
+    outcome = common.run_on_ranks(_rank_body, world_size, config)
     record = outcome[0]  # every rank holds the same times: the max over ranks
     nbytes = record["n_elements"] * 4
     ring = ring_bytes(nbytes, world_size)

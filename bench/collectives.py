@@ -26,16 +26,11 @@ started after a barrier and timed as the slowest rank's wall time.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import tempfile
 import time
-from datetime import timedelta
-from typing import Callable, Dict, List
+from typing import List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fusedreduce import DistributedGradReducer
@@ -48,24 +43,6 @@ REDUCE_METHODS = ("per_tensor", "torch_buckets", "fused_reducer")
 STEP_METHODS = ("compute_only", "ddp", "fused_overlap")
 RESULT_FIELDS = ("kind", "method", "world_size", "n_tensors", "n_elements", "bytes", "time_ms",
                  "ratio_to_baseline", "baseline")
-
-
-def _timed(fns: Dict[str, Callable[[], object]], repeats: int) -> Dict[str, float]:
-    """Median over repeats of the slowest rank's time per call, round-robin."""
-    samples: Dict[str, List[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for name in names:  # warm-up
-        fns[name]()
-    for round_ in range(repeats):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            dist.barrier()
-            start = time.perf_counter()
-            fns[name]()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            samples[name].append(float(elapsed) * 1e3)
-    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def _torch_buckets(grads: List[torch.Tensor], world_size: int) -> None:
@@ -90,63 +67,48 @@ def _torch_buckets(grads: List[torch.Tensor], world_size: int) -> None:
         flush()
 
 
-def _worker(rank, world_size, init_file, config, queue):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=600))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
-    try:
-        torch.manual_seed(0)
-        model = resnet50(width=config["width"])
-        params = list(model.parameters())
-        gen = torch.Generator().manual_seed(rank)
-        grads = [torch.randn(p.shape, generator=gen) for p in params]
-        reducer = DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB)
+def _rank_body(rank, world_size, config):
+    torch.manual_seed(0)
+    model = resnet50(width=config["width"])
+    params = list(model.parameters())
+    gen = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    reducer = DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB)
 
-        def per_tensor():
-            for g in grads:
-                dist.all_reduce(g)
-                g.div_(world_size)
+    def per_tensor():
+        for g in grads:
+            dist.all_reduce(g)
+            g.div_(world_size)
 
-        reduce_times = _timed({"per_tensor": per_tensor,
-                               "torch_buckets": lambda: _torch_buckets(grads, world_size),
-                               "fused_reducer": lambda: reducer(grads)}, config["repeats"])
+    reduce_times = common.time_across_ranks(
+        {"per_tensor": per_tensor, "torch_buckets": lambda: _torch_buckets(grads, world_size),
+         "fused_reducer": lambda: reducer(grads)}, config["repeats"])
 
-        batch = torch.randn(config["batch"], 3, config["image"], config["image"], generator=gen)
-        labels = torch.randint(0, 1000, (config["batch"],), generator=gen)
-        plain = resnet50(width=config["width"])
-        ddp_model = torch.nn.parallel.DistributedDataParallel(
-            resnet50(width=config["width"]), bucket_cap_mb=BUCKET_CAP_MB)
-        hooked = resnet50(width=config["width"])
-        DistributedGradReducer(list(hooked.parameters()),
-                               bucket_cap_mb=BUCKET_CAP_MB).register_hooks()
+    batch = torch.randn(config["batch"], 3, config["image"], config["image"], generator=gen)
+    labels = torch.randint(0, 1000, (config["batch"],), generator=gen)
+    plain = resnet50(width=config["width"])
+    ddp_model = torch.nn.parallel.DistributedDataParallel(
+        resnet50(width=config["width"]), bucket_cap_mb=BUCKET_CAP_MB)
+    hooked = resnet50(width=config["width"])
+    DistributedGradReducer(list(hooked.parameters()),
+                           bucket_cap_mb=BUCKET_CAP_MB).register_hooks()
 
-        def step(net):
-            def run():
-                net.zero_grad(set_to_none=False)
-                torch.nn.functional.cross_entropy(net(batch), labels).backward()
-            return run
+    def step(net):
+        def run():
+            net.zero_grad(set_to_none=False)
+            torch.nn.functional.cross_entropy(net(batch), labels).backward()
+        return run
 
-        step_times = _timed({"compute_only": step(plain), "ddp": step(ddp_model),
-                             "fused_overlap": step(hooked)}, config["steps"])
-        n = sum(p.numel() for p in params)
-        queue.put((rank, {"reduce": reduce_times, "step": step_times, "n_tensors": len(params),
-                          "n_elements": n}))
-    finally:
-        dist.destroy_process_group()
+    step_times = common.time_across_ranks(
+        {"compute_only": step(plain), "ddp": step(ddp_model), "fused_overlap": step(hooked)},
+        config["steps"])
+    n = sum(p.numel() for p in params)
+    return {"reduce": reduce_times, "step": step_times, "n_tensors": len(params),
+            "n_elements": n}
 
 
 def measure(world_size: int, config: dict) -> List[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, config, queue))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        outcome = dict(queue.get(timeout=3600) for _ in range(world_size))
-        for p in procs:
-            p.join()
+    outcome = common.run_on_ranks(_rank_body, world_size, config)
     record = outcome[0]
     nbytes = record["n_elements"] * 4
     results = []

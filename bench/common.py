@@ -5,8 +5,12 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
+import tempfile
 import time
+import traceback
+from datetime import timedelta
 from importlib import metadata
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -173,3 +177,70 @@ def format_table(rows: Sequence[Mapping], columns: Sequence[Column],
 def log(message: str) -> None:
     """Progress goes to stderr so stdout holds only the table."""
     print(message, file=sys.stderr, flush=True)
+
+
+def time_across_ranks(fns: Mapping[str, Callable[[], object]], repeats: int) -> Dict[str, float]:
+    """Median over ``repeats`` of the slowest rank's time per call (ms), round-robin.
+
+    Each call starts after a barrier; its time is all-reduced with MAX, so every
+    rank returns the same figures. Every function runs once first as a warm-up.
+    """
+    import torch.distributed as dist
+    names = list(fns)
+    samples: Dict[str, List[float]] = {name: [] for name in names}
+    for name in names:
+        fns[name]()
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            start = time.perf_counter()
+            fns[name]()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            samples[name].append(float(elapsed) * 1e3)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def _rank_main(body, rank, world_size, init_file, config, queue):
+    import torch.distributed as dist
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=600))
+        # the ranks share this machine's cores: don't oversubscribe them
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+        try:
+            queue.put((rank, True, body(rank, world_size, config)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the parent reports it instead of waiting forever
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_on_ranks(body, world_size: int, config: dict) -> Dict[int, dict]:
+    """``{rank: body(rank, world_size, config)}``, each rank a spawned gloo process.
+
+    ``body`` must be a module-level function returning a picklable record. A
+    rank that raises stops the others and raises here with its traceback.
+    """
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_rank_main,
+                             args=(body, r, world_size, init_file, config, queue))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        outcome: Dict[int, dict] = {}
+        for _ in range(world_size):
+            rank, ok, payload = queue.get(timeout=3600)
+            if not ok:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            outcome[rank] = payload
+        for p in procs:
+            p.join()
+    return outcome

@@ -22,23 +22,16 @@ time. ``ratio_to_ddp`` is a method's time over DDP's: above 1 is slower.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 from typing import List
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from fusedreduce import hooks
 
 from . import common
-from .collectives import _timed
 from .models import resnet50
 
 BUCKET_CAP_MB = 25.0
@@ -66,56 +59,29 @@ def _model(method: str, width: int) -> torch.nn.Module:
     return ddp
 
 
-def _worker(rank, world_size, init_file, config, queue):
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=600))
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
-        try:
-            gen = torch.Generator().manual_seed(rank)
-            batch = torch.randn(config["batch"], 3, config["image"], config["image"],
-                                generator=gen)
-            labels = torch.randint(0, 1000, (config["batch"],), generator=gen)
-            models = {method: _model(method, config["width"]) for method in config["methods"]}
+def _rank_body(rank, world_size, config):
+    gen = torch.Generator().manual_seed(rank)
+    batch = torch.randn(config["batch"], 3, config["image"], config["image"], generator=gen)
+    labels = torch.randint(0, 1000, (config["batch"],), generator=gen)
+    models = {method: _model(method, config["width"]) for method in config["methods"]}
 
-            def step(net):
-                def run():
-                    net.zero_grad(set_to_none=False)
-                    torch.nn.functional.cross_entropy(net(batch), labels).backward()
-                return run
+    def step(net):
+        def run():
+            net.zero_grad(set_to_none=False)
+            torch.nn.functional.cross_entropy(net(batch), labels).backward()
+        return run
 
-            fns = {method: step(net) for method, net in models.items()}
-            for fn in fns.values():  # the one-bucket first iteration; _timed warms up again
-                fn()
-            times = _timed(fns, config["repeats"])
-            params = list(models[config["methods"][0]].parameters())
-            queue.put((rank, True, {"times": times, "n_tensors": len(params),
-                                    "n_elements": sum(p.numel() for p in params)}))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - the parent reports it instead of waiting forever
-        queue.put((rank, False, traceback.format_exc()))
+    fns = {method: step(net) for method, net in models.items()}
+    for fn in fns.values():  # the one-bucket first iteration; the timer warms up again
+        fn()
+    times = common.time_across_ranks(fns, config["repeats"])
+    params = list(models[config["methods"][0]].parameters())
+    return {"times": times, "n_tensors": len(params),
+            "n_elements": sum(p.numel() for p in params)}
 
 
 def measure(world_size: int, config: dict) -> List[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, config, queue))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        outcome = {}
-        for _ in range(world_size):
-            rank, ok, payload = queue.get(timeout=3600)
-            if not ok:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            outcome[rank] = payload
-        for p in procs:
-            p.join()
+    outcome = common.run_on_ranks(_rank_body, world_size, config)
     record = outcome[0]  # the times are already the slowest rank's
     times = record["times"]
     return [{"method": method, "world_size": world_size, "n_tensors": record["n_tensors"],
