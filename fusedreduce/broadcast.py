@@ -53,7 +53,10 @@ def parameter_broadcast(
         bucket_cap_mb: the byte cap of a fused bucket, in MiB.
 
     Raises:
-        RuntimeError: torch.distributed is not initialised.
+        RuntimeError: torch.distributed is not initialised; the ranks' modules
+            differ in their parameters' (or buffers') names order, shapes or
+            dtypes, or ``bucket_cap_mb`` differs (raised on every rank, naming
+            the first mismatch, before anything is broadcast).
         ValueError: ``cur_rank`` is not this process's rank; ``initial_rank``
             or ``src`` is not a rank of ``group``; a ``layout`` name is not in
             ``module.named_parameters()``. Raised before any communication.
@@ -76,15 +79,15 @@ def parameter_broadcast(
         if unknown:
             raise ValueError(f"layout names parameters not in module.named_parameters(): "
                              f"{unknown[:5]}")
-        tensors = [named[n] for n in named if n in layout]
+        chosen = [(n, named[n]) for n in named if n in layout]
     else:
-        tensors = list(named.values())
+        chosen = list(named.items())
         if buffers:
-            tensors += [b for _, b in module.named_buffers()]
+            chosen += [(f"buffer {n}", b) for n, b in module.named_buffers()]
     source = initial_rank if src is None else src
     with torch.no_grad():
-        broadcast_tensors([t.data for t in tensors], _global_rank(group, source), group=group,
-                          bucket_cap_mb=bucket_cap_mb)
+        broadcast_tensors([t.data for _, t in chosen], _global_rank(group, source), group=group,
+                          bucket_cap_mb=bucket_cap_mb, names=[n for n, _ in chosen])
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0, group=None) -> None:
@@ -133,7 +136,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0, gr
                              for k, entry in skeleton["state"].items()}
     tensors = [v for k in sorted(received["state"]) for _, v in sorted(received["state"][k].items())
                if isinstance(v, torch.Tensor)]
-    broadcast_tensors(tensors, global_src, group=group)
+    # the shapes come from the source's skeleton: nothing left to verify
+    broadcast_tensors(tensors, global_src, group=group, verify=False)
     if rank != src:
         optimizer.load_state_dict(received)
 

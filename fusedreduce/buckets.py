@@ -193,6 +193,13 @@ class BucketPlan:
         return [(s.shape, str(s.dtype), str(c), f)
                 for s, c, f in zip(self.specs, self.comm_dtypes, self.fusion_ids)]
 
+    def layout(self) -> List[tuple]:
+        """A picklable description of the buckets to compare across ranks: per
+        bucket, its communication dtype, fusion id, member tensors and size.
+        Two ranks whose ``signature()`` agree still disagree here when they
+        were planned with different ``bucket_cap_mb``."""
+        return [(str(b.dtype), b.fusion_id, b.tensor_indices, b.size) for b in self.buckets]
+
     def check(self, tensors: Sequence[torch.Tensor], name: str = "tensors") -> None:
         """Raise unless ``tensors`` match the plan's specs one by one.
 

@@ -44,17 +44,23 @@ def comm_device(group=None) -> torch.device:
 
 
 def verify_same_on_all_ranks(description: Sequence[Any], names: Sequence[str], group=None,
-                             what: str = "parameter") -> None:
-    """Raise on every rank unless all ranks hold the same ``description``.
+                             what: str = "parameter", layout: Any = None,
+                             layout_hint: str = "") -> None:
+    """Raise on every rank unless all ranks hold the same ``description`` and ``layout``.
 
+    ``description`` has one entry per tensor (``names[i]`` names entry ``i`` in
+    the error); ``layout`` is compared after it (the bucket boundaries, say),
+    so a differing tensor is always reported as such, not as a layout change.
     Costs one all-reduce of two int64s when the ranks agree; only on a mismatch
     are the descriptions gathered, to name the first entry that differs.
 
     Raises:
         RuntimeError: the ranks disagree; names the first differing ``what``
-            (``names[i]``) and what each rank has there.
+            (``names[i]``) and what each rank has there, or, when every entry
+            agrees, says the layouts differ (with ``layout_hint``).
     """
-    digest = hashlib.sha256(pickle.dumps(list(description))).digest()
+    mine = (list(description), layout)
+    digest = hashlib.sha256(pickle.dumps(mine)).digest()
     value = int.from_bytes(digest[:7], "little")  # 56 bits: exact in int64 arithmetic
     device = comm_device(group)
     extremes = torch.tensor([value, -value], dtype=torch.int64, device=device)
@@ -62,16 +68,18 @@ def verify_same_on_all_ranks(description: Sequence[Any], names: Sequence[str], g
     if int(extremes[0]) == -int(extremes[1]):
         return
     everyone: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (list(description), list(names)), group=group)
-    longest = max(len(d) for d, _ in everyone)
+    dist.all_gather_object(everyone, (mine, list(names)), group=group)
+    longest = max(len(d) for (d, _), _ in everyone)
     for i in range(longest):
-        entries = [d[i] if i < len(d) else "<missing>" for d, _ in everyone]
+        entries = [d[i] if i < len(d) else "<missing>" for (d, _), _ in everyone]
         if any(e != entries[0] for e in entries):
-            name = next(n[i] for d, n in everyone if i < len(n))
+            name = next(n[i] for (d, _), n in everyone if i < len(n))
             per_rank = "; ".join(f"rank {r}: {e}" for r, e in enumerate(entries))
             raise RuntimeError(f"ranks disagree on {what} {i} ({name}): {per_rank}. Every "
                                f"rank must pass the same {what}s in the same order")
-    raise RuntimeError(f"ranks disagree on the {what} list")  # unreachable in practice
+    per_rank = "; ".join(f"rank {r}: {lay}" for r, ((_, lay), _) in enumerate(everyone))
+    raise RuntimeError(f"ranks agree on every {what} but not on the bucket layout"
+                       f"{' (' + layout_hint + ')' if layout_hint else ''}: {per_rank}")
 
 
 @dataclass
@@ -176,7 +184,8 @@ def all_reduce_plan(
 
 
 def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *, group=None,
-                      bucket_cap_mb: float = 25.0, backend: str = "auto") -> None:
+                      bucket_cap_mb: float = 25.0, backend: str = "auto",
+                      verify: bool = True, names: Optional[Sequence[str]] = None) -> None:
     """Make every rank's ``tensors`` bitwise equal to rank ``src``'s, in place.
 
     Floating tensors go through fused buckets of their own dtype (one
@@ -185,13 +194,29 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *, group=None,
     broadcast once per dtype. Tensors on a device the backend cannot use
     (CPU tensors under NCCL) travel through a staging copy.
 
-    ``src`` is a global rank, as in ``torch.distributed.broadcast``.
+    ``src`` is a global rank, as in ``torch.distributed.broadcast``. With
+    ``verify`` (the default), one small all-reduce first checks that every
+    rank passes the same shapes and dtypes and the same bucket cap; ``names``
+    (one per tensor) label the first mismatch in the error.
+
+    Raises:
+        RuntimeError: with ``verify``: the ranks' tensor lists or bucket
+            layouts differ (raised on every rank before any broadcast).
     """
+    tensors = list(tensors)
     device = comm_device(group)
     floating = [t for t in tensors if t.dtype in kernels.SUPPORTED_DTYPES]
     others = [t for t in tensors if t.dtype not in kernels.SUPPORTED_DTYPES]
     staged = [t if t.device == device else t.to(device) for t in floating]
     plan = BucketPlan(staged, bucket_cap_mb=bucket_cap_mb)
+    if verify and dist.get_world_size(group) > 1:
+        labels = list(names) if names is not None else [f"tensors[{i}]"
+                                                         for i in range(len(tensors))]
+        verify_same_on_all_ranks(
+            [(tuple(t.shape), str(t.dtype)) for t in tensors],
+            [f"{label} {tuple(t.shape)} {t.dtype}" for label, t in zip(labels, tensors)],
+            group, what="tensor", layout=plan.layout(),
+            layout_hint="pass the same bucket_cap_mb on every rank")
     with torch.no_grad():
         for bucket in plan.buckets:
             buffer = plan.flatten(bucket, staged, backend=backend)
@@ -357,7 +382,9 @@ def adasum_allreduce(tensors: Sequence[torch.Tensor], group=None, *, local_size:
     if world_size > 1:
         names = [f"tensors[{i}] {tuple(s.shape)} {s.dtype}" for i, s in enumerate(plan.specs)]
         verify_same_on_all_ranks(plan.signature() + [("local_size", local_size)],
-                                 names + ["local_size"], group, what="tensor")
+                                 names + ["local_size"], group, what="tensor",
+                                 layout=plan.layout(),
+                                 layout_hint="pass the same bucket_cap_mb on every rank")
     outputs = [torch.empty_like(t) for t in tensors]
     adasum_plan(plan, tensors, outputs, group=group, local_size=local_size, backend=backend)
     return outputs

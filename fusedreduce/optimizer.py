@@ -116,7 +116,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Copy rank ``src``'s parameters to every rank (fused, bitwise exact)."""
         params = [p for g in self.param_groups for p in g["params"]]
         with torch.no_grad():
-            broadcast_tensors([p.data for p in params], src, group=self.group)
+            # verified first: a rank with a differently shaped parameter gets a
+            # RuntimeError naming it (on every rank), not a crashed broadcast
+            broadcast_tensors([p.data for p in params], src, group=self.group,
+                              names=[f"parameters[{i}]" for i in range(len(params))])
 
     def step(self, closure=None):
         """Run the wrapped optimizer's step on the reduced gradients.

@@ -130,6 +130,7 @@ class DistributedGradReducer:
         self._passes_per_sync = 1
         self._passes_since_sync = 0
         self._in_backward = False
+        self._backward_task: Optional[int] = None
         self._syncing = False
         self._ready: List[int] = []
         self._next_launch = 0
@@ -141,10 +142,17 @@ class DistributedGradReducer:
         """On first use: every rank must have the same plan (one collective)."""
         if self._verified:
             return
-        names = [f"parameters[{i}] {tuple(self.parameters[i].shape)} "
-                 f"{self.parameters[i].dtype}" for i in self._order]
-        description = list(zip(self.plan.signature(), range(len(names))))
-        verify_same_on_all_ranks(description, names, self.group, what="parameter")
+        # compared in parameter order, so the error names the first mismatching
+        # parameter as the caller numbers them; the bucket boundaries come after
+        signature = self.plan.signature()
+        slot_of = {i: slot for slot, i in enumerate(self._order)}
+        description = [signature[slot_of[i]] for i in range(len(self.parameters))]
+        names = [f"parameters[{i}] {tuple(p.shape)} {p.dtype}"
+                 for i, p in enumerate(self.parameters)]
+        verify_same_on_all_ranks(description, names, self.group, what="parameter",
+                                 layout=self.plan.layout(),
+                                 layout_hint="pass the same bucket_cap_mb and fusion_type "
+                                             "on every rank")
         self._verified = True
 
     def _check_grads(self, grads: Sequence[torch.Tensor]) -> None:
@@ -284,15 +292,35 @@ class DistributedGradReducer:
         self._reduced_in_backward = False
 
     def _on_grad_ready(self, slot: int) -> None:
+        task = _graph_task_id()
+        if self._in_backward and task != self._backward_task:
+            # the backward these hooks belonged to raised before its end
+            self._abandon_backward()
         if not self._in_backward:
-            self._begin_backward()
+            self._begin_backward(task)
         if not self._syncing:
             return
         bucket_index, _ = self.plan.location[slot]
         self._ready[bucket_index] -= 1
         self._launch_ready()
 
-    def _begin_backward(self) -> None:
+    def _abandon_backward(self) -> None:
+        """Forget a backward pass that raised after some buckets started.
+
+        Autograd drops the end-of-backward callback when a backward raises,
+        so the next backward finds the last one's state. Its collectives were
+        issued (on every rank alike when every rank failed the same way): wait
+        for them, since the next pass reuses their buffers, and discard them.
+        The failed pass does not count towards ``passes_per_sync``.
+        """
+        for pending in self._pending:
+            if pending.work is not None:
+                pending.work.wait()
+        self._pending = []
+        self._in_backward = False
+
+    def _begin_backward(self, task: Optional[int] = None) -> None:
+        self._backward_task = task
         self._in_backward = True
         self._syncing = self._sync_enabled and \
             (self._passes_since_sync + 1) % self._passes_per_sync == 0
@@ -344,6 +372,12 @@ class DistributedGradReducer:
         self._pending = []
         self._passes_since_sync = 0
         self._reduced_in_backward = True
+
+
+def _graph_task_id() -> Optional[int]:
+    """The running backward's id (None where torch does not expose one)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else None
 
 
 def _fusion_ids(fusion_type, n: int) -> List[int]:

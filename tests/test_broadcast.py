@@ -187,6 +187,49 @@ def test_bad_ranks_and_unknown_layout_names_are_value_errors_on_every_rank():
         results, {name: ("ValueError", fragment) for name, fragment in fragments.items()})
 
 
+def _mismatched_modules(rank, world_size):
+    seen = {}
+    modules = {
+        # rank 1's second layer is wider: the same names, a different shape
+        "a differently shaped 1.weight": lambda r: nn.Sequential(
+            nn.Linear(3, 2), nn.Linear(2, 4 if r == 1 else 2)),
+        # rank 1 has an extra layer: its 2.weight is missing on rank 0
+        "an extra layer on rank 1": lambda r: nn.Sequential(
+            nn.Linear(3, 2), nn.Linear(2, 2), *([nn.Linear(2, 1)] if r == 1 else [])),
+    }
+    for name, make in modules.items():
+        module = make(rank)
+        before = [p.detach().clone() for p in module.parameters()]
+        try:
+            parameter_broadcast(module, buffers=False)
+            seen[name] = None
+        except RuntimeError as exc:
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+            seen[name] = (str(exc), unchanged)
+    # the same modules but different bucket caps: the buckets would not match
+    module = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    try:
+        parameter_broadcast(module, bucket_cap_mb=25.0 if rank == 0 else 1 / 2 ** 20)
+        seen["different bucket caps"] = None
+    except RuntimeError as exc:
+        seen["different bucket caps"] = (str(exc), True)
+    return seen
+
+
+def test_mismatched_modules_are_a_runtime_error_naming_the_parameter_on_every_rank():
+    # without the check the broadcasts would have different sizes: gloo aborts
+    # a process or, worse, the ranks copy garbage into each other's weights
+    results = run_ranks(_mismatched_modules, 2, timeout=TIMEOUT)
+    for rank, seen in enumerate(results):
+        for name, fragment in {"a differently shaped 1.weight": "1.weight",
+                               "an extra layer on rank 1": "2.weight",
+                               "different bucket caps": "bucket_cap_mb"}.items():
+            assert seen[name] is not None, f"rank {rank}: {name} did not raise"
+            message, unchanged = seen[name]
+            assert fragment in message, f"rank {rank}: {name}: {message}"
+            assert unchanged, f"rank {rank}: {name}: parameters changed before the error"
+
+
 # ---------------------------------------------------------- optimizer state
 def _net():
     gen = torch.Generator().manual_seed(5)

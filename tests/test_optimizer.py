@@ -426,11 +426,6 @@ def test_an_extra_parameter_on_one_rank_is_a_runtime_error_on_every_rank():
                for e in errors), errors
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: with the default bcast_period=0 the constructor broadcasts the parameters before "
-    "the ranks' parameter lists are checked; when rank 1's bucket is smaller than rank 0's "
-    "(a smaller parameters[0]) gloo aborts rank 1 (EnforceNotMet 'op.preamble.length <= "
-    "op.nbytes') instead of every rank raising a RuntimeError naming parameters[0]"))
 def test_a_differently_shaped_parameter_on_one_rank_is_a_runtime_error_on_every_rank():
     errors = rank_errors(_mismatched_parameters, 2, _with_a_smaller_first_parameter,
                          timeout=CRASH_TIMEOUT)

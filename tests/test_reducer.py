@@ -584,12 +584,6 @@ def _local_two_layer_grads(rank):
     return [p.grad for p in list(first.parameters()) + list(last.parameters())]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: register_hooks: when a backward raises after some gradient hooks fired, "
-    "_in_backward stays True and no end-of-backward callback runs, so every later "
-    "backward skips _begin_backward/_end_backward: .grad keeps the local gradients "
-    "(different on each rank), reducer.reduced stays False and started all-reduces are "
-    "never waited for"))
 def test_a_backward_that_raised_does_not_stop_the_next_one_from_reducing():
     results = run_ranks(_after_a_failed_backward, 2, timeout=TIMEOUT)
     expected = [(a + b) / 2 for a, b in zip(_local_two_layer_grads(0), _local_two_layer_grads(1))]
@@ -720,11 +714,6 @@ def _first_mismatch_named(rank, world_size):
     return seen
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: the plan check compares parameters in bucket (reversed) order and names rank "
-    "0's entry there: an extra parameters[4] on rank 1 is reported as parameters[3] "
-    "(equal on both ranks), and with parameters[1] and [3] both differing, parameters[3] "
-    "is named instead of the first mismatch, parameters[1]"))
 def test_the_mismatch_error_names_the_first_mismatching_parameter_in_parameter_order():
     results = run_ranks(_first_mismatch_named, 2, timeout=TIMEOUT)
     for seen in results:
@@ -738,11 +727,6 @@ def _different_caps(rank, world_size):
     reducer([torch.ones_like(w) for w in weights])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: the first-call plan check compares only per-parameter signatures (shape, dtype, "
-    "comm dtype, fusion id), not the bucket boundaries: with bucket_cap_mb differing "
-    "across ranks the ranks all-reduce buffers of different sizes and gloo aborts a "
-    "process (EnforceNotMet 'op.preamble.length <= op.nbytes') instead of a RuntimeError"))
 def test_different_bucket_caps_on_two_ranks_raise_a_runtime_error_on_every_rank():
     errors = rank_errors(_different_caps, 2, timeout=CRASH_TIMEOUT)
     assert all(e is not None and e[0] == "RuntimeError" for e in errors), errors
