@@ -7,8 +7,10 @@ flatten of bucket k+1 overlaps bucket k's communication.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import pickle
+import threading
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
@@ -280,8 +282,85 @@ def _clip(bounds: Sequence[int], lo: int, hi: int) -> List[int]:
     return [min(max(b, lo), hi) - lo for b in bounds]
 
 
+def _split_point(bounds: Sequence[int], lo: int, hi: int) -> int:
+    """Where the halving cuts ``[lo, hi)``: the point nearest its middle that is
+    a chunk boundary of the segment it falls in (``kernels.ADASUM_CHUNK``
+    elements from the segment's start) or a segment's end, so that no chunk is
+    ever split between ranks. The halves differ by at most one chunk."""
+    mid = lo + (hi - lo) // 2
+    i = bisect.bisect_right(bounds, mid) - 1
+    if i >= len(bounds) - 1:  # mid is the buffer's end: an empty slice
+        return hi
+    start, end = bounds[i], bounds[i + 1]
+    chunk = kernels.ADASUM_CHUNK
+    below = start + (mid - start) // chunk * chunk
+    above = min(end, below + chunk)
+    point = below if mid - below <= above - mid else above
+    return min(max(point, lo), hi)  # lo and hi are such points themselves
+
+
+def _chunks_before(bounds: Sequence[int], point: int) -> int:
+    """How many chunks of the segments lie before ``point`` (a split point)."""
+    return sum(kernels.adasum_chunk_counts(_clip(bounds, 0, point)))
+
+
+def _level_stats(left: torch.Tensor, right: torch.Tensor, bounds: Sequence[int], keep,
+                 n_chunks: int, ranks: Sequence[int], me: int, distance: int, group,
+                 backend: str) -> torch.Tensor:
+    """Every segment's statistics of the level's two vectors, which the
+    ``2 * distance`` ranks hold in disjoint slices (``keep`` is this rank's).
+
+    Each rank writes the partials of the chunks in its slice into its rows of
+    a ``[n_chunks, 3]`` array of -0.0 (every chunk lies in exactly one slice);
+    a butterfly exchange sums the arrays, which adds only -0.0 to each row, so
+    every rank ends with every chunk's exact partial, bitwise, and reduces
+    them in chunk order: the statistics ``kernels.adasum_stats`` gives for the
+    whole vectors, whatever the slices.
+    """
+    local = _clip(bounds, *keep)
+    mine = kernels.adasum_chunk_stats(left, right, local, backend=backend)
+    partials = torch.full((n_chunks, 3), -0.0, dtype=torch.float64, device=left.device)
+    first = _chunks_before(bounds, keep[0])
+    partials[first:first + mine.shape[0]] = mine
+    step = 1
+    while step <= distance:  # butterfly sum over the 2 * distance ranks
+        theirs = torch.empty_like(partials)
+        _exchange(partials, theirs, ranks[me ^ step], group)
+        partials = partials + theirs
+        step <<= 1
+    return kernels.adasum_reduce_chunks(partials, bounds, backend=backend)
+
+
+class Workspace:
+    """A grow-only scratch buffer per (dtype, device) for the vectors AdaSum
+    receives. On the CPU each thread keeps one between calls (``for_buffer``):
+    a fresh large allocation costs page faults there (a fresh 25 MiB buffer
+    filled took 6x as long as a reused one); elsewhere one lives for a call."""
+
+    _per_thread = threading.local()
+
+    @classmethod
+    def for_buffer(cls, buffer: torch.Tensor) -> "Workspace":
+        if buffer.device.type != "cpu":
+            return cls()
+        kept = getattr(cls._per_thread, "workspace", None)
+        if kept is None:
+            kept = cls._per_thread.workspace = cls()
+        return kept
+
+    def __init__(self) -> None:
+        self._buffers: dict = {}
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (dtype, device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer[:numel]
+
+
 def adasum_tree(buffer: torch.Tensor, bounds: Sequence[int], ranks: Sequence[int], me: int,
-                group=None, backend: str = "auto") -> None:
+                group=None, backend: str = "auto", workspace: Optional[Workspace] = None) -> None:
     """AdaSum of the ``buffer``s of ``ranks`` (global ranks), in place, per segment.
 
     The tree is fixed, so the result is defined for any number of ranks n:
@@ -289,46 +368,46 @@ def adasum_tree(buffer: torch.Tensor, bounds: Sequence[int], ranks: Sequence[int
     into r - P (r - P on the left); then ranks 0..P-1 combine level by level at
     distance d = 1, 2, 4, ... (the lower rank on the left). The power-of-two
     part runs as recursive vector halving with distance doubling: at each level
-    a rank swaps half of its slice with ``me ^ d``, the per-segment statistics
-    of the slices are summed over the 2d ranks sharing the level's vectors by
-    a butterfly exchange of 3 doubles per segment (IEEE addition commutes, so
-    every rank gets bitwise the same sums), and the halves are combined; a
-    reverse all-gather then rebuilds the result. Every rank ends with bitwise
-    the same buffer; each sends about 2(P-1)/P of it (plus n > P's extra
-    vector).
+    a rank swaps half of its slice with ``me ^ d`` (cut on a chunk boundary,
+    ``_split_point``), the 2d ranks sharing the level's vectors sum their
+    per-chunk partial statistics by a butterfly exchange (``_level_stats``;
+    ``3 * 8`` bytes per chunk of the buffer), and the halves are combined; a
+    reverse all-gather then rebuilds the result. A segment's statistics are
+    those of ``kernels.adasum_stats`` on the whole vectors, whichever way the
+    buffer is cut, so the result does not depend on the bucket layout. Every
+    rank ends with bitwise the same buffer; each sends about 2(P-1)/P of it
+    (plus n > P's extra vector). ``workspace`` holds the received vectors
+    (default: a new one).
     """
     n = len(ranks)
     if n == 1:
         return
+    workspace = Workspace.for_buffer(buffer) if workspace is None else workspace
     top = 1 << (n.bit_length() - 1)
     if me >= top:
         dist.send(buffer, ranks[me - top], group)
         dist.recv(buffer, ranks[me - top], group)
         return
     if me + top < n:
-        other = torch.empty_like(buffer)
+        other = workspace.get(buffer.numel(), buffer.dtype, buffer.device)
         dist.recv(other, ranks[me + top], group)
         stats = kernels.adasum_stats(buffer, other, bounds, backend=backend)
         kernels.adasum_combine(buffer, other, bounds, stats, out=buffer, backend=backend)
+    n_chunks = sum(kernels.adasum_chunk_counts(bounds))
     lo, hi, distance, levels = 0, buffer.numel(), 1, []
     while distance < top:
         peer = ranks[me ^ distance]
-        mid = lo + (hi - lo) // 2
+        mid = _split_point(bounds, lo, hi)
         lower = not me & distance
         keep, give = ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
-        received = torch.empty(keep[1] - keep[0], dtype=buffer.dtype, device=buffer.device)
+        received = workspace.get(keep[1] - keep[0], buffer.dtype, buffer.device)
         _exchange(buffer[give[0]:give[1]], received, peer, group)
         mine = buffer[keep[0]:keep[1]]
         left, right = (mine, received) if lower else (received, mine)
-        local = _clip(bounds, *keep)
-        stats = kernels.adasum_stats(left, right, local, backend=backend)
-        step = 1
-        while step <= distance:  # butterfly sum over the 2 * distance ranks
-            theirs = torch.empty_like(stats)
-            _exchange(stats, theirs, ranks[me ^ step], group)
-            stats = stats + theirs
-            step <<= 1
-        kernels.adasum_combine(left, right, local, stats, out=mine, backend=backend)
+        stats = _level_stats(left, right, bounds, keep, n_chunks, ranks, me, distance, group,
+                             backend)
+        kernels.adasum_combine(left, right, _clip(bounds, *keep), stats, out=mine,
+                               backend=backend)
         levels.append((lo, hi, keep, give, peer))
         lo, hi = keep
         distance <<= 1
@@ -364,7 +443,9 @@ def adasum_allreduce(tensors: Sequence[torch.Tensor], group=None, *, local_size:
         backend: the kernels' backend.
 
     Returns:
-        One new tensor per input, in its dtype.
+        One new tensor per input, in its dtype and shape (contiguous). fp32
+        and fp64 results are views of the fused buckets the tree combined
+        (no copy out); 16-bit ones are cast from them into tensors of their own.
 
     Raises:
         RuntimeError: torch.distributed is not initialised; the ranks' tensor
@@ -385,9 +466,30 @@ def adasum_allreduce(tensors: Sequence[torch.Tensor], group=None, *, local_size:
                                  names + ["local_size"], group, what="tensor",
                                  layout=plan.layout(),
                                  layout_hint="pass the same bucket_cap_mb on every rank")
-    outputs = [torch.empty_like(t) for t in tensors]
-    adasum_plan(plan, tensors, outputs, group=group, local_size=local_size, backend=backend)
+    outputs: List[Optional[torch.Tensor]] = [None] * len(tensors)
+    for bucket, buffer in _adasum_buckets(plan, tensors, group, local_size, backend):
+        cast = []
+        for i, offset in zip(bucket.tensor_indices, bucket.offsets):
+            if tensors[i].dtype == bucket.dtype:
+                outputs[i] = buffer[offset:offset + tensors[i].numel()].view(tensors[i].shape)
+            else:
+                outputs[i] = torch.empty(tensors[i].shape, dtype=tensors[i].dtype,
+                                         device=tensors[i].device)
+                cast.append((i, offset))
+        if cast:
+            kernels.unflatten_cast_scale(buffer, [outputs[i] for i, _ in cast],
+                                         offsets=[o for _, o in cast], backend=backend)
     return outputs
+
+
+def adasum_segments(bucket: Bucket) -> List[int]:
+    """The bucket's AdaSum segments: each tensor's own elements, and the padding
+    before and after it as segments of their own (often empty), so a tensor's
+    statistics never include padding and are those of the tensor alone."""
+    bounds = [0]
+    for offset, numel in zip(bucket.offsets, bucket.numels):
+        bounds += [offset, offset + numel]
+    return bounds + [bucket.size]
 
 
 def adasum_plan(plan: BucketPlan, tensors: Sequence[torch.Tensor],
@@ -398,14 +500,34 @@ def adasum_plan(plan: BucketPlan, tensors: Sequence[torch.Tensor],
     ``adasum_allreduce`` without its checks: the caller vouches that every rank
     has the same plan (``plan`` built with ``comm_dtype=adasum_comm_dtype``).
     """
-    rank = dist.get_rank(group)
-    everyone = _global_ranks(group)
-    column = everyone[rank % local_size::local_size]
-    local = _local_group(group, local_size) if local_size > 1 else None
+    for bucket, buffer in _adasum_buckets(plan, tensors, group, local_size, backend):
+        plan.unflatten(bucket, buffer, outputs, backend=backend)
+
+
+def _adasum_buckets(plan: BucketPlan, tensors: Sequence[torch.Tensor], group, local_size: int,
+                    backend: str):
+    """``(bucket, buffer)`` per bucket of ``plan``, ``buffer`` a new flat buffer
+    holding the bucket's AdaSum across the ranks."""
+    workspace = None
     for bucket in plan.buckets:
         buffer = plan.flatten(bucket, tensors, scale=1.0 / local_size, backend=backend)
-        if local is not None:
-            dist.all_reduce(buffer, group=local)
-        bounds = list(bucket.offsets) + [bucket.size]
-        adasum_tree(buffer, bounds, column, rank // local_size, group, backend)
-        plan.unflatten(bucket, buffer, outputs, backend=backend)
+        workspace = Workspace.for_buffer(buffer) if workspace is None else workspace
+        adasum_buffer(buffer, adasum_segments(bucket), group=group, local_size=local_size,
+                      backend=backend, workspace=workspace, scaled=True)
+        yield bucket, buffer
+
+
+def adasum_buffer(buffer: torch.Tensor, bounds: Sequence[int], *, group=None,
+                  local_size: int = 1, backend: str = "auto",
+                  workspace: Optional[Workspace] = None, scaled: bool = False) -> None:
+    """The AdaSum of every rank's ``buffer`` (fp32 or fp64, cut into segments
+    at ``bounds``), in place: with ``local_size`` k, each block of k ranks is
+    first averaged (``buffer`` times 1/k unless ``scaled`` says it already
+    was, then summed), then the blocks combine along ``adasum_tree``."""
+    rank = dist.get_rank(group)
+    if local_size > 1:
+        if not scaled:
+            buffer.mul_(1.0 / local_size)
+        dist.all_reduce(buffer, group=_local_group(group, local_size))
+    column = _global_ranks(group)[rank % local_size::local_size]
+    adasum_tree(buffer, bounds, column, rank // local_size, group, backend, workspace)

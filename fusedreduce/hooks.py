@@ -19,14 +19,14 @@ This module must not use ``from __future__ import annotations``: DDP compares
 the hooks' annotations with the real ``dist.GradBucket`` and
 ``torch.futures.Future[torch.Tensor]`` objects, not strings.
 """
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import kernels
 from .buckets import BucketPlan, TensorSpec
-from .collectives import (adasum_comm_dtype, adasum_plan, check_local_size,
+from .collectives import (adasum_buffer, adasum_comm_dtype, adasum_plan, check_local_size,
                           require_process_group)
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -38,9 +38,11 @@ class HookState:
     Args:
         group: the process group (must be DDP's); default: the world.
         prescale: the factor applied before the collective; the rest of the
-            ``1 / world_size`` average is applied after it. Default: the
-            compress hooks and 16-bit buckets of ``allreduce_hook`` divide
-            fully before (fp16 overflow), fp32/fp64 buckets after.
+            ``1 / world_size`` average is applied after it. Default: divide
+            fully before the collective, as DDP does (for the compress hooks
+            and 16-bit buckets it also keeps fp16 sums from overflowing; for
+            fp32/fp64 buckets ``allreduce_hook`` then multiplies by
+            ``1 / world_size`` in place, as DDP without a hook does).
         local_size: ``adasum_hook`` first averages inside consecutive blocks
             of this many ranks, then AdaSums across them.
         backend: the kernels' backend (``"auto"``, ``"triton"``, ``"torch"``).
@@ -64,18 +66,19 @@ class HookState:
             if prescale == 0:
                 raise ValueError("prescale must not be 0: the sum would be lost")
         check_local_size(local_size, self.world_size)
-        kernels.resolve_backend(backend, torch.device("cpu"))  # validates the name
+        # the name only: the buckets' device (known at the first bucket) decides
+        # whether it can run there
+        kernels.check_backend(backend)
         self.group = group
         self.prescale = prescale
         self.local_size = local_size
         self.backend = backend
         self._adasum_plans: Dict[tuple, BucketPlan] = {}
 
-    def scales(self, prescale_by_default: bool):
+    def scales(self):
         """``(before, after)`` with ``before * after == 1 / world_size``."""
         total = 1.0 / self.world_size
-        before = self.prescale if self.prescale is not None else \
-            (total if prescale_by_default else 1.0)
+        before = self.prescale if self.prescale is not None else total
         return before, total / before
 
     def adasum_plan(self, grads) -> BucketPlan:
@@ -89,16 +92,18 @@ class HookState:
         return self._adasum_plans[key]
 
 
-_default_states: Dict[int, HookState] = {}
+_default_state: List[Tuple[object, HookState]] = []
 
 
 def _state(state) -> HookState:
     if state is None:
-        # one default per world, created on the first bucket
-        key = id(dist.group.WORLD) if dist.is_initialized() else 0
-        if key not in _default_states:
-            _default_states[key] = HookState()
-        return _default_states[key]
+        # one default per world group, created on its first bucket; the group
+        # object itself (not its id, which a new group may reuse after
+        # destroy_process_group) says whether the cached one is still current
+        world = dist.group.WORLD if dist.is_initialized() else None
+        if not _default_state or _default_state[0][0] is not world:
+            _default_state[:] = [(world, HookState())]
+        return _default_state[0][1]
     if not isinstance(state, HookState):
         raise TypeError(f"the fusedreduce hooks take None or a fusedreduce.hooks.HookState as "
                         f"state, got {type(state).__name__}")
@@ -111,14 +116,15 @@ def _future_of(tensor: torch.Tensor) -> torch.futures.Future:
     return future
 
 
-def _reduce_in(state: HookState, bucket: dist.GradBucket, dtype: torch.dtype,
-               prescale_by_default: bool) -> torch.futures.Future:
+def _reduce_in(state: HookState, bucket: dist.GradBucket,
+               dtype: torch.dtype) -> torch.futures.Future:
     """All-reduce ``bucket`` in ``dtype``: one fused cast-and-prescale pass into a
     temporary, the collective, one fused cast-back-and-postscale pass."""
     buffer = bucket.buffer()
-    before, after = state.scales(prescale_by_default)
+    before, after = state.scales()
     if buffer.dtype == dtype:
         if before != 1.0:
+            # by default DDP's own rounding: each addend times fp32(1/n), then the sum
             buffer.mul_(before)
         work = dist.all_reduce(buffer, group=state.group, async_op=True)
 
@@ -148,7 +154,7 @@ def allreduce_hook(state: Optional[HookState],
     state = _state(state)
     dtype = bucket.buffer().dtype
     wide = torch.float32 if dtype in _SIXTEEN_BIT else dtype
-    return _reduce_in(state, bucket, wide, prescale_by_default=dtype in _SIXTEEN_BIT)
+    return _reduce_in(state, bucket, wide)
 
 
 def fp16_compress_hook(state: Optional[HookState],
@@ -158,7 +164,7 @@ def fp16_compress_hook(state: Optional[HookState],
     Example:
         >>> ddp.register_comm_hook(None, fp16_compress_hook)      # doctest: +SKIP
     """
-    return _reduce_in(_state(state), bucket, torch.float16, prescale_by_default=True)
+    return _reduce_in(_state(state), bucket, torch.float16)
 
 
 def bfloat16_compress_hook(state: Optional[HookState],
@@ -172,7 +178,7 @@ def bfloat16_compress_hook(state: Optional[HookState],
     Example:
         >>> ddp.register_comm_hook(None, bf16_compress_hook)      # doctest: +SKIP
     """
-    return _reduce_in(_state(state), bucket, torch.bfloat16, prescale_by_default=True)
+    return _reduce_in(_state(state), bucket, torch.bfloat16)
 
 
 bf16_compress_hook = bfloat16_compress_hook
@@ -183,7 +189,9 @@ def adasum_hook(state: Optional[HookState],
     """AdaSum across ranks, one segment (and coefficient pair) per parameter.
 
     The result is bitwise that of ``fusedreduce.adasum_allreduce`` on the
-    bucket's per-parameter gradients. AdaSum's halving tree is a chain of
+    bucket's per-parameter gradients. fp32 and fp64 buckets are combined in
+    DDP's buffer itself (no copies); 16-bit ones go through an fp32 buffer
+    (one cast in, one cast back). AdaSum's halving tree is a chain of
     dependent point-to-point steps, so this hook runs it before returning (an
     already completed future): it does not overlap with the rest of backward.
 
@@ -193,6 +201,16 @@ def adasum_hook(state: Optional[HookState],
     state = _state(state)
     buffer = bucket.buffer()
     grads = bucket.gradients()
+    if buffer.dtype == adasum_comm_dtype(buffer.dtype):
+        # an fp32/fp64 bucket is combined where it is: DDP packs it densely in
+        # gradients() order, and a tensor's statistics do not depend on where
+        # it sits, so this is still bitwise adasum_allreduce's result
+        bounds = [0]
+        for g in grads:
+            bounds.append(bounds[-1] + g.numel())
+        adasum_buffer(buffer, bounds + [buffer.numel()], group=state.group,
+                      local_size=state.local_size, backend=state.backend)
+        return _future_of(buffer)
     outputs, start = [], 0
     for g in grads:  # DDP packs the bucket densely in gradients() order
         outputs.append(buffer[start:start + g.numel()].view(g.shape))

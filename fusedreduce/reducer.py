@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from . import kernels
 from .buckets import BucketPlan
-from .collectives import (PendingBucket, finish_bucket, new_buffers, require_process_group,
-                          start_bucket_all_reduce, verify_same_on_all_ranks)
+from .collectives import (PendingBucket, finish_bucket, require_process_group,
+                          verify_same_on_all_ranks)
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -102,7 +102,9 @@ class DistributedGradReducer:
             kernels.check_scale(prescale, "prescale")
             if prescale == 0:
                 raise ValueError("prescale must not be 0: the sum would be lost")
-        kernels.resolve_backend(backend, torch.device("cpu"))  # validates the name
+        # where the gradients live decides whether the backend can run: say so now
+        for device in sorted({p.device for p in self.parameters}, key=str):
+            kernels.resolve_backend(backend, device)
         self.group = group
         self.world_size = require_process_group(group)
         self.mean = bool(mean)

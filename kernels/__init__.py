@@ -30,10 +30,16 @@ __all__ = [
     "flatten_cast_scale",
     "unflatten_cast_scale",
     "adasum_stats",
+    "adasum_chunk_stats",
+    "adasum_reduce_chunks",
+    "adasum_chunk_counts",
     "adasum_combine",
     "ADASUM_NORM_FLOOR",
+    "ADASUM_CHUNK",
+    "ADASUM_FP32_LIMIT",
     "triton_available",
     "resolve_backend",
+    "check_backend",
     "check_scale",
     "SUPPORTED_DTYPES",
 ]
@@ -43,6 +49,11 @@ BACKENDS = ("auto", "triton", "torch")
 
 #: AdaSum coefficients are 1 where a squared norm is below this: sqrt(float64 tiny)
 ADASUM_NORM_FLOOR = math.sqrt(2.2250738585072014e-308)
+#: AdaSum statistics are sums over chunks of this many elements from a segment's start
+ADASUM_CHUNK = _torch.ADASUM_CHUNK
+#: fp32/16-bit buffers are combined in fp32 while both coefficients are at most
+#: this in magnitude, in fp64 otherwise
+ADASUM_FP32_LIMIT = _torch.ADASUM_FP32_LIMIT
 
 _triton_modules = None
 _triton_error: Optional[BaseException] = None
@@ -77,6 +88,18 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def check_backend(backend) -> str:
+    """``backend`` itself if it names a backend (``"auto"``, ``"triton"`` or
+    ``"torch"``); whether it can run is decided per device by ``resolve_backend``.
+
+    Raises:
+        ValueError: any other value.
+    """
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The backend a call on ``device`` runs with: ``"triton"`` or ``"torch"``.
 
@@ -89,8 +112,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             but cannot be imported, or ``"triton"`` was asked for on a CPU
             without the interpreter.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend)
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return "torch"
     if _triton() is None:
@@ -348,13 +370,33 @@ def _check_segments(segments, size: int):
     return bounds
 
 
+def adasum_chunk_counts(segments: Sequence[int]) -> list:
+    """How many AdaSum chunks each segment has: ``ceil(length / ADASUM_CHUNK)``.
+
+    Example:
+        >>> adasum_chunk_counts([0, 5, 5, ADASUM_CHUNK + 5])
+        [1, 0, 1]
+    """
+    bounds = [_index(s, f"segments[{i}]") for i, s in enumerate(
+        segments.tolist() if isinstance(segments, torch.Tensor) else segments)]
+    return _torch.adasum_chunk_counts(bounds)
+
+
 def adasum_stats(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int], *,
                  backend: str = "auto") -> torch.Tensor:
     """Per segment ``(a·b, ‖a‖², ‖b‖²)`` of two flat buffers, as float64 ``[n, 3]``.
 
-    Products and sums are fp64 (squared norms of fp32 data can leave fp32's
-    range); block sums are added in a fixed order, so the result is
-    deterministic. Segment ``i`` is ``[segments[i], segments[i + 1])``.
+    Segment ``i`` is ``[segments[i], segments[i + 1])``. The statistics are
+    defined over *chunks*: a segment is cut into chunks of ``ADASUM_CHUNK``
+    elements from its start (the last one shorter); each chunk's three sums of
+    fp64 products are formed by a fixed walk relative to the chunk's start
+    (``adasum_chunk_stats``), and a segment's statistics are its chunk
+    partials added in chunk order, ``((p0 + p1) + p2) + …`` in fp64
+    (``adasum_reduce_chunks``). So a segment's statistics are bitwise the same
+    wherever it sits in a buffer, alone or fused, and when its chunks are
+    computed in pieces (on different ranks) and added afterwards; the result
+    is deterministic. The walk inside a chunk is the backend's own (Triton's
+    or torch's), so the two backends may differ in the last bits.
 
     Args:
         a, b: 1-D contiguous buffers of one floating dtype, device and size.
@@ -380,15 +422,83 @@ def adasum_stats(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int], *,
     return out
 
 
+def adasum_chunk_stats(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int], *,
+                       backend: str = "auto") -> torch.Tensor:
+    """Every chunk's ``(Σxy, Σx², Σy²)``, as float64 ``[n_chunks, 3]``.
+
+    Chunks in order: segment by segment, each segment's chunks of
+    ``ADASUM_CHUNK`` elements from its start (``adasum_chunk_counts``). A
+    chunk's partial depends only on the chunk's values, not on where it sits,
+    so a slice of a buffer that starts and ends on chunk boundaries of the
+    segments it cuts gives exactly the rows of its chunks.
+    ``adasum_reduce_chunks`` turns the rows into ``adasum_stats``.
+
+    Raises:
+        TypeError/ValueError: as ``adasum_stats``.
+
+    Example:
+        >>> a = torch.ones(ADASUM_CHUNK + 2)
+        >>> adasum_chunk_stats(a, 2 * a, [0, ADASUM_CHUNK + 2])[:, 0].tolist()
+        [32768.0, 4.0]
+    """
+    _check_pair(a, b)
+    bounds = _check_segments(segments, a.numel())
+    out = torch.zeros(sum(_torch.adasum_chunk_counts(bounds)), 3, dtype=torch.float64,
+                      device=a.device)
+    if resolve_backend(backend, a.device) == "torch":
+        _torch.adasum_chunk_stats(a, b, bounds, out)
+    else:
+        _triton_kernels()[1].chunk_stats(a, b, bounds, out)
+    return out
+
+
+def adasum_reduce_chunks(partials: torch.Tensor, segments: Sequence[int], *,
+                         backend: str = "auto") -> torch.Tensor:
+    """Each segment's chunk partials added in chunk order: ``adasum_stats``.
+
+    ``partials`` is float64 ``[n_chunks, 3]`` for the chunks of ``segments``
+    (as ``adasum_chunk_stats`` returns them, or summed across ranks that each
+    filled the rows of their own chunks). Returns float64 ``[n, 3]``: segment
+    ``i``'s rows added one after the other, ``((p0 + p1) + p2) + …`` (zeros for
+    an empty segment) — the same additions on both backends.
+
+    Raises:
+        TypeError/ValueError: bad ``segments`` (any non-decreasing boundaries
+            from 0), or ``partials`` not float64 ``[n_chunks, 3]``.
+    """
+    if isinstance(segments, torch.Tensor):
+        segments = segments.tolist()
+    bounds = [_index(s, f"segments[{i}]") for i, s in enumerate(segments)]
+    _check_segments(bounds, bounds[-1] if bounds else 0)
+    counts = _torch.adasum_chunk_counts(bounds)
+    if not isinstance(partials, torch.Tensor) or partials.dtype != torch.float64 \
+            or partials.shape != (sum(counts), 3):
+        raise ValueError(f"partials must be a float64 tensor of shape ({sum(counts)}, 3) "
+                         f"for these segments")
+    partials = partials.contiguous()
+    out = torch.zeros(len(bounds) - 1, 3, dtype=torch.float64, device=partials.device)
+    if resolve_backend(backend, partials.device) == "torch":
+        _torch.adasum_reduce_chunks(partials, counts, out)
+    else:
+        _triton_kernels()[1].reduce_chunks(partials, counts, out)
+    return out
+
+
 def adasum_combine(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int],
                    stats: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                    backend: str = "auto") -> torch.Tensor:
     """``out = ca·a + cb·b`` per segment: the AdaSum of ``a`` and ``b``.
 
     ``ca = 1 - a·b / (2‖a‖²)`` and ``cb = 1 - a·b / (2‖b‖²)`` from that
-    segment's row of ``stats`` (``adasum_stats``); a coefficient is 1 where its
-    squared norm is below ``ADASUM_NORM_FLOOR``, so ``AdaSum(g, 0) = g``.
-    Computed in fp32 (fp64 for fp64 buffers), written in the buffers' dtype.
+    segment's row of ``stats`` (``adasum_stats``), in fp64; a coefficient is 1
+    where its squared norm is below ``ADASUM_NORM_FLOOR``, so
+    ``AdaSum(g, 0) = g``. fp64 buffers are combined in fp64. fp32 and 16-bit
+    buffers are combined in fp32 (coefficients rounded to fp32) while
+    ``|ca|`` and ``|cb|`` are at most ``ADASUM_FP32_LIMIT`` (2^64), and in fp64
+    otherwise, rounded once to fp32: a gradient ~1e-38 meeting a parallel one
+    ~1e19 gives coefficients ~1e56 that fp32 cannot hold. The choice is per
+    segment, from its coefficients alone, so every rank makes the same one.
+    Written in the buffers' dtype (16-bit via fp32).
 
     Args:
         a, b: 1-D contiguous buffers of one floating dtype, device and size.
@@ -418,7 +528,7 @@ def adasum_combine(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int],
                          f"on {a.device}")
     stats = stats.contiguous()
     if resolve_backend(backend, a.device) == "torch":
-        _torch.adasum_combine(a, b, bounds, stats, out, ADASUM_NORM_FLOOR)
+        _torch.adasum_combine(a, b, bounds, stats, out, ADASUM_NORM_FLOOR, ADASUM_FP32_LIMIT)
     else:
         _triton_kernels()[1].combine(a, b, bounds, stats, out)
     return out

@@ -4,22 +4,26 @@ Used on CPU and wherever Triton is not wanted. The element math follows the
 kernels' rule (fp32, or fp64 when either side is fp64; 16-bit results rounded
 from fp32). Python overhead per tensor matters as much as bandwidth here (a
 ResNet-50 has 161 gradients), so the work is done by a few ``torch._foreach_*``
-calls over all segments at once wherever the dtypes allow:
-
-- *exact* pairs (the destination holds every source value: the same dtype, or
-  widening): one ``_foreach_copy_``, then, if ``scale != 1``, one in-place
-  ``_foreach_mul_`` in the destination dtype, when that is the compute dtype
-  (fp32/fp64: foreach ops round the scalar to the tensors' dtype);
-- other pairs (16-bit destinations with a scale, narrowing, fp16<->bf16): per
-  segment, the product in the compute dtype on a cache-sized piece, then one
-  rounding into the destination.
+calls over all segments at once wherever the dtypes allow (the routes are
+listed in ``_scaled_copies``): a copy that rounds as the kernels do is one
+``_foreach_copy_`` for every such pair; a scale on an fp32/fp64 destination
+adds one ``_foreach_mul_`` (or one ``mul_`` over the whole flat buffer); a
+scaled 16-bit destination takes one ``torch.mul(src, scale, out=dst)`` per
+pair; only fp64 into 16 bits and fp16<->bf16 with a scale go piece by piece.
 """
 from __future__ import annotations
+
+import math
+import threading
+
+from typing import Optional
 
 import torch
 
 # elements per piece: 256 KiB of fp32, so the second pass over a piece hits L2
 CHUNK = 1 << 16
+
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 _WIDENS_TO = {
     torch.float16: {torch.float32, torch.float64},
@@ -106,29 +110,69 @@ def _segments(flat: torch.Tensor, offsets, numels, extents=None):
     return ([v for v, k in zip(views, kinds) if k], [v for v, k in zip(views, kinds) if not k])
 
 
-def _scaled_copies(dsts, srcs, scale: float, accumulate: bool = False) -> None:
-    """``dst = cast(src * scale)`` (or ``dst = cast(dst + src * scale)``) per pair."""
-    # foreach ops round the scalar to the tensors' dtype: only fp32/fp64
-    # destinations (the compute dtype itself) may take the scaled foreach path
-    exact = [i for i, (d, s) in enumerate(zip(dsts, srcs))
-             if _exact(d.dtype, s.dtype) and d.numel()
-             and (scale == 1.0 or d.dtype in (torch.float32, torch.float64))]
-    if exact:
-        d_exact, s_exact = [dsts[i] for i in exact], [srcs[i] for i in exact]
-        if not accumulate:
-            torch._foreach_copy_(d_exact, s_exact)
-            if scale != 1.0:
-                torch._foreach_mul_(d_exact, scale)
-        elif all(d.dtype == s.dtype == compute_dtype(d.dtype, s.dtype)
-                 for d, s in zip(d_exact, s_exact)):
-            torch._foreach_add_(d_exact, s_exact, alpha=scale)
-        else:
-            exact = []
-    done = set(exact)
-    op = _add_scaled if accumulate else _write_scaled
+def _one_rounding_mul(dst_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
+    """Whether ``torch.mul(src, scale, out=dst)`` is ``cast(src * scale)`` computed in
+    fp32 with one rounding into a 16-bit ``dst``: true when ``src`` is fp32 (the
+    product is fp32, rounded once on the way out) or ``dst``'s own dtype (ATen
+    computes 16-bit products in fp32 with an fp32 scalar, rounding once)."""
+    return dst_dtype in _SIXTEEN_BIT and src_dtype in (torch.float32, dst_dtype)
+
+
+def _scaled_copies(dsts, srcs, scale: float, accumulate: bool = False,
+                   whole: Optional[torch.Tensor] = None) -> None:
+    """``dst = cast(src * scale)`` (or ``dst = cast(dst + src * scale)``) per pair.
+
+    The cheapest exact route per pair (measured on a 2-core CPU against one
+    big ``copy_``; see the README's kernel figures):
+
+    - scale 1 and no fp64 source into a 16-bit destination: everything
+      ``copy_`` rounds exactly as the kernels do (one rounding from a value
+      fp32 holds exactly) goes through one ``_foreach_copy_``;
+    - exact pairs with an fp32/fp64 destination and a scale: ``_foreach_copy_``
+      then ``_foreach_mul_`` (foreach ops round the scalar to the tensors'
+      dtype, so only the compute dtype itself may take this path);
+    - a 16-bit destination from fp32 or its own dtype with a scale: one
+      ``torch.mul(src, scale, out=dst)`` per pair, one rounding;
+    - anything else (fp64 into 16 bits, fp16<->bf16 with a scale): per
+      segment, the product in the compute dtype on a cache-sized piece.
+
+    ``whole``: a flat buffer holding every ``dst`` whose other elements the
+    caller overwrites afterwards; when all pairs take the second route it is
+    scaled in one pass.
+    """
+    if accumulate:
+        same = [d.dtype == s.dtype == compute_dtype(d.dtype, s.dtype) for d, s in zip(dsts, srcs)]
+        if any(same):
+            torch._foreach_add_([d for d, x in zip(dsts, same) if x],
+                                [s for s, x in zip(srcs, same) if x], alpha=scale)
+        for d, s, x in zip(dsts, srcs, same):
+            if not x and d.numel():
+                _apply(_add_scaled, d, s, scale)
+        return
+    copies, scaled, products, rest = [], [], [], []
     for i, (d, s) in enumerate(zip(dsts, srcs)):
-        if i not in done and d.numel():
-            _apply(op, d, s, scale)
+        if not d.numel():
+            continue
+        if scale == 1.0 and (_exact(d.dtype, s.dtype) or
+                             (d.dtype in _SIXTEEN_BIT and s.dtype != torch.float64)):
+            copies.append(i)
+        elif _exact(d.dtype, s.dtype) and d.dtype in (torch.float32, torch.float64):
+            scaled.append(i)
+        elif _one_rounding_mul(d.dtype, s.dtype):
+            products.append(i)
+        else:
+            rest.append(i)
+    for group in (copies, scaled):
+        if group:
+            torch._foreach_copy_([dsts[i] for i in group], [srcs[i] for i in group])
+    if scaled and whole is not None and len(scaled) == len(dsts):
+        whole.mul_(scale)  # one pass over the buffer beats one per segment
+    elif scaled:
+        torch._foreach_mul_([dsts[i] for i in scaled], scale)
+    for i in products:
+        torch.mul(srcs[i], scale, out=dsts[i])
+    for i in rest:
+        _apply(_write_scaled, dsts[i], srcs[i], scale)
 
 
 def flatten(tensors, offsets, extents, out, scale, check_finite):
@@ -136,7 +180,8 @@ def flatten(tensors, offsets, extents, out, scale, check_finite):
     with torch.no_grad():
         segments, gaps = _segments(out, offsets, [t.numel() for t in tensors], extents)
         pairs = [_pair(seg, t) for seg, t in zip(segments, tensors)]
-        _scaled_copies([d for d, _ in pairs], [s for _, s in pairs], scale)
+        # the gaps are zeroed after: the whole buffer may be scaled at once
+        _scaled_copies([d for d, _ in pairs], [s for _, s in pairs], scale, whole=out)
         if gaps:
             torch._foreach_zero_(gaps)
         if not check_finite:
@@ -170,28 +215,162 @@ def unflatten(flat, tensors, offsets, scale, accumulate):
 
 
 # ------------------------------------------------------------------ AdaSum
+#
+# The statistics of a segment are defined over fixed chunks of ADASUM_CHUNK
+# elements counted from the segment's start (the last one may be shorter): each
+# chunk's partial sums, then the fp64 sum of those partials in chunk order. A
+# chunk's partial depends only on the chunk's values, never on where it sits in
+# a buffer, so a tensor's statistics come out bitwise the same whether it is
+# reduced whole, inside any fused bucket, or cut at chunk boundaries across ranks.
 
-ADASUM_BLOCK = 1 << 16
+#: elements per AdaSum chunk (a power of two, a multiple of every vector width)
+ADASUM_CHUNK = 1 << 14
+#: fp32 (and 16-bit) data is combined with fp32 coefficients while both are at
+#: most this in magnitude, and in fp64 otherwise (fp32 cannot hold such coefficients)
+ADASUM_FP32_LIMIT = 2.0 ** 64
+# elements of one fallback pass: 5 fp64 arrays of this size (x, y, three products) sit in L3
+_STATS_PASS = 8 * ADASUM_CHUNK
+# elements of one combine pass: its fp32 products stay in cache between the ops
+_COMBINE_PASS = 1 << 17
+
+_scratch = threading.local()
+
+
+def _scratch_buffer(name, shape, dtype, device):
+    """A scratch tensor kept between calls (per thread) on the CPU, where a fresh
+    multi-MiB allocation costs page faults each time; a new one elsewhere."""
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    kept = getattr(_scratch, name, None)
+    numel = math.prod(shape)
+    if kept is None or kept.dtype != dtype or kept.numel() < numel:
+        kept = torch.empty(numel, dtype=dtype)
+        setattr(_scratch, name, kept)
+    return kept[:numel].view(shape)
+
+
+def adasum_chunk_counts(boundaries):
+    """The number of chunks of each segment."""
+    return [-(-(hi - lo) // ADASUM_CHUNK) for lo, hi in zip(boundaries[:-1], boundaries[1:])]
+
+
+def _chunk_groups(boundaries):
+    """The chunks of all segments, in order, as passes of at most ``_STATS_PASS``
+    elements: each pass a list of ``(start, rows, length)`` runs, a run being
+    ``rows`` whole chunks or (rows 0) one shorter, last chunk of ``length``."""
+    group, used = [], 0
+    for lo, hi in zip(boundaries[:-1], boundaries[1:]):
+        position = lo
+        while position < hi:
+            room = _STATS_PASS - used
+            if hi - position >= ADASUM_CHUNK:
+                rows = min((hi - position) // ADASUM_CHUNK, room // ADASUM_CHUNK)
+                if rows == 0:
+                    yield group
+                    group, used = [], 0
+                    continue
+                group.append((position, rows, rows * ADASUM_CHUNK))
+            else:
+                if hi - position > room:
+                    yield group
+                    group, used = [], 0
+                    continue
+                group.append((position, 0, hi - position))
+            used += group[-1][2]
+            position += group[-1][2]
+    if group:
+        yield group
+
+
+def adasum_chunk_stats(a, b, boundaries, out):
+    """Each chunk's ``(Σxy, Σx², Σy²)`` into ``out`` (float64 ``[n_chunks, 3]``).
+
+    Chunks in order: segment by segment, each segment's chunks from its start.
+    A chunk's partial is torch's sum over one row of its fp64 products
+    (``sum(dim=-1)``; fp32 products are exact in fp64). A row's sum depends on
+    its values and its length only: not on its address, on the other rows
+    reduced in the same call or on the thread count (checked in
+    tests/test_adasum_kernels.py), so a chunk gives the same bits wherever it
+    sits. Work goes a few chunks at a time through fp64 scratch kept between
+    calls.
+    """
+    with torch.no_grad():
+        scratch = _scratch_buffer("stats", (5, min(_STATS_PASS, a.numel())), torch.float64,
+                                  a.device)
+        row = 0
+        for group in _chunk_groups(boundaries):
+            used = sum(length for _, _, length in group)
+            if a.dtype == torch.float64 and len(group) == 1:
+                start = group[0][0]
+                x, y = a[start:start + used], b[start:start + used]
+            else:
+                x, y, position = scratch[0, :used], scratch[1, :used], 0
+                for start, _, length in group:
+                    x[position:position + length].copy_(a[start:start + length])
+                    y[position:position + length].copy_(b[start:start + length])
+                    position += length
+            products = scratch[2:, :used]
+            torch.mul(x, y, out=products[0])
+            if x.data_ptr() == scratch.data_ptr():  # both squares in one op
+                torch.square(scratch[:2, :used], out=products[1:])
+            else:
+                torch.mul(x, x, out=products[1])
+                torch.mul(y, y, out=products[2])
+            position = 0
+            for _, rows, length in group:
+                piece = products[:, position:position + length]
+                if rows:
+                    torch.sum(piece.view(3, rows, ADASUM_CHUNK), 2, out=out[row:row + rows].T)
+                else:
+                    torch.sum(piece, 1, out=out[row])
+                row += max(rows, 1)
+                position += length
+
+
+def adasum_reduce_chunks(partials, counts, out):
+    """``out[i]``: segment ``i``'s chunk partials added in chunk order,
+    ``((p0 + p1) + p2) + …`` in fp64 (0 for a segment without chunks)."""
+    if partials.device.type == "cpu":
+        # exact IEEE double additions, one after the other: Python floats are fp64
+        rows, sums, position = partials.tolist(), [], 0
+        for count in counts:
+            dot = a2 = b2 = -0.0  # -0.0 + x is x for every x, -0.0 included
+            for d, x, y in rows[position:position + count]:
+                dot += d
+                a2 += x
+                b2 += y
+            sums.append((dot, a2, b2) if count else (0.0, 0.0, 0.0))
+            position += count
+        if sums:
+            out.copy_(torch.tensor(sums, dtype=torch.float64))
+        return
+    # elsewhere: one column of a padded [segments, longest, 3] gather at a time;
+    # the padding is -0.0, which adds exactly
+    longest = max(counts, default=0)
+    out.zero_()
+    if longest == 0:
+        return
+    counts_t = torch.tensor(counts, dtype=torch.int64)
+    first = torch.cumsum(counts_t, 0) - counts_t
+    index = first[:, None] + torch.arange(longest)[None, :]
+    index = torch.where(torch.arange(longest)[None, :] < counts_t[:, None], index,
+                        partials.shape[0]).to(partials.device)
+    padded = torch.cat([partials, torch.full((1, 3), -0.0, dtype=torch.float64,
+                                             device=partials.device)])[index]
+    total = padded[:, 0].clone()
+    for j in range(1, longest):
+        total += padded[:, j]
+    nonempty = (counts_t > 0).to(partials.device)
+    out.copy_(torch.where(nonempty[:, None], total, 0.0))
 
 
 def adasum_stats(a, b, boundaries, out):
-    """Each segment's ``(a·b, ‖a‖², ‖b‖²)`` into ``out`` (float64 [n, 3]).
-
-    In fp64, block by block in a fixed order (AdaSum's norms of fp32 data can
-    leave fp32's range; fp64 products cannot).
-    """
-    rows = []
-    with torch.no_grad():
-        for lo, hi in zip(boundaries[:-1], boundaries[1:]):
-            dot = a2 = b2 = torch.zeros((), dtype=torch.float64, device=a.device)
-            for start in range(lo, hi, ADASUM_BLOCK):
-                end = min(hi, start + ADASUM_BLOCK)
-                x = a[start:end].to(torch.float64)
-                y = b[start:end].to(torch.float64)
-                dot, a2, b2 = dot + torch.dot(x, y), a2 + torch.dot(x, x), b2 + torch.dot(y, y)
-            rows.append(torch.stack([dot, a2, b2]))
-        if rows:
-            out.copy_(torch.stack(rows))
+    """Each segment's ``(a·b, ‖a‖², ‖b‖²)`` into ``out`` (float64 ``[n, 3]``): its
+    chunk partials (``adasum_chunk_stats``) added in chunk order."""
+    counts = adasum_chunk_counts(boundaries)
+    partials = torch.empty(sum(counts), 3, dtype=torch.float64, device=a.device)
+    adasum_chunk_stats(a, b, boundaries, partials)
+    adasum_reduce_chunks(partials, counts, out)
 
 
 def adasum_coefficients(segment_stats, floor):
@@ -205,15 +384,68 @@ def adasum_coefficients(segment_stats, floor):
     return coefficient(a2), coefficient(b2)
 
 
-def adasum_combine(a, b, boundaries, segment_stats, out, floor):
-    """``out = ca·a + cb·b`` per segment, in fp32 (fp64 for fp64 buffers)."""
-    ca, cb = adasum_coefficients(segment_stats, floor)
+def _pieces(spans, size):
+    """``spans`` (``(segment, lo, hi)``) cut into pieces of at most ``size``
+    elements, grouped into passes of at most ``size`` elements."""
+    group, used = [], 0
+    for i, lo, hi in spans:
+        while lo < hi:
+            if used == size:
+                yield group
+                group, used = [], 0
+            end = min(hi, lo + size - used)
+            group.append((i, lo, end))
+            used += end - lo
+            lo = end
+    if group:
+        yield group
+
+
+def _combine_in_compute_dtype(a, b, out, spans, ca, cb):
+    """``out = fl(fl(a·ca) + fl(b·cb))`` on ``spans`` of fp32 or fp64 buffers, the
+    coefficients rounded to the buffers' dtype, a cache-sized pass at a time."""
+    if out is b:  # IEEE addition commutes: the same bits with the roles swapped
+        a, b, ca, cb = b, a, cb, ca
+    scratch = _scratch_buffer("combine", (min(_COMBINE_PASS, a.numel()),), a.dtype, a.device)
+    for group in _pieces(spans, _COMBINE_PASS):
+        targets = [out[lo:hi] for _, lo, hi in group]
+        if out is not a:
+            torch._foreach_copy_(targets, [a[lo:hi] for _, lo, hi in group])
+        others, position = [], 0
+        for _, lo, hi in group:
+            others.append(scratch[position:position + hi - lo])
+            position += hi - lo
+        torch._foreach_copy_(others, [b[lo:hi] for _, lo, hi in group])
+        # foreach ops round a Python scalar to the tensors' dtype, as the kernel does
+        torch._foreach_mul_(targets, [ca[i] for i, _, _ in group])
+        torch._foreach_mul_(others, [cb[i] for i, _, _ in group])
+        torch._foreach_add_(targets, others)
+
+
+def adasum_combine(a, b, boundaries, segment_stats, out, floor, limit=ADASUM_FP32_LIMIT):
+    """``out = ca·a + cb·b`` per segment: in fp64 for fp64 buffers; otherwise in
+    fp32 while ``|ca|, |cb| <= limit`` and in fp64 (rounded once) beyond it.
+
+    The coefficients are read on the host (free for CPU tensors, one small copy
+    elsewhere).
+    """
+    ca, cb = (c.tolist() for c in adasum_coefficients(segment_stats, floor))
     compute = compute_dtype(a.dtype, a.dtype)
+    narrow, wide = [], []
+    for i, (lo, hi) in enumerate(zip(boundaries[:-1], boundaries[1:])):
+        if hi > lo:
+            fits = compute == torch.float64 or (abs(ca[i]) <= limit and abs(cb[i]) <= limit)
+            (narrow if fits else wide).append((i, lo, hi))
     with torch.no_grad():
-        for i, (lo, hi) in enumerate(zip(boundaries[:-1], boundaries[1:])):
-            if hi == lo:
-                continue
+        if a.dtype == compute:
+            _combine_in_compute_dtype(a, b, out, narrow, ca, cb)
+        else:  # 16-bit buffers: fp32 math, one rounding into the buffer
+            for i, lo, hi in narrow:
+                mixed = a[lo:hi].to(compute) * ca[i]
+                mixed += b[lo:hi].to(compute) * cb[i]
+                _round_into(out[lo:hi], mixed)
+        for i, lo, hi in wide:
             # new tensors throughout: ``out`` may be ``a`` or ``b``
-            mixed = a[lo:hi].to(compute) * ca[i].to(compute)
-            mixed += b[lo:hi].to(compute) * cb[i].to(compute)
+            mixed = a[lo:hi].to(torch.float64) * ca[i]
+            mixed += b[lo:hi].to(torch.float64) * cb[i]
             _round_into(out[lo:hi], mixed)

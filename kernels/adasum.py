@@ -1,16 +1,29 @@
 """Triton kernels for AdaSum's per-segment statistics and combination.
 
 For flat buffers ``a`` and ``b`` cut into segments (one per parameter tensor),
-``stats`` gives each segment's ``(a·b, ‖a‖², ‖b‖²)`` and ``combine`` writes
+the statistics are each segment's ``(a·b, ‖a‖², ‖b‖²)`` and ``combine`` writes
 ``ca·a + cb·b`` with ``ca = 1 - a·b / (2‖a‖²)``, ``cb = 1 - a·b / (2‖b‖²)``
 (a coefficient is 1 where its squared norm is below ``sqrt(float64 tiny)``).
 
+Statistics are defined over chunks of ``CHUNK`` elements counted from each
+segment's start (the last one may be shorter). ``_chunk_stats_kernel`` runs one
+program per chunk: lane ``j`` of a ``BLOCK``-wide fp64 accumulator adds the
+chunk's elements ``j, j + BLOCK, …`` in order, then the lanes are summed. That
+walk is relative to the chunk's start, so a chunk gives the same partial
+wherever it sits in a buffer. ``_reduce_chunks_kernel`` then adds a segment's
+chunk partials one after the other, in chunk order. Products and sums are fp64:
+AdaSum must stay right from fp32's tiny to ``sqrt`` of its max, whose squares
+fp32 cannot hold. No atomics: every result has one writer.
+
+``_combine_kernel`` combines fp64 buffers in fp64; fp32 and 16-bit ones in fp32
+while ``|ca|, |cb| <= FP32_LIMIT`` (2^64), and in fp64 otherwise (a tiny and a
+huge gradient give coefficients beyond fp32's range, ~1e56). The branch is
+taken per program on the segment's coefficients, which every program of the
+segment (and every rank) computes identically.
+
 The launch table holds ``[ start | length ]`` per segment, then one
-``segment << 32 | block`` word per program, so one launch covers any number of
-segments of any sizes. Products and their block sums are fp64: AdaSum must stay
-right from fp32's tiny to ``sqrt`` of its max, whose squares fp32 cannot hold.
-Each program writes its block's three sums; a second kernel adds a segment's
-block sums in program order, so the result is deterministic (no atomics).
+``segment << 32 | index`` word per program (the chunk or block of the segment),
+so one launch covers any number of segments of any sizes.
 """
 from __future__ import annotations
 
@@ -19,62 +32,63 @@ import torch
 import triton
 import triton.language as tl
 
+from ._torch import ADASUM_CHUNK, ADASUM_FP32_LIMIT
 from .flatten import _downcast, _upcast
 
 BLOCK = 1024
-FINAL_CHUNK = 256
+CHUNK = ADASUM_CHUNK
+FP32_LIMIT = ADASUM_FP32_LIMIT
 NUM_WARPS = 4
 # below this squared norm a coefficient is 1 (AdaSum(g, 0) = g)
 NORM_FLOOR = float(np.sqrt(np.finfo(np.float64).tiny))
 
 
-@triton.constexpr_function
-def _compute_dtype(dtype):
-    return tl.float64 if dtype == tl.float64 else tl.float32
-
-
 @triton.jit
-def _program_segment(table, n_segments, BLOCK: tl.constexpr):
+def _program_work(table, n_segments):
     work = tl.load(table + 2 * n_segments + tl.program_id(0))
     seg = work >> 32
-    start = (work - (seg << 32)) * BLOCK
-    return seg, start
+    return seg, work - (seg << 32)
 
 
 @triton.jit
-def _stats_kernel(a, b, table, partials, n_segments, BLOCK: tl.constexpr):
-    seg, start = _program_segment(table, n_segments, BLOCK)
+def _chunk_stats_kernel(a, b, table, partials, n_segments, CHUNK: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    seg, chunk = _program_work(table, n_segments)
     seg_start = tl.load(table + seg)
     length = tl.load(table + n_segments + seg)
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < length
-    x = _upcast(tl.load(a + seg_start + offs, mask=mask, other=0.0), tl.float64)
-    y = _upcast(tl.load(b + seg_start + offs, mask=mask, other=0.0), tl.float64)
+    start = chunk * CHUNK
+    end = tl.minimum(length, start + CHUNK)
+    dot = tl.zeros([BLOCK], tl.float64)
+    a2 = tl.zeros([BLOCK], tl.float64)
+    b2 = tl.zeros([BLOCK], tl.float64)
+    # a fixed walk relative to the chunk's start: the same sums wherever it sits
+    for i in range(start, end, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        mask = offs < end
+        x = _upcast(tl.load(a + seg_start + offs, mask=mask, other=0.0), tl.float64)
+        y = _upcast(tl.load(b + seg_start + offs, mask=mask, other=0.0), tl.float64)
+        dot += x * y
+        a2 += x * x
+        b2 += y * y
     out = partials + tl.program_id(0) * 3
-    tl.store(out, tl.sum(x * y, axis=0))
-    tl.store(out + 1, tl.sum(x * x, axis=0))
-    tl.store(out + 2, tl.sum(y * y, axis=0))
+    tl.store(out, tl.sum(dot, axis=0))
+    tl.store(out + 1, tl.sum(a2, axis=0))
+    tl.store(out + 2, tl.sum(b2, axis=0))
 
 
 @triton.jit
-def _stats_finish_kernel(partials, first_program, stats, CHUNK: tl.constexpr):
+def _reduce_chunks_kernel(partials, first_chunk, stats):
     seg = tl.program_id(0)
-    first = tl.load(first_program + seg)
-    count = tl.load(first_program + seg + 1) - first
-    lanes = tl.arange(0, CHUNK)
-    dot = tl.zeros([CHUNK], tl.float64)
-    a2 = tl.zeros([CHUNK], tl.float64)
-    b2 = tl.zeros([CHUNK], tl.float64)
-    # a fixed walk over the segment's block sums: the same order every call
-    for i in range(0, count, CHUNK):
-        mask = i + lanes < count
-        row = partials + (first + i + lanes) * 3
-        dot += tl.load(row, mask=mask, other=0.0)
-        a2 += tl.load(row + 1, mask=mask, other=0.0)
-        b2 += tl.load(row + 2, mask=mask, other=0.0)
-    tl.store(stats + seg * 3, tl.sum(dot, axis=0))
-    tl.store(stats + seg * 3 + 1, tl.sum(a2, axis=0))
-    tl.store(stats + seg * 3 + 2, tl.sum(b2, axis=0))
+    first = tl.load(first_chunk + seg)
+    last = tl.load(first_chunk + seg + 1)
+    cols = tl.arange(0, 4)
+    keep = cols < 3
+    # -0.0 + x is x for every x: the sum is ((p0 + p1) + p2) + ..., one after the other
+    total = tl.full([4], -0.0, tl.float64)
+    for i in range(first, last):
+        total += tl.load(partials + i * 3 + cols, mask=keep, other=-0.0)
+    total = tl.where(last > first, total, 0.0)
+    tl.store(stats + seg * 3 + cols, total, mask=keep)
 
 
 @triton.jit
@@ -84,50 +98,81 @@ def _coefficient(dot, norm2, FLOOR: tl.constexpr):
 
 
 @triton.jit
-def _combine_kernel(a, b, out, table, stats, n_segments, FLOOR: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    seg, start = _program_segment(table, n_segments, BLOCK)
-    seg_start = tl.load(table + seg)
-    length = tl.load(table + n_segments + seg)
-    COMPUTE: tl.constexpr = _compute_dtype(a.dtype.element_ty)
-    dot = tl.load(stats + seg * 3)
-    ca = _coefficient(dot, tl.load(stats + seg * 3 + 1), FLOOR).to(COMPUTE)
-    cb = _coefficient(dot, tl.load(stats + seg * 3 + 2), FLOOR).to(COMPUTE)
-    offs = seg_start + start + tl.arange(0, BLOCK)
-    mask = start + tl.arange(0, BLOCK) < length
+def _mix(a, b, out, offs, mask, ca, cb, COMPUTE: tl.constexpr):
     x = _upcast(tl.load(a + offs, mask=mask, other=0.0), COMPUTE)
     y = _upcast(tl.load(b + offs, mask=mask, other=0.0), COMPUTE)
-    tl.store(out + offs, _downcast(ca * x + cb * y, out.dtype.element_ty), mask=mask)
+    mixed = ca.to(COMPUTE) * x + cb.to(COMPUTE) * y
+    tl.store(out + offs, _downcast(mixed, out.dtype.element_ty), mask=mask)
 
 
-def _segment_table(boundaries, device):
-    """The launch table, the program count and each segment's first program."""
+@triton.jit
+def _combine_kernel(a, b, out, table, stats, n_segments, FLOOR: tl.constexpr,
+                    LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+    seg, block = _program_work(table, n_segments)
+    seg_start = tl.load(table + seg)
+    length = tl.load(table + n_segments + seg)
+    dot = tl.load(stats + seg * 3)
+    ca = _coefficient(dot, tl.load(stats + seg * 3 + 1), FLOOR)
+    cb = _coefficient(dot, tl.load(stats + seg * 3 + 2), FLOOR)
+    start = block * BLOCK
+    offs = seg_start + start + tl.arange(0, BLOCK)
+    mask = start + tl.arange(0, BLOCK) < length
+    if a.dtype.element_ty == tl.float64:
+        _mix(a, b, out, offs, mask, ca, cb, tl.float64)
+    else:
+        # the coefficients are the segment's: all its programs branch alike
+        if (tl.abs(ca) <= LIMIT) & (tl.abs(cb) <= LIMIT):
+            _mix(a, b, out, offs, mask, ca, cb, tl.float32)
+        else:
+            _mix(a, b, out, offs, mask, ca, cb, tl.float64)
+
+
+def _segment_table(boundaries, device, unit):
+    """The launch table (one program per ``unit`` elements of each segment), the
+    program count and each segment's first program (``n + 1`` entries)."""
     bounds = np.asarray(boundaries, dtype=np.int64)
     starts, lengths = bounds[:-1], np.diff(bounds)
     n = len(starts)
-    blocks = -(-lengths // BLOCK)
-    programs = int(blocks.sum())
-    first = np.concatenate([[0], np.cumsum(blocks)]).astype(np.int64)
-    seg_of = np.repeat(np.arange(n, dtype=np.int64), blocks)
-    work = (seg_of << 32) | (np.arange(programs, dtype=np.int64) - np.repeat(first[:-1], blocks))
+    pieces = -(-lengths // unit)
+    programs = int(pieces.sum())
+    first = np.concatenate([[0], np.cumsum(pieces)]).astype(np.int64)
+    seg_of = np.repeat(np.arange(n, dtype=np.int64), pieces)
+    work = (seg_of << 32) | (np.arange(programs, dtype=np.int64) - np.repeat(first[:-1], pieces))
     table = torch.from_numpy(np.concatenate([starts, lengths, work])).to(device, non_blocking=True)
-    return table, programs, torch.from_numpy(first).to(device, non_blocking=True)
+    return table, programs, first
+
+
+def chunk_stats(a, b, boundaries, out):
+    """Fill ``out`` (float64 ``[n_chunks, 3]``) with every chunk's partial sums, in order."""
+    table, programs, _ = _segment_table(boundaries, a.device, CHUNK)
+    if programs:
+        _chunk_stats_kernel[(programs,)](a, b, table, out, len(boundaries) - 1, CHUNK=CHUNK,
+                                         BLOCK=BLOCK, num_warps=NUM_WARPS)
+
+
+def reduce_chunks(partials, counts, out):
+    """``out[i]`` (float64 ``[n, 3]``): segment ``i``'s ``counts[i]`` chunk partials
+    added in chunk order."""
+    if len(counts):
+        first = np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
+        first = torch.from_numpy(first.astype(np.int64)).to(partials.device, non_blocking=True)
+        _reduce_chunks_kernel[(len(counts),)](partials, first, out, num_warps=1)
 
 
 def stats(a, b, boundaries, out):
     """Fill ``out`` (float64 ``[n_segments, 3]``) with each segment's statistics."""
-    n = len(boundaries) - 1
-    table, programs, first = _segment_table(boundaries, a.device)
-    partials = torch.empty(max(programs, 1) * 3, dtype=torch.float64, device=a.device)
+    table, programs, first = _segment_table(boundaries, a.device, CHUNK)
+    partials = torch.empty(max(programs, 1), 3, dtype=torch.float64, device=a.device)
     if programs:
-        _stats_kernel[(programs,)](a, b, table, partials, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
-    if n:
-        _stats_finish_kernel[(n,)](partials, first, out, CHUNK=FINAL_CHUNK, num_warps=NUM_WARPS)
+        _chunk_stats_kernel[(programs,)](a, b, table, partials, len(boundaries) - 1,
+                                         CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    reduce_chunks(partials, np.diff(first), out)
 
 
 def combine(a, b, boundaries, segment_stats, out):
     """``out = ca·a + cb·b`` per segment (``out`` may be ``a`` or ``b``)."""
-    table, programs, _ = _segment_table(boundaries, a.device)
+    table, programs, _ = _segment_table(boundaries, a.device, BLOCK)
     if programs:
         _combine_kernel[(programs,)](a, b, out, table, segment_stats, len(boundaries) - 1,
-                                     FLOOR=NORM_FLOOR, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                                     FLOOR=NORM_FLOOR, LIMIT=FP32_LIMIT, BLOCK=BLOCK,
+                                     num_warps=NUM_WARPS)

@@ -1,10 +1,13 @@
-"""Compile the flatten kernels ahead of time for a CUDA target and report what came out.
+"""Compile the kernels ahead of time for a CUDA target and report what came out.
 
-    python tests/compile_kernels.py {flatten,unflatten} CAPABILITY
+    python tests/compile_kernels.py {flatten,unflatten,adasum} CAPABILITY
 
-Prints one JSON list, one entry per launch variant: the constexprs, whether
-PTX came out, the global loads/stores of the PTX by width in bits, and every
-value of the TTIR that carries a ``tt.divisibility`` hint. It needs no GPU, but
+Prints one JSON list, one entry per launch variant. Flatten kernels: the
+constexprs, whether PTX came out, the global loads/stores of the PTX by width
+in bits, and every value of the TTIR that carries a ``tt.divisibility`` hint.
+AdaSum kernels (chunk statistics, their in-order reduction, the combine, per
+buffer dtype): whether PTX came out and the count of each arithmetic, branch
+and atomic instruction of interest. It needs no GPU, but
 it must run without ``TRITON_INTERPRET``: under the interpreter ``@triton.jit``
 makes functions that cannot be compiled (test_compile_aot.py runs it in a
 subprocess for that reason).
@@ -23,6 +26,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from fusedreduce.kernels import adasum  # noqa: E402
 from fusedreduce.kernels import flatten as kernels  # noqa: E402
 
 BUFFER_TYPES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
@@ -89,7 +93,56 @@ def hinted_values(ttir: str) -> list:
     return found
 
 
+#: PTX instructions the AdaSum tests count: arithmetic by type, branches, atomics
+INSTRUCTION = re.compile(r"\b((?:fma|mul|add|sub|div)(?:\.rn)?\.f(?:32|64)|bra(?:\.uni)?|"
+                         r"atom|red)\b")
+
+
+def adasum_variants():
+    """(name, buffer, kernel, signature, constexprs, num_warps) of every AdaSum launch."""
+    for buffer in BUFFER_TYPES:
+        yield ("chunk_stats", buffer, adasum._chunk_stats_kernel,
+               {"a": f"*{buffer}", "b": f"*{buffer}", "table": "*i64", "partials": "*fp64",
+                "n_segments": "i32", "CHUNK": "constexpr", "BLOCK": "constexpr"},
+               {"CHUNK": adasum.CHUNK, "BLOCK": adasum.BLOCK}, adasum.NUM_WARPS)
+        yield ("combine", buffer, adasum._combine_kernel,
+               {"a": f"*{buffer}", "b": f"*{buffer}", "out": f"*{buffer}", "table": "*i64",
+                "stats": "*fp64", "n_segments": "i32", "FLOOR": "constexpr",
+                "LIMIT": "constexpr", "BLOCK": "constexpr"},
+               {"FLOOR": adasum.NORM_FLOOR, "LIMIT": adasum.FP32_LIMIT, "BLOCK": adasum.BLOCK},
+               adasum.NUM_WARPS)
+    yield ("reduce_chunks", None, adasum._reduce_chunks_kernel,
+           {"partials": "*fp64", "first_chunk": "*i64", "stats": "*fp64"}, {}, 1)
+
+
+def main_adasum(capability: int) -> None:
+    target = GPUTarget("cuda", capability, 32)
+    report = []
+    for name, buffer, fn, signature, constexprs, num_warps in adasum_variants():
+        start = time.perf_counter()
+        compiled = triton.compile(
+            triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+            target=target, options={"num_warps": num_warps})
+        ptx = compiled.asm.get("ptx", "")
+        body = ptx[ptx.find(".entry"):]
+        report.append({
+            "name": name,
+            "buffer": buffer,
+            "seconds": round(time.perf_counter() - start, 3),
+            "has_ptx": f".entry {fn.__name__}" in ptx,
+            "instructions": dict(Counter(INSTRUCTION.findall(body))),
+            # the bits of -0.0 as a PTX fp64 immediate
+            "minus_zero": "0d8000000000000000" in body,
+        })
+    print(json.dumps({"kernel": "adasum", "capability": capability,
+                      "elements_per_thread": adasum.BLOCK // (32 * adasum.NUM_WARPS),
+                      "variants": report}))
+
+
 def main(kernel: str, capability: int) -> None:
+    if kernel == "adasum":
+        main_adasum(capability)
+        return
     fn = {"flatten": kernels._flatten_kernel, "unflatten": kernels._unflatten_kernel}[kernel]
     target = GPUTarget("cuda", capability, 32)
     report = []

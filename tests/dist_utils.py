@@ -88,3 +88,57 @@ def _expect_error(rank, world_size, fn, *args):
     except Exception as exc:  # noqa: BLE001
         return (type(exc).__name__, str(exc))
     return None
+
+
+# ------------------------------------------------- helpers for rank functions
+
+# seconds a run_ranks call may take: far above the few seconds one takes on an
+# idle machine, so that a shared, loaded one does not fail a correct test
+TIMEOUT = 300
+# where a bug makes gloo abort one rank, the call can only end by this timeout
+CRASH_TIMEOUT = 30
+
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather_object", "broadcast_object_list")
+
+
+def record_collectives(events):
+    """From now on, append the name of every torch.distributed collective this
+    process issues to ``events`` (the rank process exits afterwards)."""
+    for name in COLLECTIVES:
+        def recording(*args, _real=getattr(dist, name), _name=name, **kwargs):
+            events.append(_name)
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, recording)
+
+
+def outcomes(cases):
+    """Run each of ``cases`` ({name: callable}); per name, None if it returned,
+    else (exception type name, message). A rank that lets an exception out
+    would leave the others waiting in a collective."""
+    seen = {}
+    for name, case in cases.items():
+        try:
+            case()
+            seen[name] = None
+        except Exception as exc:  # noqa: BLE001
+            seen[name] = (type(exc).__name__, str(exc))
+    return seen
+
+
+def outcomes_and_collectives(cases):
+    """``outcomes(cases)`` and the collectives they issued."""
+    events = []
+    record_collectives(events)
+    return outcomes(cases), events
+
+
+def assert_raised_before_any_collective(results, expected):
+    """``results``: per rank, ``outcomes_and_collectives``; ``expected``:
+    {case: (exception type name, a fragment of its message)}."""
+    for rank, (seen, collectives) in enumerate(results):
+        assert not collectives, f"rank {rank} communicated before raising: {collectives}"
+        for name, (kind, fragment) in expected.items():
+            got = seen[name]
+            assert got is not None, f"rank {rank}: {name} did not raise"
+            assert got[0] == kind and fragment in got[1], f"rank {rank}: {name}: {got}"

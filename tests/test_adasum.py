@@ -32,6 +32,7 @@ from torch import nn
 
 from dist_utils import run_ranks
 from fusedreduce import AdaSumByDeltaWeight, adasum_allreduce
+from fusedreduce.kernels import ADASUM_CHUNK, adasum_combine, adasum_stats
 
 SHAPES = [(3, 5), (0,), (1,), (257,), (4, 4, 3), (1001,), (7,), (2,)]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float32,
@@ -108,6 +109,23 @@ def _horovod_stability(rank, world_size, order):
     return (a * r[rank]).float()
 
 
+#: tensors of several AdaSum chunks, which the halving cuts between ranks (at
+#: chunk boundaries), between small ones that shift where the others sit
+LARGE_SHAPES = [(7,), (2 * ADASUM_CHUNK + 77,), (3, 5), (ADASUM_CHUNK + 1,), (40_000,)]
+LARGE_DTYPES = [torch.float64, torch.float64, torch.float32, torch.float32, torch.float64]
+#: one bucket per dtype; one per tensor; and 0.4 MiB, which groups the fp64 ones otherwise
+LARGE_CAPS = (25.0, ONE_BYTE_MB, 0.4)
+
+
+def _large_gradients(rank):
+    shared = torch.Generator().manual_seed(7)
+    own = torch.Generator().manual_seed(2000 + rank)
+    scale = 1.0 + 0.5 * rank
+    return [(scale * (torch.randn(shape, generator=shared, dtype=torch.float64)
+                      + 0.7 * torch.randn(shape, generator=own, dtype=torch.float64))).to(dtype)
+            for shape, dtype in zip(LARGE_SHAPES, LARGE_DTYPES)]
+
+
 def _mlp():
     gen = torch.Generator().manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -180,6 +198,10 @@ def _on_rank(rank, world_size):
             results["adasum"][local_size, cap] = adasum_allreduce(
                 grads, local_size=local_size, bucket_cap_mb=cap)
     results["inputs_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, grads))
+    results["large"] = {(local_size, cap): adasum_allreduce(_large_gradients(rank),
+                                                            local_size=local_size,
+                                                            bucket_cap_mb=cap)
+                        for local_size in _local_sizes(world_size) for cap in LARGE_CAPS}
     if world_size & (world_size - 1) == 0:
         results["parallel"] = {k: adasum_allreduce(_parallel_gradients(rank), local_size=k)
                                for k in _local_sizes(world_size)}
@@ -342,7 +364,7 @@ def test_adasum_allreduce_leaves_its_inputs_alone(ranks_once, world_size):
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_the_bucket_cap_does_not_change_16_and_32_bit_results(ranks_once, world_size):
-    # fp64 tensors do change: test_the_bucket_cap_does_not_change_float64_results
+    # fp64 tensors: test_the_bucket_cap_does_not_change_float64_results
     results = ranks_once(world_size)
     for local_size in _local_sizes(world_size):
         fused = results[0]["adasum"][local_size, 25.0]
@@ -353,14 +375,11 @@ def test_the_bucket_cap_does_not_change_16_and_32_bit_results(ranks_once, world_
                     f"local_size {local_size}, tensor {i} {dtype}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: adasum_tree splits each bucket in halves across ranks and sums a tensor's "
-    "(a·b, ‖a‖², ‖b‖²) from per-slice partial sums, so where a tensor is cut (which "
-    "depends on its bucket) changes the fp64 rounding of its statistics; fp32 "
-    "coefficients absorb that, but fp64 tensors are combined with fp64 coefficients and "
-    "their results differ by an ulp between bucket_cap_mb=25 and a one-byte cap"))
-@pytest.mark.parametrize("world_size", [3, 4, 5])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_the_bucket_cap_does_not_change_float64_results(ranks_once, world_size):
+    # fp64 coefficients keep every bit of the statistics, so this holds only
+    # because a tensor's statistics are canonical: fixed chunks from its start,
+    # their partials added in chunk order, however the halving cut the bucket
     results = ranks_once(world_size)
     differing = []
     for local_size in _local_sizes(world_size):
@@ -369,6 +388,52 @@ def test_the_bucket_cap_does_not_change_float64_results(ranks_once, world_size):
         differing += [(local_size, i) for i, dtype in enumerate(DTYPES)
                       if dtype == torch.float64 and not _same_bits(fused[i], alone[i])]
     assert not differing, f"(local_size, tensor) differing: {differing}"
+
+
+def _kernel_adasum(a, b):
+    n = a.numel()
+    return adasum_combine(a, b, [0, n], adasum_stats(a, b, [0, n], backend="torch"),
+                          backend="torch")
+
+
+def kernel_tree(per_rank, local_size):
+    """The documented tree worked out with the kernels on one whole tensor per
+    rank, in its communication dtype (fp32 for 16-bit, else its own): the block
+    means as the buffers hold them (each value times 1/local_size, then summed),
+    then AdaSum along the tree; cast back to the tensor's dtype."""
+    dtype = per_rank[0].dtype
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    flat = [t.reshape(-1).to(wide) * (1.0 / local_size) for t in per_rank]
+    v = [sum(flat[i + 1:i + local_size], flat[i]) for i in range(0, len(flat), local_size)]
+    n = len(v)
+    top = 1 << (n.bit_length() - 1)
+    for r in range(top, n):
+        v[r - top] = _kernel_adasum(v[r - top], v[r])
+    distance = 1
+    while distance < top:
+        for r in range(0, top, 2 * distance):
+            v[r] = _kernel_adasum(v[r], v[r + distance])
+        distance *= 2
+    return v[0].to(dtype).view(per_rank[0].shape)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_tensors_cut_between_ranks_get_bitwise_the_kernels_adasum_of_the_whole_tensors(
+        ranks_once, world_size):
+    # the statistics of a tensor cut between ranks (at chunk boundaries) are
+    # its chunk partials added in order, exactly as adasum_stats forms them on
+    # the whole tensor: so adasum_allreduce is bitwise the kernels applied
+    # along the tree to each tensor alone, in every bucket layout
+    results = ranks_once(world_size)
+    grads = [_large_gradients(r) for r in range(world_size)]
+    for (local_size, cap), got in results[0]["large"].items():
+        for i, dtype in enumerate(LARGE_DTYPES):
+            expected = kernel_tree([g[i] for g in grads], local_size)
+            assert _same_bits(got[i], expected), \
+                f"local_size {local_size}, cap {cap}, tensor {i} {LARGE_SHAPES[i]} {dtype}"
+        for rank in range(1, world_size):
+            assert all(_same_bits(a, b) for a, b in
+                       zip(got, results[rank]["large"][local_size, cap])), rank
 
 
 @pytest.mark.parametrize("world_size", POWERS_OF_TWO)
@@ -384,11 +449,10 @@ def test_a_power_of_two_tree_of_parallel_gradients_gives_their_exact_mean(ranks_
 
 @pytest.mark.parametrize("world_size,order", [
     (2, "tiny"), (4, "tiny"), (2, "rising"), (4, "rising"),
-    pytest.param(4, "extremes_paired", marks=pytest.mark.xfail(strict=True, reason=(
-        "BUG: at 4 ranks the ladder's smallest (~2e-24) and largest (~1.8e19) fp32 "
-        "gradients meet first; the coefficient 1 - a·b/(2‖a‖²) ≈ -4e42 overflows fp32 (the "
-        "kernels round coefficients to fp32), so the result is inf/NaN instead of the mean "
-        "(see test_float32_adasum_of_a_tiny_and_a_sqrt_max_gradient_is_their_average)")))])
+    # at 4 ranks the ladder's smallest (~2e-24) and largest (~1.8e19) gradients
+    # meet first: the coefficient 1 - a·b/(2‖a‖²) ≈ -4e42 is beyond fp32, so that
+    # combine takes the kernels' fp64 branch
+    (4, "extremes_paired")])
 def test_horovod_stability_parallel_float32_gradients_average(ranks_once, world_size, order):
     got = ranks_once(world_size)[0]["horovod"][order]
     per_rank = [_horovod_stability(r, world_size, order) for r in range(world_size)]

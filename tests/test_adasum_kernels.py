@@ -36,7 +36,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from fusedreduce.kernels import ADASUM_NORM_FLOOR, adasum_combine, adasum_stats
+from fusedreduce.kernels import (ADASUM_CHUNK, ADASUM_FP32_LIMIT, ADASUM_NORM_FLOOR,
+                                 adasum_chunk_counts, adasum_chunk_stats, adasum_combine,
+                                 adasum_reduce_chunks, adasum_stats)
+from reference import round_to
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 EPS64 = torch.finfo(torch.float64).eps
@@ -339,6 +342,185 @@ def test_a_squared_norm_below_the_floor_gets_a_coefficient_of_one(backend):
     assert torch.equal(_adasum(above, above.clone(), [0, 2], backend), above)
 
 
+# ---------------------------------------------------------------- chunks: the canonical statistics
+#
+# A segment's statistics are its chunk partials (ADASUM_CHUNK elements from
+# the segment's start) added in chunk order. These properties are what lets
+# the halving tree cut a tensor between ranks at chunk boundaries and still
+# get bitwise the statistics of the whole tensor, whatever the bucket layout.
+# Segments here reach two chunks and a bit; the Triton interpreter runs each
+# 1024 elements of a chunk as one numpy step.
+
+CHUNK = ADASUM_CHUNK
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """float64 values as their bit patterns: -0.0 differs from 0.0."""
+    return t.contiguous().view(torch.int64)
+
+
+def _values(n, dtype, seed, salt):
+    gen = torch.Generator().manual_seed(seed * 7919 + salt)
+    return torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
+
+
+# lengths on either side of one and two chunk boundaries, and short ones
+chunked_lengths = st.one_of(st.integers(0, 3000), st.integers(CHUNK - 40, CHUNK + 40),
+                            st.integers(2 * CHUNK - 40, 2 * CHUNK + 1500))
+
+
+@given(n=chunked_lengths, before=st.lists(st.integers(0, 40), max_size=3),
+       after=st.integers(0, 40), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2 ** 20))
+def test_the_stats_of_a_segment_do_not_depend_on_where_it_sits(backend, n, before, after,
+                                                                 dtype, seed):
+    # the same values alone in their own buffers, and shifted behind other
+    # segments (every alignment) with more after them
+    a, b = _values(n, dtype, seed, 1), _values(n, dtype, seed, 2)
+    alone = adasum_stats(a, b, [0, n], backend=backend)
+    lead = sum(before)
+    total = lead + n + after
+    big_a, big_b = _values(total, dtype, seed, 3), _values(total, dtype, seed, 4)
+    big_a[lead:lead + n], big_b[lead:lead + n] = a, b
+    bounds = [0]
+    for length in before:
+        bounds.append(bounds[-1] + length)
+    bounds += [lead + n, total]
+    placed = adasum_stats(big_a, big_b, bounds, backend=backend)
+    assert torch.equal(_bits(placed[len(before)]), _bits(alone[0])), (n, before, dtype)
+
+
+@given(n=st.integers(CHUNK + 1, 2 * CHUNK + 1500), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2 ** 20), data=st.data())
+def test_chunk_partials_of_pieces_cut_at_chunk_boundaries_add_up_to_the_stats(backend, n,
+                                                                               dtype, seed,
+                                                                               data):
+    a, b = _values(n, dtype, seed, 1), _values(n, dtype, seed, 2)
+    whole = adasum_stats(a, b, [0, n], backend=backend)
+    rows = adasum_chunk_stats(a, b, [0, n], backend=backend)
+    assert rows.shape == (adasum_chunk_counts([0, n])[0], 3) == (-(-n // CHUNK), 3)
+    # the pieces on either side of a chunk boundary, each in buffers of its own
+    k = data.draw(st.integers(1, rows.shape[0] - 1), label="chunks in the first piece")
+    cut = k * CHUNK
+    first = adasum_chunk_stats(a[:cut].clone(), b[:cut].clone(), [0, cut], backend=backend)
+    second = adasum_chunk_stats(a[cut:].clone(), b[cut:].clone(), [0, n - cut],
+                                backend=backend)
+    assert torch.equal(_bits(torch.cat([first, second])), _bits(rows))
+    # as two ranks of the tree: each fills its own rows of an array of -0.0,
+    # the arrays are summed, and the sum reduced in chunk order
+    mine, theirs = (torch.full((rows.shape[0], 3), -0.0, dtype=torch.float64) for _ in "ab")
+    mine[:k], theirs[k:] = first, second
+    summed = adasum_reduce_chunks(mine + theirs, [0, n], backend=backend)
+    assert torch.equal(_bits(summed), _bits(whole))
+    assert torch.equal(_bits(adasum_reduce_chunks(rows, [0, n], backend=backend)), _bits(whole))
+    # and the statistics are still accurate (the budget of test_stats_match_...)
+    expected = reference_stats(a, b, [0, n])[0]
+    x, y = a.double(), b.double()
+    for j, total in enumerate([(x * y).abs().sum(), (x * x).sum(), (y * y).sum()]):
+        assert abs(whole[0, j].item() - expected[j].item()) <= (n + 1) * EPS64 * float(total)
+
+
+def test_chunk_sums_are_added_one_after_the_other_in_chunk_order(backend):
+    # 1 + 2^-53 rounds to 1 (ties to even), so 1 then three 2^-53 one at a time
+    # stays 1, while any other association (pairwise, or from the back) sees
+    # 2^-53 + 2^-53 = 2^-52 and leaves 1: the first column shows the order
+    tiny = 2.0 ** -53
+    rows = [[1.0, tiny, 0.0], [tiny, tiny, 5.0], [tiny, tiny, -0.0], [tiny, 1.0, 2.0]]
+    partials = torch.tensor(rows + [[-0.0, -0.0, -0.0], [3.0, 4.0, 5.0]], dtype=torch.float64)
+    bounds = [0, 4 * CHUNK, 4 * CHUNK, 5 * CHUNK - 7, 6 * CHUNK - 7]
+    got = adasum_reduce_chunks(partials, bounds, backend=backend)
+    in_order = [((r0 + r1) + r2) + r3 for r0, r1, r2, r3 in zip(*rows)]
+    assert got[0].tolist() == in_order
+    assert in_order[0] == 1.0 != (1.0 + tiny) + (tiny + tiny)
+    # an empty segment gives +0.0; a single chunk, its partial as it is (-0.0 too)
+    assert torch.equal(_bits(got[1:]), _bits(torch.tensor(
+        [[0.0] * 3, [-0.0] * 3, [3.0, 4.0, 5.0]], dtype=torch.float64)))
+
+
+def test_torch_stats_do_not_depend_on_the_thread_count():
+    # the fallback's chunk partials are torch's row sums; rows are never split
+    # between threads, so the thread count cannot move a bit
+    n = 5 * CHUNK + 333
+    a, b = _values(n, torch.float32, 7, 1), _values(n, torch.float32, 7, 2)
+    bounds = [0, 17, 2 * CHUNK + 5, 2 * CHUNK + 5, n]
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 4):
+            torch.set_num_threads(count)
+            results.append(_bits(adasum_chunk_stats(a, b, bounds, backend="torch")))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+def test_chunk_functions_refuse_bad_input(backend):
+    a, b = _buffers()
+    with pytest.raises(ValueError, match="segments"):
+        adasum_chunk_stats(a, b, [0, 4, 9], backend=backend)
+    with pytest.raises(ValueError, match="match"):
+        adasum_chunk_stats(a, b[:9], [0, 9], backend=backend)
+    with pytest.raises(ValueError, match="partials"):
+        adasum_reduce_chunks(torch.zeros(3, 3, dtype=torch.float64), [0, 4, 10], backend=backend)
+    with pytest.raises(ValueError, match="partials"):
+        adasum_reduce_chunks(torch.zeros(2, 3), [0, 4, 10], backend=backend)
+    with pytest.raises(ValueError, match="decrease"):
+        adasum_reduce_chunks(torch.zeros(2, 3, dtype=torch.float64), [0, 4, 3], backend=backend)
+    with pytest.raises(TypeError, match="segments"):
+        adasum_chunk_counts([0, 2.5])
+
+
+# ---------------------------------------------------------------- the combine's precision
+
+def _cancelling_case(magnitude):
+    """Statistics whose coefficients are both about ``magnitude`` and differ by
+    about ``magnitude · 2^-30``, for x = 1 and y = -1: AdaSum is ca - cb, while
+    rounding ca and cb to fp32 (24 bits) makes them equal and the result 0."""
+    dot, a2, b2 = -2.0 * magnitude, 1.0, 1.0 + 2.0 ** -30
+    ca = 1.0 - dot / (2.0 * a2)  # the kernels' fp64 formula, in Python's fp64
+    cb = 1.0 - dot / (2.0 * b2)
+    assert ca != cb and torch.tensor([ca, cb]).float().unique().numel() == 1
+    return (dot, a2, b2), ca, cb
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_uses_fp64_beyond_the_fp32_limit_and_fp32_below_it(backend, dtype):
+    # three segments of 3 elements, one call: coefficients ~2^66 (beyond the
+    # limit), ~2^62 and exactly at the limit's scale (within it)
+    magnitudes = [4 * ADASUM_FP32_LIMIT, ADASUM_FP32_LIMIT / 4, ADASUM_FP32_LIMIT / 2]
+    cases = [_cancelling_case(m) for m in magnitudes]
+    bounds = [0, 3, 6, 9]
+    a, b = torch.ones(9, dtype=dtype), -torch.ones(9, dtype=dtype)
+    stats = torch.tensor([s for s, _, _ in cases], dtype=torch.float64)
+    out = adasum_combine(a, b, bounds, stats, backend=backend)
+    eps_d, eps32 = torch.finfo(dtype).eps, torch.finfo(torch.float32).eps
+    for i, (_, ca, cb) in enumerate(cases):
+        got = out[3 * i:3 * i + 3].double()
+        exact = ca - cb  # exact in fp64 (Sterbenz: cb <= ca <= 2 cb), and ~2^-30 of ca
+        if max(abs(ca), abs(cb)) > ADASUM_FP32_LIMIT:
+            # fp64 branch: ca·1 + cb·(-1) is exact in fp64, so the only error
+            # is the rounding to the buffer's dtype (via fp32 for bf16):
+            # eps32/2 + eps_d/2 relative, within eps_d
+            assert torch.equal(got, round_to(torch.full((3,), exact, dtype=torch.float64),
+                                             dtype)), (i, got, exact)
+            assert bool(((got - exact).abs() <= eps_d * abs(exact)).all())
+        else:
+            # fp32 branch: ca and cb are rounded to fp32 first (eps32/2 each,
+            # the budget's 4·eps32·(|ca·x| + |cb·y|) covers it); here both round
+            # to the same fp32 value, so the result is exactly 0 where fp64 gives
+            # ~2^-30·|ca|: the coefficients went through fp32
+            assert bool((got == 0).all()), (i, got)
+            assert abs(exact) <= 4 * eps32 * (abs(ca) + abs(cb))
+
+
+def test_float64_buffers_are_combined_in_float64_at_any_coefficient(backend):
+    for magnitude in (2.0 ** 10, 2.0 ** 70):
+        stats, ca, cb = _cancelling_case(magnitude)
+        out = adasum_combine(torch.ones(2, dtype=torch.float64),
+                             -torch.ones(2, dtype=torch.float64), [0, 2],
+                             torch.tensor([stats], dtype=torch.float64), backend=backend)
+        assert out.tolist() == [ca - cb] * 2
+
+
 # ---------------------------------------------------------------- numerical range
 
 def _float32_magnitude(case, salt, magnitude):
@@ -367,13 +549,6 @@ def test_float32_adasum_is_accurate_at_the_ends_of_the_float32_range(backend, re
     assert_within(out, expected, tolerance, f"{regime} {case}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: the coefficients are rounded to fp32 before the combine; for a = 1.2e-38·v and "
-    "b = 4.6e18·v (both inside the required float32-tiny..sqrt(float32-max) range), "
-    "ca = 1 - a·b/(2‖a‖²) ≈ -2e56 overflows fp32 to -inf and AdaSum(a, b) comes out "
-    "±inf instead of 2.3e18·v (Horovod's stability test 2 mixes these magnitudes)"))
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
-                            "ignore:invalid value encountered:RuntimeWarning")
 def test_float32_adasum_of_a_tiny_and_a_sqrt_max_gradient_is_their_average(backend):
     v = torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=torch.float64)
     a, b = (F32.tiny * v).float(), (SQRT_F32_MAX / 4 * v).float()

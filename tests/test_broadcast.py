@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_utils import run_ranks
+from dist_utils import (TIMEOUT, assert_raised_before_any_collective, outcomes_and_collectives,
+                        run_ranks)
 from fusedreduce import broadcast_optimizer_state, parameter_broadcast
-from test_reducer import TIMEOUT, assert_raised_before_any_collective, outcomes_and_collectives
 
 ONE_BYTE = 1 / 2 ** 20  # a bucket cap smaller than any tensor: one bucket per tensor
 

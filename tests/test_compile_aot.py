@@ -6,7 +6,10 @@ reports on its PTX and TTIR. It runs in a subprocess without TRITON_INTERPRET,
 because under the interpreter (which conftest.py turns on) ``@triton.jit``
 functions cannot be compiled. A cold compile of one kernel for one target
 takes ~30 s on two cores, so each (kernel, target) is its own test and xdist
-can spread them; Triton's on-disk cache makes repeat runs quick.
+can spread them; Triton's on-disk cache makes repeat runs quick. The AdaSum
+kernels (one variant per buffer dtype) are checked on their instructions: fp64
+statistics, a sequential reduction of chunk partials, the combine's fp32 path
+and its fp64 fallback, and no atomics.
 """
 from __future__ import annotations
 
@@ -102,3 +105,68 @@ def test_divisibility_hints_sit_only_on_values_that_honour_them(kernel, capabili
                        ("start", "arith.muli", report["block"])]:
             assert honest in hinted, (
                 f"{name}: hint {honest} missing; found {sorted(hinted, key=str)}")
+
+
+# ------------------------------------------------------------------ AdaSum
+
+ADASUM_BUFFERS = ["fp16", "bf16", "fp32", "fp64"]
+
+
+def _instructions(variant: dict, *names: str) -> int:
+    return sum(variant["instructions"].get(name, 0) for name in names)
+
+
+@pytest.mark.parametrize("capability", TARGETS)
+def test_every_adasum_kernel_compiles_for_every_buffer_dtype_without_atomics(capability):
+    report = compile_report("adasum", capability)
+    names = sorted((v["name"], v["buffer"] or "") for v in report["variants"])
+    assert names == sorted([("chunk_stats", b) for b in ADASUM_BUFFERS]
+                           + [("combine", b) for b in ADASUM_BUFFERS] + [("reduce_chunks", "")])
+    for variant in report["variants"]:
+        name = f"{variant['name']} {variant['buffer']} sm_{capability}"
+        assert variant["has_ptx"], f"{name}: no PTX"
+        # deterministic: every result has one writer, no atomic adds anywhere
+        assert _instructions(variant, "atom", "red") == 0, f"{name}: {variant['instructions']}"
+
+
+@pytest.mark.parametrize("capability", TARGETS)
+def test_adasum_chunk_statistics_are_fp64_products_summed_in_fp64(capability):
+    report = compile_report("adasum", capability)
+    per_thread = report["elements_per_thread"]
+    for variant in (v for v in report["variants"] if v["name"] == "chunk_stats"):
+        name = f"chunk_stats {variant['buffer']} sm_{capability}"
+        # each thread's elements: three fp64 products, each added to its lane's sum
+        # (contracted into an fma), and no fp32 arithmetic at all
+        assert _instructions(variant, "fma.rn.f64") == 3 * per_thread, \
+            f"{name}: {variant['instructions']}"
+        assert _instructions(variant, "fma.rn.f32", "mul.f32", "mul.rn.f32", "add.f32",
+                             "add.rn.f32") == 0, f"{name}: {variant['instructions']}"
+
+
+@pytest.mark.parametrize("capability", TARGETS)
+def test_the_adasum_combine_branches_to_fp64_only_for_16_and_32_bit_buffers(capability):
+    report = compile_report("adasum", capability)
+    per_thread = report["elements_per_thread"]
+    for variant in (v for v in report["variants"] if v["name"] == "combine"):
+        name = f"combine {variant['buffer']} sm_{capability}"
+        f32 = _instructions(variant, "fma.rn.f32", "mul.f32", "mul.rn.f32")
+        f64 = _instructions(variant, "fma.rn.f64", "mul.f64", "mul.rn.f64")
+        if variant["buffer"] == "fp64":
+            # one path: ca·x + cb·y in fp64, no branch on the coefficients
+            assert f32 == 0 and f64 == 2 * per_thread, f"{name}: {variant['instructions']}"
+            assert _instructions(variant, "bra.uni") == 0, f"{name}: {variant['instructions']}"
+        else:
+            # both paths compiled (ca·x + cb·y per element in each), and a
+            # uniform branch between them on the segment's coefficients
+            assert f32 == 2 * per_thread and f64 == 2 * per_thread, \
+                f"{name}: {variant['instructions']}"
+            assert _instructions(variant, "bra.uni") >= 1, f"{name}: {variant['instructions']}"
+
+
+@pytest.mark.parametrize("capability", TARGETS)
+def test_adasum_chunk_partials_are_reduced_by_one_sequential_fp64_sum_from_minus_zero(capability):
+    report = compile_report("adasum", capability)
+    variant = next(v for v in report["variants"] if v["name"] == "reduce_chunks")
+    # one add in a loop (not a tree), starting from -0.0 (which adds exactly)
+    assert _instructions(variant, "add.f64", "add.rn.f64") == 1, variant["instructions"]
+    assert variant["minus_zero"]

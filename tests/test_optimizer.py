@@ -14,10 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_utils import rank_errors, run_ranks
+from dist_utils import (CRASH_TIMEOUT, TIMEOUT, assert_raised_before_any_collective,
+                        outcomes_and_collectives, rank_errors, record_collectives, run_ranks)
 from fusedreduce import DistributedOptimizer
-from test_reducer import (CRASH_TIMEOUT, TIMEOUT, assert_raised_before_any_collective,
-                          outcomes_and_collectives, record_collectives)
 
 BATCH = 12  # rows per step; divisible by every world size used here
 STEPS = 20

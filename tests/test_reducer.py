@@ -16,18 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_utils import rank_errors, run_ranks
+from dist_utils import (CRASH_TIMEOUT, TIMEOUT, assert_raised_before_any_collective, outcomes,
+                        outcomes_and_collectives, rank_errors, record_collectives, run_ranks)
 from fusedreduce import DistributedGradReducer
 
 ONE_BYTE = 1 / 2 ** 20  # a bucket cap smaller than any gradient: one bucket per tensor
 HUGE = 1e3  # MiB: everything that may share a bucket does
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 BATCH = 12  # rows; divisible by every world size used here
-# seconds a run_ranks call may take: far above the few seconds one takes on an
-# idle machine, so that a shared, loaded one does not fail a correct test
-TIMEOUT = 300
-# where a bug makes gloo abort one rank, the call can only end by this timeout
-CRASH_TIMEOUT = 30
 
 # (in_features, out_features, bias, dtype): one reducer over mixed precisions,
 # as in the seed's note on grads "mixed with float16 and float32"
@@ -35,54 +31,6 @@ HEADS = [(5, 3, True, torch.float32), (7, 1, True, torch.float16),
          (4, 6, False, torch.bfloat16), (3, 2, True, torch.float64),
          (33, 9, True, torch.float16), (9, 4, True, torch.bfloat16)]
 PARAM_DTYPES = [d for _, _, bias, d in HEADS for _ in range(2 if bias else 1)]
-
-
-# ------------------------------------------------- helpers for rank functions
-# (test_optimizer and test_broadcast use them too)
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather_object", "broadcast_object_list")
-
-
-def record_collectives(events):
-    """From now on, append the name of every torch.distributed collective this
-    process issues to ``events`` (the rank process exits afterwards)."""
-    for name in COLLECTIVES:
-        def recording(*args, _real=getattr(dist, name), _name=name, **kwargs):
-            events.append(_name)
-            return _real(*args, **kwargs)
-
-        setattr(dist, name, recording)
-
-
-def outcomes(cases):
-    """Run each of ``cases`` ({name: callable}); per name, None if it returned,
-    else (exception type name, message). A rank that lets an exception out
-    would leave the others waiting in a collective."""
-    seen = {}
-    for name, case in cases.items():
-        try:
-            case()
-            seen[name] = None
-        except Exception as exc:  # noqa: BLE001
-            seen[name] = (type(exc).__name__, str(exc))
-    return seen
-
-
-def outcomes_and_collectives(cases):
-    """``outcomes(cases)`` and the collectives they issued."""
-    events = []
-    record_collectives(events)
-    return outcomes(cases), events
-
-
-def assert_raised_before_any_collective(results, expected):
-    """``results``: per rank, ``outcomes_and_collectives``; ``expected``:
-    {case: (exception type name, a fragment of its message)}."""
-    for rank, (seen, collectives) in enumerate(results):
-        assert not collectives, f"rank {rank} communicated before raising: {collectives}"
-        for name, (kind, fragment) in expected.items():
-            got = seen[name]
-            assert got is not None, f"rank {rank}: {name} did not raise"
-            assert got[0] == kind and fragment in got[1], f"rank {rank}: {name}: {got}"
 
 
 def _heads() -> nn.ModuleList:
