@@ -1,6 +1,8 @@
-"""fusedreduce benchmarks, run as ``python -m bench <benchmark> [options]``.
+"""fusedreduce's benchmarks: the kernels and the collectives against their torch baselines.
 
-``kernels`` times the flatten/unflatten kernels against plain torch; see
-``bench/kernels.py``. Each benchmark prints an aligned table and, with
-``--json PATH``, writes ``{"machine", "config", "results"}``.
+Installed as ``fusedreduce.bench`` with the console script ``fusedreduce-bench``
+(``python -m bench`` from a checkout); ``bench/cli.py`` is the command line.
+Every command prints aligned tables and, with ``--json PATH``, writes
+``{"machine", "config", "results"}`` (the schema is in the README,
+"Benchmarks"); ``--plot PATH.png`` draws GB/s against size.
 """

@@ -1,20 +1,23 @@
-"""AdaSum benchmark: adasum_allreduce vs an all-reduce of the same bytes, on N local ranks.
+"""AdaSum: adasum_allreduce against an all-reduce of the same bytes, on N ranks.
 
-On ``--world-size`` local processes (gloo on the CPU), each holding ResNet-50's
-161 gradient tensors in fp32 (``bench/models.py``; ``--quick``: width 16):
+Every rank holds ResNet-50's 161 gradient tensors (``bench/models.py``, scaled
+to the ``--sizes`` entry) in the ``--dtype``:
 
-- ``all_reduce``: one ``dist.all_reduce`` (a sum) of one flat fp32 buffer
-  holding every gradient, packed beforehand: communication alone, the floor.
-- ``grad_reducer``: ``DistributedGradReducer(params)(grads)``: the fused mean
-  (flatten, one all-reduce per 25 MiB bucket, unflatten into new tensors).
-- ``adasum``: ``adasum_allreduce(grads)``: the same 25 MiB buckets, each
-  combined along the AdaSum tree (recursive halving with per-tensor
-  statistics, then an all-gather), into new tensors.
+- ``all_reduce`` (baseline): one ``dist.all_reduce`` (a sum) of one flat
+  buffer holding every gradient, packed beforehand: communication alone, the
+  floor; every ``ratio`` is its time over the method's.
+- ``grad_reducer`` (ours): ``DistributedGradReducer(params)(grads)``: the
+  fused mean (flatten, one all-reduce per 25 MiB bucket, unflatten into new
+  tensors; 16-bit gradients travel in fp32).
+- ``adasum`` (ours): ``adasum_allreduce(grads)``: the same 25 MiB buckets
+  (16-bit gradients combined in fp32), each combined along the AdaSum tree
+  (recursive halving with per-tensor statistics, then an all-gather), into
+  new tensors.
 
 Times are the median over ``--repeats`` calls after a warm-up, the methods
 interleaved round-robin, each call started after a barrier and timed as the
-slowest rank's wall time. ``adasum / all_reduce`` is the overhead the issue
-bounds (goal: at most 1.3x).
+slowest rank's wall time. ``bytes`` is the gradients' size and ``gbps`` that
+over the time.
 
 Bytes sent per rank are counted, not modelled, for AdaSum: during one extra
 ``adasum_allreduce`` call every rank wraps ``torch.distributed.send`` and
@@ -23,14 +26,14 @@ the all-gather, a non-power-of-two rank's whole buffer) and adds up the bytes
 of the tensors it sends. The two all-reduces it also issues (a 16-byte check
 that the ranks agree on the tensors and, with ``local_size`` > 1, the block
 mean) cannot be seen inside gloo, so each is charged what a ring all-reduce
-sends, ``2(k-1)/k`` of its bytes over its k ranks. The table gives the largest
-count over the ranks and compares it with a ring all-reduce of the flat
-buffer, ``2(n-1)/n`` of its bytes; the baselines' own rows show that ring figure.
+sends, ``2(k-1)/k`` of its bytes over its k ranks. ``bytes_sent_per_rank``
+is the largest count over the ranks; ``ratio_to_ring_bytes`` compares it with a
+ring all-reduce of the flat buffer, ``2(n-1)/n`` of its bytes. The baselines'
+rows give the ring figure of what they reduce (``bytes_sent_source``: ``ring
+model``).
 """
 from __future__ import annotations
 
-import argparse
-import time
 from typing import Dict, List
 
 import torch
@@ -39,10 +42,14 @@ import torch.distributed as dist
 from fusedreduce import DistributedGradReducer, adasum_allreduce
 
 from . import common
-from .models import resnet50
+from .models import resnet50_shapes_for_size
 
+NAME = "adasum"
 BUCKET_CAP_MB = 25.0
 METHODS = ("all_reduce", "grad_reducer", "adasum")
+ROLES = {"all_reduce": "baseline", "grad_reducer": "ours", "adasum": "ours"}
+BASELINE = "all_reduce"
+FIXED_DTYPE = None  # the gradients take --dtype
 
 
 def ring_bytes(nbytes: int, ranks: int) -> float:
@@ -85,76 +92,39 @@ class SentBytes:
             setattr(dist, name, fn)
 
 
-def _rank_body(rank, world_size, config):
-    torch.manual_seed(0)
-    params = list(resnet50(width=config["width"]).parameters())
+def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
+                 config: dict) -> dict:
+    """Time the methods and count AdaSum's bytes on this rank (inside a process group)."""
+    dtype = common.DTYPES[case["dtype"]]
+    shapes = resnet50_shapes_for_size(case["size"])
     gen = torch.Generator().manual_seed(rank)
-    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    grads = [torch.randn(shape, generator=gen).to(device, dtype) for shape in shapes]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    reducer = DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB)
-    times = common.time_across_ranks(
+    reducer = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB)
+    samples = common.time_across_ranks(
         {"all_reduce": lambda: dist.all_reduce(flat), "grad_reducer": lambda: reducer(grads),
          "adasum": lambda: adasum_allreduce(grads, bucket_cap_mb=BUCKET_CAP_MB)},
-        config["repeats"])
+        config["repeats"], device)
     with SentBytes() as sent:
         adasum_allreduce(grads, bucket_cap_mb=BUCKET_CAP_MB)
-    return {"times": times, "sent": sent.total, "n_tensors": len(params),
-            "n_elements": flat.numel()}
+    return {"samples": samples, "sent": sent.total, "n_tensors": len(grads),
+            "n_elements": flat.numel(), "itemsize": dtype.itemsize,
+            "reducer_bytes": sum(bucket.nbytes for bucket in reducer.plan.buckets)}
 
 
-def measure(world_size: int, config: dict) -> List[dict]:
-    outcome = common.run_on_ranks(_rank_body, world_size, config)
-    record = outcome[0]  # every rank holds the same times: the max over ranks
-    nbytes = record["n_elements"] * 4
+def records(outcome: Dict[int, dict], case: dict, config: dict) -> List[dict]:
+    """The result records of one case from every rank's ``rank_measure``."""
+    record, world_size = outcome[0], len(outcome)  # every rank holds the slowest rank's times
+    nbytes = record["n_elements"] * record["itemsize"]
     ring = ring_bytes(nbytes, world_size)
-    adasum_sent = max(r["sent"] for r in outcome.values())
-    times = record["times"]
-    results = []
-    for method in METHODS:
-        sent, source = (adasum_sent, "counted") if method == "adasum" else (ring, "ring model")
-        results.append({"method": method, "world_size": world_size,
-                        "n_tensors": record["n_tensors"], "n_elements": record["n_elements"],
-                        "bytes": nbytes, "time_ms": times[method],
-                        "ratio_to_all_reduce": times[method] / times["all_reduce"],
-                        "bytes_sent_per_rank": sent, "bytes_sent_source": source,
-                        "ratio_to_ring_bytes": sent / ring})
-    return results
-
-
-TABLE = [("world", "world_size", "d"), ("method", "method", ""), ("ms", "time_ms", ".1f"),
-         ("x all_reduce", "ratio_to_all_reduce", ".2f"),
-         ("MB sent/rank", "bytes_sent_per_rank", ",.2f"), ("how", "bytes_sent_source", ""),
-         ("x ring", "ratio_to_ring_bytes", ".4f")]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true",
-                        help="a quarter-width ResNet-50 (1.6M elements): seconds, not minutes")
-    parser.add_argument("--world-size", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[2, 4], help="comma-separated rank counts (default 2,4)")
-    parser.add_argument("--repeats", type=int, default=7,
-                        help="timed calls per method, median kept (default 7)")
-    parser.add_argument("--json", metavar="PATH", help="also write the results here as JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    config = {"width": 16 if args.quick else 64, "repeats": args.repeats}
-    machine = common.machine_info(torch.device("cpu"), "gloo")
-    common.warn_if_busy(machine)
-    started = time.perf_counter()
-    results: List[dict] = []
-    for world_size in args.world_size:
-        common.log(f"{world_size} ranks ...")
-        results += measure(world_size, config)
-    print(f"# {common.machine_summary(machine)}")
-    print(f"# gloo; ResNet-50 width {config['width']}: {results[0]['n_tensors']} fp32 "
-          f"gradients, {results[0]['n_elements']:,} elements ({results[0]['bytes'] / 2 ** 20:.1f} "
-          f"MiB); {BUCKET_CAP_MB:g} MiB buckets; median of {config['repeats']}, slowest rank")
-    print(common.format_table([dict(r, bytes_sent_per_rank=r["bytes_sent_per_rank"] / 1e6)
-                               for r in results], TABLE, group_by=("world_size",)))
-    print(f"# {time.perf_counter() - started:.1f} s")
-    if args.json:
-        common.write_json(args.json, machine, dict(config, benchmark="adasum",
-                                                   bucket_cap_mb=BUCKET_CAP_MB,
-                                                   world_sizes=args.world_size), results)
-    return 0
+    sent = {"all_reduce": (ring, "ring model"),
+            "grad_reducer": (ring_bytes(record["reducer_bytes"], world_size), "ring model"),
+            "adasum": (max(r["sent"] for r in outcome.values()), "counted")}
+    label = f"resnet50 {case['dtype']}, {world_size} ranks"
+    return [common.result(NAME, label, case["size"], method, ROLES[method], BASELINE,
+                          world_size, record["n_tensors"], record["n_elements"], nbytes,
+                          record["samples"], dtype=case["dtype"],
+                          bytes_sent_per_rank=sent[method][0],
+                          bytes_sent_source=sent[method][1],
+                          ratio_to_ring_bytes=sent[method][0] / ring)
+            for method in METHODS]

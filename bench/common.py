@@ -1,10 +1,12 @@
-"""Helpers shared by the benchmarks: timing, the machine record, JSON and tables."""
+"""What the benchmarks share: sizes, timing, ranks, the machine record, JSON, tables, progress."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -12,12 +14,15 @@ import time
 import traceback
 from datetime import timedelta
 from importlib import metadata
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16,
           "float32": torch.float32, "float64": torch.float64}
+# a collective that never completes must end the run, not hang it; long enough
+# for the other ranks of a torchrun launch to wait while rank 0 times the kernels
+RANK_TIMEOUT = timedelta(seconds=1800)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -36,13 +41,58 @@ def csv_choices(choices: Sequence[str]) -> Callable[[str], List[str]]:
     return parse
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+_SUFFIXES = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9}
+
+
+def parse_sizes(text: str) -> List[int]:
+    """``"256K,1M,25.6M"`` -> ``[256000, 1000000, 25600000]``: element counts, decimal
+    suffixes K, M, G (case-insensitive). An argparse ``type``."""
+    sizes = []
+    for item in (part.strip() for part in text.split(",")):
+        match = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([kKmMgG]?)", item.replace("_", ""))
+        size = round(float(match[1]) * _SUFFIXES[match[2].upper()]) if match else 0
+        if size < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated element counts such as 256K,1M,25.6M, got {text!r}")
+        sizes.append(size)
+    return sizes
+
+
+def format_count(n: int) -> str:
+    """``25_600_000`` -> ``"25.6M"``: the inverse of ``parse_sizes`` for labels."""
+    for suffix, factor in (("G", 10 ** 9), ("M", 10 ** 6), ("K", 10 ** 3)):
+        if n >= factor:
+            return f"{n / factor:.3g}{suffix}"
+    return str(n)
 
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timing(samples: Sequence[float]) -> Dict[str, float]:
+    """``time_ms`` (the median call, which every derived figure uses) and
+    ``time_ms_min`` (the fastest: the least disturbed when other work shares the machine)."""
+    return {"time_ms": statistics.median(samples), "time_ms_min": min(samples)}
+
+
+def result(benchmark: str, case: str, size: int, method: str, role: str, baseline: str,
+           world_size: int, n_tensors: int, n_elements: int, nbytes: int,
+           samples: Mapping[str, Sequence[float]], **extra) -> dict:
+    """One result record in the JSON's schema (README, "Benchmarks").
+
+    ``samples`` holds every method's times in ms from the same run; the
+    record's ``time_ms`` is the median of ``samples[method]``, ``gbps`` is
+    ``nbytes`` over it, and ``ratio`` is the baseline's median over it (above 1:
+    faster than the baseline).
+    """
+    times = timing(samples[method])
+    return {"benchmark": benchmark, "case": case, "size": size, "method": method, "role": role,
+            "baseline": baseline, "world_size": world_size, "n_tensors": n_tensors,
+            "n_elements": n_elements, "bytes": nbytes, **times,
+            "gbps": nbytes / (times["time_ms"] * 1e6),
+            "ratio": timing(samples[baseline])["time_ms"] / times["time_ms"], **extra}
 
 
 def time_interleaved(fns: Mapping[str, Callable[[], object]], repeats: int,
@@ -75,6 +125,34 @@ def time_do_bench(fns: Mapping[str, Callable[[], object]]) -> Dict[str, List[flo
     return {name: list(do_bench(fn, return_mode="all")) for name, fn in fns.items()}
 
 
+def time_across_ranks(fns: Mapping[str, Callable[[], object]], repeats: int,
+                      device: torch.device) -> Dict[str, List[float]]:
+    """``repeats`` times in ms per function, each the slowest rank's, round-robin.
+
+    Every function runs once first as a warm-up. Each timed call starts after a
+    barrier; its time is all-reduced with MAX, so every rank returns the same
+    figures.
+    """
+    import torch.distributed as dist
+    names = list(fns)
+    samples: Dict[str, List[float]] = {name: [] for name in names}
+    for name in names:
+        fns[name]()
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            synchronize(device)
+            start = time.perf_counter()
+            fns[name]()
+            synchronize(device)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
+                                   device=device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            samples[name].append(float(elapsed) * 1e3)
+    return samples
+
+
 def _package_version(name: str) -> Optional[str]:
     try:
         return metadata.version(name)
@@ -93,18 +171,25 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info(device: torch.device, backend: str) -> dict:
-    """What a result depends on: hardware, library versions, and the backend used."""
+def machine_info(device: torch.device, kernel_backend: str,
+                 dist_backend: Optional[str]) -> dict:
+    """What a result depends on: hardware, library versions, and the backends used.
+
+    ``kernel_backend`` is the kernels' (``triton`` or ``torch``), ``dist_backend``
+    the collectives' (``gloo``, ``nccl``, or None when no collective ran).
+    """
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         # other work on the machine distorts CPU timings; a high load explains outliers
         "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "gpu": gpu,
+        "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "device": str(device),
-        "backend": backend,
+        "kernel_backend": kernel_backend,
+        "dist_backend": dist_backend,
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -115,12 +200,15 @@ def machine_info(device: torch.device, backend: str) -> dict:
 
 def machine_summary(machine: dict) -> str:
     """One line for a table's header."""
-    parts = [f"{machine['cpu']} ({machine['cpu_count']} cores, {machine['torch_threads']} "
-             f"torch threads)"]
+    parts = [f"{machine['cpu_model']} ({machine['cores']} cores)"]
     if machine["gpu"]:
-        parts.append(machine["gpu"])
-    parts.append(f"torch {machine['torch']}, triton {machine['triton']}")
-    parts.append(f"device {machine['device']}, backend {machine['backend']}")
+        parts.append(f"{machine['gpu_count']} x {machine['gpu']}")
+    parts.append(f"python {machine['python']}, torch {machine['torch']}, "
+                 f"triton {machine['triton']}")
+    backends = f"kernels: {machine['kernel_backend']}"
+    if machine["dist_backend"]:
+        backends += f", collectives: {machine['dist_backend']}"
+    parts.append(backends)
     if machine["loadavg_1min"] is not None:
         parts.append(f"load average {machine['loadavg_1min']:.2f} at start")
     return "; ".join(parts)
@@ -129,7 +217,7 @@ def machine_summary(machine: dict) -> str:
 def warn_if_busy(machine: dict) -> None:
     """Say so on stderr when other work already occupies the CPU: every multi-threaded
     torch op then waits for a descheduled worker, and many-op methods suffer most."""
-    load, cores = machine["loadavg_1min"], machine["cpu_count"]
+    load, cores = machine["loadavg_1min"], machine["cores"]
     if machine["device"] == "cpu" and load is not None and cores and load > 0.5 * cores:
         log(f"warning: load average {load:.2f} on {cores} cores before the run; other work "
             f"is competing for the CPU and the timings will be noisy")
@@ -145,7 +233,8 @@ def write_json(path: str, machine: dict, config: dict, results: List[dict]) -> N
         handle.write("\n")
 
 
-Column = Tuple[str, str, str]  # header, result key, format spec
+# header, result key, format spec (a str for format(), or a function of the value)
+Column = Tuple[str, str, Union[str, Callable[[object], str]]]
 
 
 def format_table(rows: Sequence[Mapping], columns: Sequence[Column],
@@ -154,7 +243,10 @@ def format_table(rows: Sequence[Mapping], columns: Sequence[Column],
 
     Text columns are left-aligned, numbers right-aligned.
     """
-    cells = [[format(row[key], spec) for _, key, spec in columns] for row in rows]
+    def cell(value, spec) -> str:
+        return spec(value) if callable(spec) else format(value, spec)
+
+    cells = [[cell(row[key], spec) for _, key, spec in columns] for row in rows]
     widths = [max([len(header)] + [len(line[i]) for line in cells])
               for i, (header, _, _) in enumerate(columns)]
     numeric = [bool(rows) and isinstance(rows[0][key], (int, float)) for _, key, _ in columns]
@@ -175,40 +267,82 @@ def format_table(rows: Sequence[Mapping], columns: Sequence[Column],
 
 
 def log(message: str) -> None:
-    """Progress goes to stderr so stdout holds only the table."""
-    print(message, file=sys.stderr, flush=True)
+    """Progress goes to stderr so stdout holds only the tables."""
+    # on a terminal, first clear a progress bar drawn on the current line
+    prefix = "\r\033[K" if sys.stderr.isatty() else ""
+    print(prefix + message, file=sys.stderr, flush=True)
 
 
-def time_across_ranks(fns: Mapping[str, Callable[[], object]], repeats: int) -> Dict[str, float]:
-    """Median over ``repeats`` of the slowest rank's time per call (ms), round-robin.
+class Progress:
+    """A progress bar over a known number of steps, on stderr.
 
-    Each call starts after a barrier; its time is all-reduced with MAX, so every
-    rank returns the same figures. Every function runs once first as a warm-up.
+    On a terminal one line is redrawn in place; otherwise (a log file, a CI
+    run) each step logs one line. ``state()`` hands the count to worker
+    processes, whose rank 0 continues the same bar.
     """
+
+    WIDTH = 24
+
+    def __init__(self, total: int, done: int = 0, enabled: bool = True,
+                 started: Optional[float] = None) -> None:
+        self.total, self.done, self.enabled = max(total, 1), done, enabled
+        self.started = time.time() if started is None else started
+
+    def state(self) -> dict:
+        return {"total": self.total, "done": self.done, "enabled": self.enabled,
+                "started": self.started}
+
+    @contextlib.contextmanager
+    def step(self, label: str) -> Iterator[None]:
+        """Show ``label`` as the step under way; count it done when the block exits."""
+        self._show(label)
+        yield
+        self.done += 1
+        if self.done == self.total and self.enabled and sys.stderr.isatty():
+            self._show("done")
+            print(file=sys.stderr, flush=True)
+
+    def _show(self, label: str) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.time() - self.started
+        if sys.stderr.isatty():
+            filled = self.WIDTH * self.done // self.total
+            bar = "#" * filled + "-" * (self.WIDTH - filled)
+            print(f"\r\033[K[{bar}] {self.done}/{self.total} {elapsed:4.0f}s {label}",
+                  end="", file=sys.stderr, flush=True)
+        else:
+            print(f"[{self.done + 1}/{self.total} {elapsed:.0f}s] {label}", file=sys.stderr,
+                  flush=True)
+
+
+def torchrun_env() -> bool:
+    """Whether this process is one rank of an existing launch (``torchrun`` sets these)."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def _init_rank(backend: str, local_rank: int, **init) -> None:
     import torch.distributed as dist
-    names = list(fns)
-    samples: Dict[str, List[float]] = {name: [] for name in names}
-    for name in names:
-        fns[name]()
-    for round_ in range(repeats):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            dist.barrier()
-            start = time.perf_counter()
-            fns[name]()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            samples[name].append(float(elapsed) * 1e3)
-    return {name: statistics.median(times) for name, times in samples.items()}
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, timeout=RANK_TIMEOUT, **init)
+    if backend == "gloo":
+        # the ranks share this machine's cores: don't oversubscribe them
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.get_world_size()))
+
+
+def rank_device(backend: str) -> torch.device:
+    """This rank's device: its GPU under NCCL, else the CPU."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _rank_main(body, rank, world_size, init_file, config, queue):
     import torch.distributed as dist
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=600))
-        # the ranks share this machine's cores: don't oversubscribe them
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+        _init_rank(config["backend"], rank, init_method=f"file://{init_file}", rank=rank,
+                   world_size=world_size)
         try:
             queue.put((rank, True, body(rank, world_size, config)))
         finally:
@@ -217,11 +351,13 @@ def _rank_main(body, rank, world_size, init_file, config, queue):
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_on_ranks(body, world_size: int, config: dict) -> Dict[int, dict]:
-    """``{rank: body(rank, world_size, config)}``, each rank a spawned gloo process.
+def run_on_ranks(body, world_size: int, config: dict) -> Dict[int, object]:
+    """``{rank: body(rank, world_size, config)}``, each rank a spawned local process.
 
-    ``body`` must be a module-level function returning a picklable record. A
-    rank that raises stops the others and raises here with its traceback.
+    ``config["backend"]`` is the process group's backend (``gloo``, or ``nccl``
+    with rank r on GPU r). ``body`` must be a module-level function returning a
+    picklable record. A rank that raises stops the others and raises here with
+    its traceback.
     """
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
@@ -233,7 +369,7 @@ def run_on_ranks(body, world_size: int, config: dict) -> Dict[int, dict]:
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        outcome: Dict[int, dict] = {}
+        outcome: Dict[int, object] = {}
         for _ in range(world_size):
             rank, ok, payload = queue.get(timeout=3600)
             if not ok:
@@ -244,3 +380,19 @@ def run_on_ranks(body, world_size: int, config: dict) -> Dict[int, dict]:
         for p in procs:
             p.join()
     return outcome
+
+
+def join_launch(backend: str) -> Tuple[int, int]:
+    """Join the launch ``torchrun`` set up in the environment: ``(rank, world_size)``."""
+    import torch.distributed as dist
+    _init_rank(backend, int(os.environ.get("LOCAL_RANK", "0")))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def run_in_launch(body, config: dict) -> Dict[int, object]:
+    """``body`` on this rank of a joined launch; every rank's record, on every rank."""
+    import torch.distributed as dist
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    records: List[object] = [None] * world_size
+    dist.all_gather_object(records, body(rank, world_size, config))
+    return dict(enumerate(records))

@@ -1,12 +1,31 @@
-"""Models for the step benchmarks, written with plain ``torch.nn`` (no torchvision).
+"""The gradient sets the benchmarks use, written with plain ``torch.nn`` (no torchvision).
 
-``resnet50`` has exactly torchvision's ResNet-50 parameter list (161 tensors,
-25.56M elements at width 64): conv1/bn1, four stages of bottlenecks (3, 4, 6,
-3 blocks, a projection shortcut in each stage's first block) and the fc layer.
+Two families of parameter lists, each scalable to a target size while keeping
+its tensor count and its mix of large and small tensors:
+
+- ``resnet50``: exactly torchvision's ResNet-50 parameter list (161 tensors,
+  25,557,032 elements at width 64 with 1000 classes): conv1/bn1, four stages
+  of bottlenecks (3, 4, 6, 3 blocks, a projection shortcut in each stage's
+  first block) and the fc layer. ``ResNet50`` is the trainable module,
+  ``resnet50_shapes`` its parameter shapes.
+- ``transformer``: a GPT-2-style decoder's parameter shapes (147 tensors).
+
+``resnet50_for_size`` / ``transformer_for_size`` pick the width whose
+parameter count is nearest a requested element count (the CLI's ``--sizes``);
+the class count and the vocabulary grow with the width, so every size has the
+same proportions as the full model.
 """
 from __future__ import annotations
 
+import math
+from typing import Callable, Dict, List, Sequence, Tuple
+
 from torch import nn
+
+Shape = Tuple[int, ...]
+
+RESNET50_FULL_WIDTH = 64
+TRANSFORMER_FULL_WIDTH = 384
 
 
 class Bottleneck(nn.Module):
@@ -32,8 +51,11 @@ class Bottleneck(nn.Module):
 
 
 class ResNet50(nn.Module):
-    def __init__(self, width: int = 64, num_classes: int = 1000) -> None:
+    """ResNet-50 at any ``width`` (64 is torchvision's), for the training-step benchmarks."""
+
+    def __init__(self, width: int = RESNET50_FULL_WIDTH, num_classes: int = 1000) -> None:
         super().__init__()
+        self.num_classes = num_classes
         self.conv1 = nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
         self.relu = nn.ReLU(inplace=True)
@@ -56,5 +78,97 @@ class ResNet50(nn.Module):
         return self.fc(self.avgpool(x).flatten(1))
 
 
-def resnet50(width: int = 64, num_classes: int = 1000) -> nn.Module:
-    return ResNet50(width, num_classes)
+def resnet50_classes(width: int) -> int:
+    """The class count that keeps the fc layer's share of the model at every width."""
+    return max(1, round(1000 * width / RESNET50_FULL_WIDTH))
+
+
+def resnet50_shapes(width: int = RESNET50_FULL_WIDTH, num_classes: int = 1000) -> List[Shape]:
+    """The parameter shapes of ``ResNet50(width, num_classes)``, in ``named_parameters`` order.
+
+    Bottleneck blocks (1x1, 3x3, 1x1 convolutions, each followed by batch-norm
+    weight and bias) in four stages of 3, 4, 6 and 3 blocks; the first block of
+    each stage has a 1x1 downsample convolution and its batch norm.
+    """
+    shapes: List[Shape] = [(width, 3, 7, 7), (width,), (width,)]
+    inplanes = width
+    for planes, blocks in ((width, 3), (2 * width, 4), (4 * width, 6), (8 * width, 3)):
+        outplanes = 4 * planes
+        for block in range(blocks):
+            shapes += [(planes, inplanes, 1, 1), (planes,), (planes,),
+                       (planes, planes, 3, 3), (planes,), (planes,),
+                       (outplanes, planes, 1, 1), (outplanes,), (outplanes,)]
+            if block == 0:
+                shapes += [(outplanes, inplanes, 1, 1), (outplanes,), (outplanes,)]
+            inplanes = outplanes
+    return shapes + [(num_classes, inplanes), (num_classes,)]
+
+
+def transformer_vocab(d_model: int) -> int:
+    """The vocabulary that keeps the embedding at 23% of the model, as at d=384, 16384 tokens."""
+    return max(1, round(16384 * d_model / TRANSFORMER_FULL_WIDTH))
+
+
+def transformer_shapes(d_model: int = TRANSFORMER_FULL_WIDTH, n_layers: int = 12,
+                       vocab: int = 16384) -> List[Shape]:
+    """A GPT-2-style decoder: token embedding, ``n_layers`` blocks, final layer norm.
+
+    Each block has layer norm 1 (weight, bias), the fused QKV projection
+    ``3d x d`` and bias, the output projection ``d x d`` and bias, layer norm 2,
+    and the MLP ``4d x d`` + bias, ``d x 4d`` + bias: 12 tensors per block.
+    GPT-2 small's depth and mix of a few large matrices and many small vectors
+    at half its width and a 16384-token vocabulary: 27.6M elements by default.
+    """
+    d = d_model
+    block = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,),
+             (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    return [(vocab, d)] + block * n_layers + [(d,), (d,)]
+
+
+def n_elements(shapes: Sequence[Shape]) -> int:
+    return sum(math.prod(shape) for shape in shapes)
+
+
+def _nearest_width(count: Callable[[int], int], target: int, full_width: int,
+                   full_count: int) -> int:
+    # the count grows as width**2 (plus a linear term from the vectors): start
+    # from the quadratic estimate and step to the nearest integer width
+    width = max(1, round(full_width * math.sqrt(target / full_count)))
+    while width > 1 and abs(count(width - 1) - target) <= abs(count(width) - target):
+        width -= 1
+    while abs(count(width + 1) - target) < abs(count(width) - target):
+        width += 1
+    return width
+
+
+def resnet50_width_for_size(n: int) -> int:
+    """The ResNet-50 width whose parameter count is nearest ``n`` elements."""
+    def count(width: int) -> int:
+        return n_elements(resnet50_shapes(width, resnet50_classes(width)))
+    return _nearest_width(count, n, RESNET50_FULL_WIDTH, count(RESNET50_FULL_WIDTH))
+
+
+def resnet50_for_size(n: int) -> ResNet50:
+    """A ``ResNet50`` with about ``n`` parameters (161 tensors at any size)."""
+    width = resnet50_width_for_size(n)
+    return ResNet50(width, resnet50_classes(width))
+
+
+def resnet50_shapes_for_size(n: int) -> List[Shape]:
+    width = resnet50_width_for_size(n)
+    return resnet50_shapes(width, resnet50_classes(width))
+
+
+def transformer_shapes_for_size(n: int) -> List[Shape]:
+    """The ``transformer_shapes`` (12 blocks, 147 tensors) with about ``n`` elements."""
+    def count(d: int) -> int:
+        return n_elements(transformer_shapes(d, vocab=transformer_vocab(d)))
+    d = _nearest_width(count, n, TRANSFORMER_FULL_WIDTH, count(TRANSFORMER_FULL_WIDTH))
+    return transformer_shapes(d, vocab=transformer_vocab(d))
+
+
+# the kernel benchmark's tensor lists: name -> shapes for a target element count
+TENSOR_LISTS: Dict[str, Callable[[int], List[Shape]]] = {
+    "resnet50": resnet50_shapes_for_size,
+    "transformer": transformer_shapes_for_size,
+}

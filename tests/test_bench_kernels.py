@@ -1,123 +1,118 @@
-"""The kernel benchmark runs end to end and writes well-formed results.
-
-No timing is asserted: these tests prove the benchmark works, never that one
-method is faster than another.
-"""
-import json
+"""The kernel benchmark runs end to end and writes well-formed results (no timing asserted)."""
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_utils import check_record, run_bench_once
+from fusedreduce.bench.kernels import DIRECTIONS, METHODS, ROLES, Workload, check
+from fusedreduce.bench.models import (n_elements, resnet50_classes, resnet50_shapes,
+                                      resnet50_shapes_for_size, resnet50_width_for_size,
+                                      transformer_shapes, transformer_shapes_for_size)
 
-MACHINE_KEYS = {"cpu", "cpu_count", "torch_threads", "gpu", "device", "backend", "torch",
-                "triton"}
-RESULT_KEYS = {"list", "dtype_in", "dtype_out", "scale", "method", "n_tensors", "n_elements",
-               "bytes", "time_ms", "time_ms_min", "gbps", "ratio_to_copy"}
-METHODS = {"copy", "naive", "views_then_scale", "fusedreduce", "fusedreduce_fresh_out",
-           "fusedreduce_unflatten"}
-
-
-def _positive_finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value) and value > 0
+CPU_METHODS = {"flatten": {"copy", "naive", "views_then_scale", "fusedreduce",
+                           "fusedreduce_fresh_out"},
+               "unflatten": {"copy", "naive", "scale_then_views", "fusedreduce"}}
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """One ``python -m bench kernels --quick`` run on the CPU: (process, JSON record)."""
-    path = tmp_path_factory.mktemp("bench") / "kernels.json"
-    process = subprocess.run(
-        [sys.executable, "-m", "bench", "kernels", "--quick", "--repeats", "2",
-         "--device", "cpu", "--json", str(path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    record = json.loads(path.read_text()) if path.exists() else None
+    """One ``kernels --quick`` run on the CPU at two tiny sizes: (process, JSON record)."""
+    process, record, _ = run_bench_once(
+        tmp_path_factory, "kernels", ["kernels", "--quick", "--sizes", "20K,50K", "--repeats",
+                                      "2", "--device", "cpu", "--no-progress"])
     return process, record
 
 
-def test_quick_kernel_benchmark_exits_cleanly_and_prints_a_table(quick_run):
+def test_quick_kernel_benchmark_exits_cleanly_and_prints_every_method(quick_run):
     process, _ = quick_run
     assert process.returncode == 0, process.stderr
-    for method in METHODS:
-        assert method in process.stdout
+    for methods in CPU_METHODS.values():
+        for method in methods:
+            assert method in process.stdout
 
 
-def test_quick_kernel_benchmark_records_the_machine(quick_run):
+def test_quick_kernel_benchmark_records_the_machine_and_every_case(quick_run):
     _, record = quick_run
-    assert record is not None
-    assert MACHINE_KEYS <= set(record["machine"])
+    results = check_record(record, ["kernels"])
     assert record["machine"]["device"] == "cpu"
-    assert record["machine"]["backend"] == "torch"
+    assert record["machine"]["kernel_backend"] == "torch"
+    assert record["machine"]["dist_backend"] is None
     assert record["machine"]["torch"] == torch.__version__
-
-
-def test_quick_kernel_benchmark_results_are_complete_and_positive(quick_run):
-    _, record = quick_run
-    results = record["results"]
-    assert results
-    for result in results:
-        assert RESULT_KEYS <= set(result), result
-        for key in ("time_ms", "time_ms_min", "gbps", "ratio_to_copy"):
-            assert _positive_finite(result[key]), (key, result)
-        assert result["time_ms_min"] <= result["time_ms"]
-        for key in ("n_tensors", "n_elements", "bytes"):
-            assert isinstance(result[key], int) and result[key] > 0, (key, result)
-        assert result["dtype_out"] == "float32"
-    cases = {(r["list"], r["dtype_in"], r["scale"]) for r in results}
-    assert {(name, dtype) for name, dtype, _ in cases} == {
-        (name, dtype) for name in ("resnet50", "transformer") for dtype in ("float16", "bfloat16")}
-    assert {scale for _, _, scale in cases} == {0.125, 1.0}
-    for case in cases:
-        methods = [r["method"] for r in results if (r["list"], r["dtype_in"], r["scale"]) == case]
-        assert sorted(methods) == sorted(METHODS), case
-        copy = next(r for r in results
-                    if (r["list"], r["dtype_in"], r["scale"]) == case and r["method"] == "copy")
-        assert copy["ratio_to_copy"] == 1.0
+    assert record["config"]["kernels"]["sizes"] == [20_000, 50_000]
+    assert record["config"]["collectives"] is None
+    cases = {(r["list"], r["direction"], r["size"]) for r in results}
+    assert cases == {(name, direction, size) for name in ("resnet50", "transformer")
+                     for direction in DIRECTIONS for size in (20_000, 50_000)}
+    for list_name, direction, size in cases:
+        group = [r for r in results
+                 if (r["list"], r["direction"], r["size"]) == (list_name, direction, size)]
+        assert {r["method"] for r in group} == CPU_METHODS[direction]
+        assert all(r["baseline"] == "copy" and r["scale"] == 0.125 for r in group)
+        assert all(r["role"] == ROLES[r["method"]] for r in group)
 
 
 def test_bytes_count_one_read_and_one_write_of_every_element(quick_run):
     _, record = quick_run
     for result in record["results"]:
-        in_size = torch.finfo(getattr(torch, result["dtype_in"])).bits // 8
-        assert result["bytes"] == result["n_elements"] * (in_size + 4)
+        sizes = [torch.finfo(getattr(torch, result[key])).bits // 8
+                 for key in ("dtype_in", "dtype_out")]
+        assert result["bytes"] == result["n_elements"] * sum(sizes)
+        assert "float32" in (result["dtype_in"], result["dtype_out"])
 
 
-def test_full_tensor_lists_have_the_documented_sizes(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT))
-    from bench.kernels import resnet50_shapes, transformer_shapes
-
+def test_full_tensor_lists_have_the_documented_sizes():
     resnet = resnet50_shapes()
     assert len(resnet) == 161
-    assert sum(math.prod(s) for s in resnet) == 25_557_032
+    assert n_elements(resnet) == 25_557_032
     transformer = transformer_shapes()
     assert len(transformer) == 147
-    assert 20e6 < sum(math.prod(s) for s in transformer) < 30e6
+    assert n_elements(transformer) == 27_585_792
 
 
+@pytest.mark.parametrize("size", [20_000, 250_000, 1_000_000, 25_600_000])
+def test_scaled_resnet50_has_the_width_nearest_the_size(size):
+    def count(width):
+        return n_elements(resnet50_shapes(width, resnet50_classes(width)))
+
+    width = resnet50_width_for_size(size)
+    shapes = resnet50_shapes_for_size(size)
+    assert len(shapes) == 161 and n_elements(shapes) == count(width)
+    for neighbour in (width - 1, width + 1):
+        if neighbour >= 1:
+            assert abs(count(width) - size) <= abs(count(neighbour) - size)
+
+
+@pytest.mark.parametrize("size", [250_000, 1_000_000, 25_600_000])
+def test_scaled_tensor_lists_keep_their_tensors_and_come_near_the_size(size):
+    for shapes_for_size, tensors in ((resnet50_shapes_for_size, 161),
+                                     (transformer_shapes_for_size, 147)):
+        shapes = shapes_for_size(size)
+        assert len(shapes) == tensors
+        assert math.isclose(n_elements(shapes), size, rel_tol=0.15), shapes_for_size
+
+
+def test_the_full_size_resnet50_list_is_torchvisions():
+    assert resnet50_shapes_for_size(25_557_032) == resnet50_shapes()
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("scale", [0.125, 1.0])
-def test_every_method_including_the_cuda_only_ones_computes_the_right_buffer(
-        monkeypatch, dtype, scale):
+def test_every_method_including_the_cuda_only_ones_computes_the_right_result(
+        direction, dtype, scale):
     # torch_foreach is timed on CUDA only; its result is checked here on the CPU
-    monkeypatch.syspath_prepend(str(ROOT))
-    from bench.kernels import CUDA_METHODS, Workload, check, method_fns
-
     workload = Workload("tiny", [(3, 5), (7,), (2, 2, 3)], dtype, torch.device("cpu"))
-    fns = method_fns(workload, scale, foreach=True)
-    assert set(fns) == set(CUDA_METHODS)
+    fns = METHODS[direction](workload, scale, foreach=True)
+    assert set(fns) == CPU_METHODS[direction] | {"torch_foreach"}
     for name, fn in fns.items():
         workload.out.fill_(float("nan"))
-        check(workload, scale, name, fn())
+        for t in workload.dsts:
+            t.fill_(float("nan"))
+        check(workload, scale, direction, name, fn())
 
 
-def test_the_result_check_rejects_a_wrong_buffer(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT))
-    from bench.kernels import Workload, check
-
+def test_the_result_check_rejects_a_wrong_buffer():
     workload = Workload("tiny", [(4,), (6,)], torch.float16, torch.device("cpu"))
     with pytest.raises(AssertionError, match="fusedreduce"):
-        check(workload, 0.125, "fusedreduce", workload.src.float())  # scale never applied
+        check(workload, 0.125, "flatten", "fusedreduce", workload.src.float())  # unscaled

@@ -1,0 +1,100 @@
+"""What the benchmark tests share: running the CLI once and checking its figures.
+
+The benchmark tests prove that a benchmark runs and writes well-formed
+results, never that one method is faster than another: no timing is asserted.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the JSON's documented keys (README, "Benchmarks")
+MACHINE_KEYS = {"cpu_model", "cores", "torch_threads", "loadavg_1min", "gpu", "gpu_count",
+                "device", "kernel_backend", "dist_backend", "python", "torch", "triton"}
+RESULT_KEYS = {"benchmark", "case", "size", "method", "role", "baseline", "world_size",
+               "n_tensors", "n_elements", "bytes", "time_ms", "time_ms_min", "gbps", "ratio"}
+# every measured figure of a record: each must be a positive, finite number
+FIGURES = ("time_ms", "time_ms_min", "gbps", "ratio")
+
+
+def positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and value > 0
+
+
+def run_bench(args: Sequence[str], json_path: Path,
+              timeout: float = 600) -> Tuple[subprocess.CompletedProcess, Optional[dict]]:
+    """``python -m fusedreduce.bench *args --json json_path``: (the process, the JSON record).
+
+    The installed package, not the checkout's ``bench`` directory, is what
+    runs: the same code as the ``fusedreduce-bench`` console script.
+    """
+    process = subprocess.run(
+        [sys.executable, "-m", "fusedreduce.bench", *args, "--json", str(json_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    record = json.loads(json_path.read_text()) if json_path.exists() else None
+    return process, record
+
+
+def run_bench_once(tmp_path_factory, name: str, args: Sequence[str]
+                   ) -> Tuple[subprocess.CompletedProcess, Optional[dict], Path]:
+    """``run_bench(args)`` once per test session, shared by pytest-xdist's workers.
+
+    xdist hands out a module's tests to every worker, so a module-scoped
+    fixture would run the benchmark (a minute of a small CPU) once per
+    worker; the first worker runs it under a file lock and the others read
+    its output. ``{dir}`` in ``args`` stands for the run's own directory
+    (for other files it writes). Returns (process, record, that directory).
+    """
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # this session's directory, shared by its workers
+    directory = base / f"bench-{name}"
+    directory.mkdir(exist_ok=True)
+    with open(directory / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        outcome = directory / "process.json"
+        if not outcome.exists():
+            process, _ = run_bench([arg.format(dir=directory) for arg in args],
+                                   directory / "result.json")
+            outcome.write_text(json.dumps([process.args, process.returncode, process.stdout,
+                                           process.stderr]))
+    process = subprocess.CompletedProcess(*json.loads(outcome.read_text()))
+    result = directory / "result.json"
+    return process, json.loads(result.read_text()) if result.exists() else None, directory
+
+
+def check_record(record: Optional[dict], benchmarks: Sequence[str]) -> List[dict]:
+    """Assert the record's schema and that every figure is positive; return its results."""
+    assert record is not None, "no JSON was written"
+    assert set(record) == {"machine", "config", "results"}
+    assert MACHINE_KEYS <= set(record["machine"])
+    results = record["results"]
+    assert results
+    assert list(dict.fromkeys(r["benchmark"] for r in results)) == list(benchmarks)
+    for result in results:
+        assert RESULT_KEYS <= set(result), result
+        for key in FIGURES:
+            assert positive_finite(result[key]), (key, result)
+        assert result["time_ms_min"] <= result["time_ms"]
+        for key in ("size", "world_size", "n_tensors", "n_elements", "bytes"):
+            assert isinstance(result[key], int) and result[key] > 0, (key, result)
+        assert result["role"] in ("reference", "baseline", "ours")
+        assert math.isclose(result["gbps"], result["bytes"] / (result["time_ms"] * 1e6))
+    for key in dict.fromkeys((r["benchmark"], r["case"], r["size"]) for r in results):
+        group = [r for r in results if (r["benchmark"], r["case"], r["size"]) == key]
+        baseline = next(r for r in group if r["method"] == group[0]["baseline"])
+        assert baseline["ratio"] == 1.0
+        for result in group:
+            assert result["baseline"] == baseline["method"]
+            assert math.isclose(result["ratio"], baseline["time_ms"] / result["time_ms"])
+        assert {"baseline", "ours"} <= {r["role"] for r in group}
+    return results
