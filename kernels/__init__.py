@@ -46,6 +46,8 @@ __all__ = [
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKENDS = ("auto", "triton", "torch")
+_SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
+_STRIDED = frozenset([torch.strided])
 
 #: AdaSum coefficients are 1 where a squared norm is below this: sqrt(float64 tiny)
 ADASUM_NORM_FLOOR = math.sqrt(2.2250738585072014e-308)
@@ -147,6 +149,13 @@ def _check_tensors(tensors, name: str) -> Tuple[torch.Tensor, ...]:
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
         raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
     tensors = tuple(tensors)
+    # the common, valid case in a few C-level passes (this runs every step, for
+    # every gradient); only a failure walks the list to name the culprit
+    if all(isinstance(t, torch.Tensor) for t in tensors) and \
+            {t.layout for t in tensors} <= _STRIDED and \
+            {t.dtype for t in tensors} <= _SUPPORTED_SET and \
+            len({t.device for t in tensors}) <= 1:
+        return tensors
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
@@ -179,7 +188,9 @@ def _layout(tensors, offsets, name: str):
             starts.append(position)
             position += n
         return starts, position
-    offsets = [_index(o, f"offsets[{i}]") for i, o in enumerate(offsets)]
+    if not all(type(o) is int for o in offsets):
+        offsets = [_index(o, f"offsets[{i}]") for i, o in enumerate(offsets)]
+    offsets = list(offsets)
     if len(offsets) != len(tensors):
         raise ValueError(f"offsets has {len(offsets)} entries but {name} has {len(tensors)}")
     end = 0

@@ -13,10 +13,11 @@ pair; only fp64 into 16 bits and fp16<->bf16 with a scale go piece by piece.
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -84,30 +85,45 @@ def _exact(dst_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
     return dst_dtype == src_dtype or dst_dtype in _WIDENS_TO[src_dtype]
 
 
-def _pair(segment: torch.Tensor, t: torch.Tensor):
-    """``(segment, t)`` as two tensors of one shape (flat when ``t`` is contiguous)."""
-    return (segment, t.view(-1)) if t.is_contiguous() else (segment.view(t.shape), t)
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
-def _segments(flat: torch.Tensor, offsets, numels, extents=None):
-    """Views of ``flat``: each segment, and (with ``extents``) every element that no
-    segment covers, from one ``split_with_sizes`` call."""
-    sizes, kinds, position = [], [], 0
-    for off, n, ext in zip(offsets, numels, extents or numels):
+def _segment_views(flat: torch.Tensor, offsets, tensors):
+    """Each tensor's segment of ``flat`` as a view in the tensor's own shape.
+
+    One view op per tensor (creating a view costs microseconds on the CPU and a
+    model has hundreds of gradients): the pairs ``(view, tensor)`` then go to
+    ``copy_``/``mul`` as they are, whatever the tensor's strides.
+    """
+    base = flat.storage_offset()
+    views = []
+    for off, t in zip(offsets, tensors):
+        shape = t.shape
+        if len(shape) == 1:
+            views.append(flat.narrow(0, off, shape[0]))
+        else:
+            views.append(flat.as_strided(shape, _contiguous_strides(tuple(shape)), base + off))
+    return views
+
+
+def _gap_views(flat: torch.Tensor, offsets, numels, extents):
+    """Views of every element of ``flat`` that no segment covers."""
+    gaps, position = [], 0
+    for off, n, ext in zip(offsets, numels, extents):
         if off > position:
-            sizes.append(off - position)
-            kinds.append(False)
-        sizes.append(n)
-        kinds.append(True)
+            gaps.append(flat.narrow(0, position, off - position))
         if ext > n:
-            sizes.append(ext - n)
-            kinds.append(False)
+            gaps.append(flat.narrow(0, off + n, ext - n))
         position = off + max(n, ext)
     if flat.numel() > position:
-        sizes.append(flat.numel() - position)
-        kinds.append(False)
-    views = flat.split_with_sizes(sizes) if sizes else []
-    return ([v for v, k in zip(views, kinds) if k], [v for v, k in zip(views, kinds) if not k])
+        gaps.append(flat.narrow(0, position, flat.numel() - position))
+    return gaps
 
 
 def _one_rounding_mul(dst_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
@@ -116,6 +132,17 @@ def _one_rounding_mul(dst_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
     product is fp32, rounded once on the way out) or ``dst``'s own dtype (ATen
     computes 16-bit products in fp32 with an fp32 scalar, rounding once)."""
     return dst_dtype in _SIXTEEN_BIT and src_dtype in (torch.float32, dst_dtype)
+
+
+def _route(dst: torch.dtype, src: torch.dtype, scale: float) -> int:
+    """Which of ``_scaled_copies``' four routes a pair of dtypes takes."""
+    if scale == 1.0 and (_exact(dst, src) or (dst in _SIXTEEN_BIT and src != torch.float64)):
+        return 0  # one foreach copy
+    if _exact(dst, src) and dst in (torch.float32, torch.float64):
+        return 1  # foreach copy, then scale the destination
+    if _one_rounding_mul(dst, src):
+        return 2  # one torch.mul(out=) per pair
+    return 3  # piece by piece
 
 
 def _scaled_copies(dsts, srcs, scale: float, accumulate: bool = False,
@@ -149,19 +176,14 @@ def _scaled_copies(dsts, srcs, scale: float, accumulate: bool = False,
             if not x and d.numel():
                 _apply(_add_scaled, d, s, scale)
         return
-    copies, scaled, products, rest = [], [], [], []
+    groups = copies, scaled, products, rest = [], [], [], []
+    route_of = {}  # (dst dtype, src dtype) -> its group: decided once per pair of dtypes
     for i, (d, s) in enumerate(zip(dsts, srcs)):
-        if not d.numel():
-            continue
-        if scale == 1.0 and (_exact(d.dtype, s.dtype) or
-                             (d.dtype in _SIXTEEN_BIT and s.dtype != torch.float64)):
-            copies.append(i)
-        elif _exact(d.dtype, s.dtype) and d.dtype in (torch.float32, torch.float64):
-            scaled.append(i)
-        elif _one_rounding_mul(d.dtype, s.dtype):
-            products.append(i)
-        else:
-            rest.append(i)
+        key = (d.dtype, s.dtype)
+        group = route_of.get(key)
+        if group is None:
+            group = route_of[key] = groups[_route(d.dtype, s.dtype, scale)]
+        group.append(i)
     for group in (copies, scaled):
         if group:
             torch._foreach_copy_([dsts[i] for i in group], [srcs[i] for i in group])
@@ -172,16 +194,17 @@ def _scaled_copies(dsts, srcs, scale: float, accumulate: bool = False,
     for i in products:
         torch.mul(srcs[i], scale, out=dsts[i])
     for i in rest:
-        _apply(_write_scaled, dsts[i], srcs[i], scale)
+        if dsts[i].numel():
+            _apply(_write_scaled, dsts[i], srcs[i], scale)
 
 
 def flatten(tensors, offsets, extents, out, scale, check_finite):
     """Fill ``out`` (validated by the caller); return the non-finite flag or None."""
     with torch.no_grad():
-        segments, gaps = _segments(out, offsets, [t.numel() for t in tensors], extents)
-        pairs = [_pair(seg, t) for seg, t in zip(segments, tensors)]
+        segments = _segment_views(out, offsets, tensors)
+        gaps = _gap_views(out, offsets, [t.numel() for t in tensors], extents)
         # the gaps are zeroed after: the whole buffer may be scaled at once
-        _scaled_copies([d for d, _ in pairs], [s for _, s in pairs], scale, whole=out)
+        _scaled_copies(segments, tensors, scale, whole=out)
         if gaps:
             torch._foreach_zero_(gaps)
         if not check_finite:
@@ -209,9 +232,7 @@ def _found_nonfinite(tensors, out) -> torch.Tensor:
 def unflatten(flat, tensors, offsets, scale, accumulate):
     """Write (or add) each segment of ``flat`` into its tensor, in place."""
     with torch.no_grad():
-        segments, _ = _segments(flat, offsets, [t.numel() for t in tensors])
-        pairs = [_pair(seg, t) for seg, t in zip(segments, tensors)]
-        _scaled_copies([t for _, t in pairs], [seg for seg, _ in pairs], scale, accumulate)
+        _scaled_copies(tensors, _segment_views(flat, offsets, tensors), scale, accumulate)
 
 
 # ------------------------------------------------------------------ AdaSum
