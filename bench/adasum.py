@@ -42,7 +42,7 @@ import torch.distributed as dist
 from fusedreduce import DistributedGradReducer, adasum_allreduce
 
 from . import common
-from .models import resnet50_shapes_for_size
+from .models import resnet50_gradients
 
 NAME = "adasum"
 BUCKET_CAP_MB = 25.0
@@ -96,9 +96,7 @@ def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
                  config: dict) -> dict:
     """Time the methods and count AdaSum's bytes on this rank (inside a process group)."""
     dtype = common.DTYPES[case["dtype"]]
-    shapes = resnet50_shapes_for_size(case["size"])
-    gen = torch.Generator().manual_seed(rank)
-    grads = [torch.randn(shape, generator=gen).to(device, dtype) for shape in shapes]
+    grads = resnet50_gradients(case["size"], dtype, device, seed=rank)
     flat = torch.cat([g.reshape(-1) for g in grads])
     reducer = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB)
     samples = common.time_across_ranks(

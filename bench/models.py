@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Dict, List, Sequence, Tuple
 
+import torch
 from torch import nn
 
 Shape = Tuple[int, ...]
@@ -172,3 +173,12 @@ TENSOR_LISTS: Dict[str, Callable[[int], List[Shape]]] = {
     "resnet50": resnet50_shapes_for_size,
     "transformer": transformer_shapes_for_size,
 }
+
+
+def resnet50_gradients(n: int, dtype: torch.dtype, device: torch.device,
+                       seed: int) -> List[torch.Tensor]:
+    """Random gradients shaped like a ``ResNet50`` of about ``n`` parameters
+    (``seed``: the rank, so that every rank holds different ones)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen).to(device, dtype)
+            for shape in resnet50_shapes_for_size(n)]

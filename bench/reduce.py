@@ -26,7 +26,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from fusedreduce import DistributedGradReducer
 
 from . import common
-from .models import resnet50_shapes_for_size
+from .models import resnet50_gradients
 
 NAME = "reduce"
 BUCKET_CAP_MB = 25.0
@@ -62,9 +62,7 @@ def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
                  config: dict) -> dict:
     """Time the methods on this rank (inside a process group); the times are the slowest rank's."""
     dtype = common.DTYPES[case["dtype"]]
-    shapes = resnet50_shapes_for_size(case["size"])
-    gen = torch.Generator().manual_seed(rank)
-    grads = [torch.randn(shape, generator=gen).to(device, dtype) for shape in shapes]
+    grads = resnet50_gradients(case["size"], dtype, device, seed=rank)
     reducer = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB)
 
     def per_tensor():
