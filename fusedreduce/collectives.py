@@ -10,7 +10,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import pickle
-import threading
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
@@ -19,6 +18,7 @@ import torch.distributed as dist
 
 from . import kernels
 from .buckets import Bucket, BucketPlan
+from .kernels._torch import scratch_buffer
 
 
 def require_process_group(group=None) -> int:
@@ -331,36 +331,8 @@ def _level_stats(left: torch.Tensor, right: torch.Tensor, bounds: Sequence[int],
     return kernels.adasum_reduce_chunks(partials, bounds, backend=backend)
 
 
-class Workspace:
-    """A grow-only scratch buffer per (dtype, device) for the vectors AdaSum
-    receives. On the CPU each thread keeps one between calls (``for_buffer``):
-    a fresh large allocation costs page faults there (a fresh 25 MiB buffer
-    filled took 6x as long as a reused one); elsewhere one lives for a call."""
-
-    _per_thread = threading.local()
-
-    @classmethod
-    def for_buffer(cls, buffer: torch.Tensor) -> "Workspace":
-        if buffer.device.type != "cpu":
-            return cls()
-        kept = getattr(cls._per_thread, "workspace", None)
-        if kept is None:
-            kept = cls._per_thread.workspace = cls()
-        return kept
-
-    def __init__(self) -> None:
-        self._buffers: dict = {}
-
-    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (dtype, device)
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < numel:
-            buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
-        return buffer[:numel]
-
-
 def adasum_tree(buffer: torch.Tensor, bounds: Sequence[int], ranks: Sequence[int], me: int,
-                group=None, backend: str = "auto", workspace: Optional[Workspace] = None) -> None:
+                group=None, backend: str = "auto") -> None:
     """AdaSum of the ``buffer``s of ``ranks`` (global ranks), in place, per segment.
 
     The tree is fixed, so the result is defined for any number of ranks n:
@@ -376,20 +348,20 @@ def adasum_tree(buffer: torch.Tensor, bounds: Sequence[int], ranks: Sequence[int
     those of ``kernels.adasum_stats`` on the whole vectors, whichever way the
     buffer is cut, so the result does not depend on the bucket layout. Every
     rank ends with bitwise the same buffer; each sends about 2(P-1)/P of it
-    (plus n > P's extra vector). ``workspace`` holds the received vectors
-    (default: a new one).
+    (plus n > P's extra vector). The received vectors go into a scratch
+    buffer (``scratch_buffer``: kept between calls on the CPU).
     """
     n = len(ranks)
     if n == 1:
         return
-    workspace = Workspace.for_buffer(buffer) if workspace is None else workspace
     top = 1 << (n.bit_length() - 1)
     if me >= top:
         dist.send(buffer, ranks[me - top], group)
         dist.recv(buffer, ranks[me - top], group)
         return
     if me + top < n:
-        other = workspace.get(buffer.numel(), buffer.dtype, buffer.device)
+        other = scratch_buffer("adasum_received", (buffer.numel(),), buffer.dtype,
+                               buffer.device)
         dist.recv(other, ranks[me + top], group)
         stats = kernels.adasum_stats(buffer, other, bounds, backend=backend)
         kernels.adasum_combine(buffer, other, bounds, stats, out=buffer, backend=backend)
@@ -400,7 +372,8 @@ def adasum_tree(buffer: torch.Tensor, bounds: Sequence[int], ranks: Sequence[int
         mid = _split_point(bounds, lo, hi)
         lower = not me & distance
         keep, give = ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
-        received = workspace.get(keep[1] - keep[0], buffer.dtype, buffer.device)
+        received = scratch_buffer("adasum_received", (keep[1] - keep[0],), buffer.dtype,
+                                  buffer.device)
         _exchange(buffer[give[0]:give[1]], received, peer, group)
         mine = buffer[keep[0]:keep[1]]
         left, right = (mine, received) if lower else (received, mine)
@@ -508,18 +481,15 @@ def _adasum_buckets(plan: BucketPlan, tensors: Sequence[torch.Tensor], group, lo
                     backend: str):
     """``(bucket, buffer)`` per bucket of ``plan``, ``buffer`` a new flat buffer
     holding the bucket's AdaSum across the ranks."""
-    workspace = None
     for bucket in plan.buckets:
         buffer = plan.flatten(bucket, tensors, scale=1.0 / local_size, backend=backend)
-        workspace = Workspace.for_buffer(buffer) if workspace is None else workspace
         adasum_buffer(buffer, adasum_segments(bucket), group=group, local_size=local_size,
-                      backend=backend, workspace=workspace, scaled=True)
+                      backend=backend, scaled=True)
         yield bucket, buffer
 
 
 def adasum_buffer(buffer: torch.Tensor, bounds: Sequence[int], *, group=None,
-                  local_size: int = 1, backend: str = "auto",
-                  workspace: Optional[Workspace] = None, scaled: bool = False) -> None:
+                  local_size: int = 1, backend: str = "auto", scaled: bool = False) -> None:
     """The AdaSum of every rank's ``buffer`` (fp32 or fp64, cut into segments
     at ``bounds``), in place: with ``local_size`` k, each block of k ranks is
     first averaged (``buffer`` times 1/k unless ``scaled`` says it already
@@ -530,4 +500,4 @@ def adasum_buffer(buffer: torch.Tensor, bounds: Sequence[int], *, group=None,
             buffer.mul_(1.0 / local_size)
         dist.all_reduce(buffer, group=_local_group(group, local_size))
     column = _global_ranks(group)[rank % local_size::local_size]
-    adasum_tree(buffer, bounds, column, rank // local_size, group, backend, workspace)
+    adasum_tree(buffer, bounds, column, rank // local_size, group, backend)

@@ -47,13 +47,10 @@ def _round_into(dst: torch.Tensor, value: torch.Tensor) -> None:
 
 def _write_scaled(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
     """``dst = cast(src * scale)``; both the same shape, either may be strided."""
+    # only the pairs ``_route`` leaves to it come here: an fp64 source into a
+    # 16-bit destination, or fp16<->bf16 with a scale
     if scale == 1.0:
         _round_into(dst, src)
-    elif dst.dtype == src.dtype:
-        torch.mul(src, scale, out=dst)
-    elif dst.dtype in _WIDENS_TO[src.dtype]:
-        dst.copy_(src)
-        dst.mul_(scale)
     else:
         _round_into(dst, torch.mul(src.to(compute_dtype(src.dtype, dst.dtype)), scale))
 
@@ -257,17 +254,22 @@ _COMBINE_PASS = 1 << 17
 _scratch = threading.local()
 
 
-def _scratch_buffer(name, shape, dtype, device):
-    """A scratch tensor kept between calls (per thread) on the CPU, where a fresh
-    multi-MiB allocation costs page faults each time; a new one elsewhere."""
+def scratch_buffer(name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A scratch tensor kept between calls (per thread, per ``name`` and dtype,
+    grow-only) on the CPU, where a fresh multi-MiB allocation costs page faults
+    each time (a fresh 25 MiB buffer filled took 6x as long as a reused one);
+    a new one elsewhere, where the caching allocator already reuses memory.
+    Two users of one ``name`` in the same thread share the memory."""
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
-    kept = getattr(_scratch, name, None)
+    kept = getattr(_scratch, "buffers", None)
+    if kept is None:
+        kept = _scratch.buffers = {}
     numel = math.prod(shape)
-    if kept is None or kept.dtype != dtype or kept.numel() < numel:
-        kept = torch.empty(numel, dtype=dtype)
-        setattr(_scratch, name, kept)
-    return kept[:numel].view(shape)
+    buffer = kept.get((name, dtype))
+    if buffer is None or buffer.numel() < numel:
+        buffer = kept[name, dtype] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel].view(shape)
 
 
 def adasum_chunk_counts(boundaries):
@@ -316,7 +318,7 @@ def adasum_chunk_stats(a, b, boundaries, out):
     calls.
     """
     with torch.no_grad():
-        scratch = _scratch_buffer("stats", (5, min(_STATS_PASS, a.numel())), torch.float64,
+        scratch = scratch_buffer("stats", (5, min(_STATS_PASS, a.numel())), torch.float64,
                                   a.device)
         row = 0
         for group in _chunk_groups(boundaries):
@@ -427,7 +429,7 @@ def _combine_in_compute_dtype(a, b, out, spans, ca, cb):
     coefficients rounded to the buffers' dtype, a cache-sized pass at a time."""
     if out is b:  # IEEE addition commutes: the same bits with the roles swapped
         a, b, ca, cb = b, a, cb, ca
-    scratch = _scratch_buffer("combine", (min(_COMBINE_PASS, a.numel()),), a.dtype, a.device)
+    scratch = scratch_buffer("combine", (min(_COMBINE_PASS, a.numel()),), a.dtype, a.device)
     for group in _pieces(spans, _COMBINE_PASS):
         targets = [out[lo:hi] for _, lo, hi in group]
         if out is not a:
