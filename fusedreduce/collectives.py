@@ -95,11 +95,23 @@ class PendingBucket:
 
 def start_bucket_all_reduce(plan: BucketPlan, bucket: Bucket, tensors: Sequence[torch.Tensor],
                             buffer: torch.Tensor, *, group=None, prescale: float = 1.0,
-                            world_size: int = 2, backend: str = "auto") -> PendingBucket:
-    """Flatten ``bucket`` into ``buffer`` (times ``prescale``) and start its all-reduce."""
-    plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=backend)
+                            world_size: int = 2, backend: str = "auto",
+                            count_nonfinite: bool = False) -> PendingBucket:
+    """Flatten ``bucket`` into ``buffer`` (times ``prescale``) and start its all-reduce.
+
+    With ``count_nonfinite``, ``buffer`` has one element more than the bucket:
+    it carries 1 where this rank's inputs held an inf/NaN (else 0), so after
+    the sum it counts the ranks that did, at no extra collective.
+    """
+    data = buffer[:bucket.size] if count_nonfinite else buffer
+    if count_nonfinite:
+        _, flag = plan.flatten(bucket, tensors, out=data, scale=prescale, check_finite=True,
+                               backend=backend)
+        buffer[bucket.size:].copy_(flag)
+    else:
+        plan.flatten(bucket, tensors, out=data, scale=prescale, backend=backend)
     work = dist.all_reduce(buffer, group=group, async_op=True) if world_size > 1 else None
-    return PendingBucket(bucket, buffer, work)
+    return PendingBucket(bucket, data, work)
 
 
 def finish_bucket(plan: BucketPlan, pending: PendingBucket, outputs: Sequence[torch.Tensor], *,

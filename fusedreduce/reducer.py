@@ -14,12 +14,11 @@ import contextlib
 from typing import Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 
 from . import kernels
 from .buckets import BucketPlan
 from .collectives import (PendingBucket, finish_bucket, require_process_group,
-                          verify_same_on_all_ranks)
+                          start_bucket_all_reduce, verify_same_on_all_ranks)
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -181,18 +180,12 @@ class DistributedGradReducer:
     def _start(self, index: int, tensors: Sequence[torch.Tensor]) -> PendingBucket:
         bucket = self.plan.buckets[index]
         storage = self._buffers_for_plan()[index]
-        buffer = storage[:bucket.size]
         prescale, _ = self._scales[index]
-        if self.check_finite:
-            _, flag = self.plan.flatten(bucket, tensors, out=buffer, scale=prescale,
-                                        check_finite=True, backend=self.backend)
-            storage[bucket.size:].copy_(flag)
-        else:
-            self.plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=self.backend)
-            storage[bucket.size:].zero_()
-        work = (dist.all_reduce(storage, group=self.group, async_op=True)
-                if self.world_size > 1 else None)
-        return PendingBucket(bucket, buffer, work)
+        # with check_finite the spare last element carries the non-finite count
+        return start_bucket_all_reduce(
+            self.plan, bucket, tensors, storage if self.check_finite else storage[:bucket.size],
+            group=self.group, prescale=prescale, world_size=self.world_size,
+            backend=self.backend, count_nonfinite=self.check_finite)
 
     def _finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
         flags = []
