@@ -246,8 +246,10 @@ ADASUM_CHUNK = 1 << 14
 #: fp32 (and 16-bit) data is combined with fp32 coefficients while both are at
 #: most this in magnitude, and in fp64 otherwise (fp32 cannot hold such coefficients)
 ADASUM_FP32_LIMIT = 2.0 ** 64
-# elements of one fallback pass: 5 fp64 arrays of this size (x, y, three products) sit in L3
-_STATS_PASS = 8 * ADASUM_CHUNK
+# whole chunks per batched Gram product: 2 fp64 rows each, 2 MiB of scratch
+_GRAM_ROWS = 8
+# elements of one pass over short chunks: 5 fp64 arrays of this size (x, y, three products)
+_STATS_PASS = 2 * ADASUM_CHUNK
 # elements of one combine pass: its fp32 products stay in cache between the ops
 _COMBINE_PASS = 1 << 17
 
@@ -277,77 +279,129 @@ def adasum_chunk_counts(boundaries):
     return [-(-(hi - lo) // ADASUM_CHUNK) for lo, hi in zip(boundaries[:-1], boundaries[1:])]
 
 
-def _chunk_groups(boundaries):
-    """The chunks of all segments, in order, as passes of at most ``_STATS_PASS``
-    elements: each pass a list of ``(start, rows, length)`` runs, a run being
-    ``rows`` whole chunks or (rows 0) one shorter, last chunk of ``length``."""
-    group, used = [], 0
+def _chunk_runs(boundaries):
+    """The chunks of all segments as ``(whole, short)``: ``whole`` lists runs
+    ``(start, rows, row)`` of ``rows`` whole chunks from element ``start``,
+    ``short`` each shorter last chunk as ``(start, length, row)``; ``row`` is
+    the first chunk's index in chunk order."""
+    whole, short, row = [], [], 0
     for lo, hi in zip(boundaries[:-1], boundaries[1:]):
-        position = lo
-        while position < hi:
-            room = _STATS_PASS - used
-            if hi - position >= ADASUM_CHUNK:
-                rows = min((hi - position) // ADASUM_CHUNK, room // ADASUM_CHUNK)
-                if rows == 0:
-                    yield group
-                    group, used = [], 0
-                    continue
-                group.append((position, rows, rows * ADASUM_CHUNK))
-            else:
-                if hi - position > room:
-                    yield group
-                    group, used = [], 0
-                    continue
-                group.append((position, 0, hi - position))
-            used += group[-1][2]
-            position += group[-1][2]
+        rows, rest = divmod(hi - lo, ADASUM_CHUNK)
+        if rows:
+            whole.append((lo, rows, row))
+            row += rows
+        if rest:
+            short.append((lo + rows * ADASUM_CHUNK, rest, row))
+            row += 1
+    return whole, short
+
+
+def _batches(runs, size):
+    """``runs`` of ``(start, rows, row)`` cut into batches of at most ``size``
+    rows, each a list of ``(start, rows, row, slot)`` (``slot``: its first row
+    in the batch)."""
+    batch, used = [], 0
+    for start, rows, row in runs:
+        while rows:
+            take = min(rows, size - used)
+            batch.append((start, take, row, used))
+            start, rows, row, used = start + take * ADASUM_CHUNK, rows - take, row + take, \
+                used + take
+            if used == size:
+                yield batch
+                batch, used = [], 0
+    if batch:
+        yield batch
+
+
+# the three statistics in a chunk's flattened 2 x 2 Gram matrix [[x·x, x·y], [y·x, y·y]]
+_GRAM_TO_STATS = (1, 0, 3)
+
+
+def _whole_chunk_stats(a, b, runs, out):
+    """Whole chunks' partials: each chunk's rows ``x``, ``y`` (exact in fp64)
+    side by side in fp64 scratch, and its Gram matrix ``[x; y] @ [x; y]ᵀ`` by
+    one ``torch.bmm`` per ``_GRAM_ROWS`` chunks. The scratch is the same
+    allocation at every call (fixed alignment) and every chunk has one length,
+    so BLAS takes the same path for every chunk wherever it came from: a
+    chunk's partial depends on its values only (checked against placement,
+    batch position and thread count in tests/test_adasum_kernels.py)."""
+    if not runs:
+        return
+    pairs = scratch_buffer("gram", (_GRAM_ROWS, 2, ADASUM_CHUNK), torch.float64, a.device)
+    index = torch.tensor(_GRAM_TO_STATS, device=a.device)
+    for batch in _batches(runs, _GRAM_ROWS):
+        for start, rows, _, slot in batch:
+            span = slice(start, start + rows * ADASUM_CHUNK)
+            pairs[slot:slot + rows, 0].copy_(a[span].view(rows, ADASUM_CHUNK))
+            pairs[slot:slot + rows, 1].copy_(b[span].view(rows, ADASUM_CHUNK))
+        used = batch[-1][3] + batch[-1][1]
+        gram = torch.bmm(pairs[:used], pairs[:used].transpose(1, 2)).view(used, 4)
+        for _, rows, row, slot in batch:
+            torch.index_select(gram[slot:slot + rows], 1, index, out=out[row:row + rows])
+
+
+def _short_chunk_stats(a, b, chunks, out):
+    """Short last chunks' partials: torch's sum over each chunk's fp64
+    products (``sum(dim=-1)`` over one row, which depends on its values and
+    length only), many chunks per pass through fp64 scratch; chunks that are
+    neighbours in the buffers (a layer's small tensors) are copied in one op."""
+    if not chunks:
+        return
+    scratch = scratch_buffer("stats", (5, _STATS_PASS), torch.float64, a.device)
+    x, y, products = scratch[0], scratch[1], scratch[2:]
+    for group in _short_passes(chunks):
+        for start, length, position in _contiguous_spans(group):
+            x.narrow(0, position, length).copy_(a.narrow(0, start, length))
+            y.narrow(0, position, length).copy_(b.narrow(0, start, length))
+        used = group[-1][3] + group[-1][1]
+        torch.mul(x[:used], y[:used], out=products[0, :used])
+        torch.square(scratch[:2, :used], out=products[1:, :used])
+        for _, length, row, position in group:
+            torch.sum(products.narrow(1, position, length), 1, out=out[row])
+
+
+def _short_passes(chunks):
+    """``chunks`` (``(start, length, row)``) in passes that fit ``_STATS_PASS``,
+    each chunk with its ``position`` in the pass's scratch."""
+    group, used = [], 0
+    for start, length, row in chunks:
+        if used + length > _STATS_PASS:
+            yield group
+            group, used = [], 0
+        group.append((start, length, row, used))
+        used += length
     if group:
         yield group
+
+
+def _contiguous_spans(group):
+    """``(start, length, position)`` copies for a pass: chunks that follow each
+    other in the buffers and in the scratch merged into one span."""
+    spans = []
+    for start, length, _, position in group:
+        if spans and spans[-1][0] + spans[-1][1] == start:
+            spans[-1][1] += length
+        else:
+            spans.append([start, length, position])
+    return spans
 
 
 def adasum_chunk_stats(a, b, boundaries, out):
     """Each chunk's ``(Σxy, Σx², Σy²)`` into ``out`` (float64 ``[n_chunks, 3]``).
 
     Chunks in order: segment by segment, each segment's chunks from its start.
-    A chunk's partial is torch's sum over one row of its fp64 products
-    (``sum(dim=-1)``; fp32 products are exact in fp64). A row's sum depends on
-    its values and its length only: not on its address, on the other rows
-    reduced in the same call or on the thread count (checked in
-    tests/test_adasum_kernels.py), so a chunk gives the same bits wherever it
-    sits. Work goes a few chunks at a time through fp64 scratch kept between
-    calls.
+    Products are exact (fp64 holds any product of two fp32s), and a chunk's
+    partial is a fixed function of its values: whole chunks through a batched
+    fp64 Gram product (``_whole_chunk_stats``), a segment's shorter last chunk
+    through a row sum (``_short_chunk_stats``). So a chunk gives the same bits
+    wherever it sits, whatever else is reduced in the same call and whatever
+    the thread count (tests/test_adasum_kernels.py checks all three).
     """
+    whole, short = _chunk_runs(boundaries)
     with torch.no_grad():
-        scratch = scratch_buffer("stats", (5, min(_STATS_PASS, a.numel())), torch.float64,
-                                  a.device)
-        row = 0
-        for group in _chunk_groups(boundaries):
-            used = sum(length for _, _, length in group)
-            if a.dtype == torch.float64 and len(group) == 1:
-                start = group[0][0]
-                x, y = a[start:start + used], b[start:start + used]
-            else:
-                x, y, position = scratch[0, :used], scratch[1, :used], 0
-                for start, _, length in group:
-                    x[position:position + length].copy_(a[start:start + length])
-                    y[position:position + length].copy_(b[start:start + length])
-                    position += length
-            products = scratch[2:, :used]
-            torch.mul(x, y, out=products[0])
-            if x.data_ptr() == scratch.data_ptr():  # both squares in one op
-                torch.square(scratch[:2, :used], out=products[1:])
-            else:
-                torch.mul(x, x, out=products[1])
-                torch.mul(y, y, out=products[2])
-            position = 0
-            for _, rows, length in group:
-                piece = products[:, position:position + length]
-                if rows:
-                    torch.sum(piece.view(3, rows, ADASUM_CHUNK), 2, out=out[row:row + rows].T)
-                else:
-                    torch.sum(piece, 1, out=out[row])
-                row += max(rows, 1)
-                position += length
+        _whole_chunk_stats(a, b, whole, out)
+        _short_chunk_stats(a, b, short, out)
 
 
 def adasum_reduce_chunks(partials, counts, out):

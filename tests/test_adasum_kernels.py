@@ -437,8 +437,8 @@ def test_chunk_sums_are_added_one_after_the_other_in_chunk_order(backend):
 
 
 def test_torch_stats_do_not_depend_on_the_thread_count():
-    # the fallback's chunk partials are torch's row sums; rows are never split
-    # between threads, so the thread count cannot move a bit
+    # the fallback's chunk partials are batched Gram products (whole chunks)
+    # and row sums (short ones): the thread count must not move a bit
     n = 5 * CHUNK + 333
     a, b = _values(n, torch.float32, 7, 1), _values(n, torch.float32, 7, 2)
     bounds = [0, 17, 2 * CHUNK + 5, 2 * CHUNK + 5, n]
@@ -451,6 +451,30 @@ def test_torch_stats_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_torch_whole_chunk_partials_do_not_depend_on_batch_slot_or_alignment(dtype):
+    # the fallback takes whole chunks through batched fp64 Gram products in
+    # fixed scratch: a chunk must give the same bits in every slot of a batch,
+    # behind any number of other chunks, from any source alignment
+    from fusedreduce.kernels import _torch as fallback
+    ours_a, ours_b = _values(3 * CHUNK, dtype, 11, 1), _values(3 * CHUNK, dtype, 11, 2)
+    alone = adasum_chunk_stats(ours_a, ours_b, [0, 3 * CHUNK], backend="torch")
+    for lead_chunks in range(fallback._GRAM_ROWS + 2):
+        for odd in (0, 1, 3):
+            lead = lead_chunks * CHUNK + odd
+            a = torch.cat([_values(lead, dtype, lead, 3), ours_a])
+            b = torch.cat([_values(lead, dtype, lead, 4), ours_b])
+            bounds = [0, lead_chunks * CHUNK, lead, lead + 3 * CHUNK]
+            rows = adasum_chunk_stats(a, b, bounds, backend="torch")
+            first = lead_chunks + (1 if odd else 0)
+            assert torch.equal(_bits(rows[first:]), _bits(alone)), (lead_chunks, odd)
+    # the Gram product's three entries are the exact statistics' near neighbours
+    expected = reference_stats(ours_a[:CHUNK], ours_b[:CHUNK], [0, CHUNK])[0]
+    x, y = ours_a[:CHUNK].double(), ours_b[:CHUNK].double()
+    for j, total in enumerate([(x * y).abs().sum(), (x * x).sum(), (y * y).sum()]):
+        assert abs(alone[0, j].item() - expected[j].item()) <= CHUNK * EPS64 * float(total)
 
 
 def test_chunk_functions_refuse_bad_input(backend):
