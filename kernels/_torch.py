@@ -483,19 +483,15 @@ def _combine_in_compute_dtype(a, b, out, spans, ca, cb):
     coefficients rounded to the buffers' dtype, a cache-sized pass at a time."""
     if out is b:  # IEEE addition commutes: the same bits with the roles swapped
         a, b, ca, cb = b, a, cb, ca
-    scratch = scratch_buffer("combine", (min(_COMBINE_PASS, a.numel()),), a.dtype, a.device)
     for group in _pieces(spans, _COMBINE_PASS):
-        targets = [out[lo:hi] for _, lo, hi in group]
-        if out is not a:
-            torch._foreach_copy_(targets, [a[lo:hi] for _, lo, hi in group])
-        others, position = [], 0
-        for _, lo, hi in group:
-            others.append(scratch[position:position + hi - lo])
-            position += hi - lo
-        torch._foreach_copy_(others, [b[lo:hi] for _, lo, hi in group])
         # foreach ops round a Python scalar to the tensors' dtype, as the kernel does
-        torch._foreach_mul_(targets, [ca[i] for i, _, _ in group])
-        torch._foreach_mul_(others, [cb[i] for i, _, _ in group])
+        others = torch._foreach_mul([b[lo:hi] for _, lo, hi in group], [cb[i] for i, _, _ in group])
+        targets = [out[lo:hi] for _, lo, hi in group]
+        if out is a:
+            torch._foreach_mul_(targets, [ca[i] for i, _, _ in group])
+        else:
+            torch._foreach_copy_(targets, torch._foreach_mul([a[lo:hi] for _, lo, hi in group],
+                                                             [ca[i] for i, _, _ in group]))
         torch._foreach_add_(targets, others)
 
 
