@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from bench_utils import check_record, run_bench_once
-from fusedreduce import BucketPlan
+from fusedreduce import BucketPlan, kernels
+from fusedreduce.bench.adasum import ROLES, without_adasum_math
 from fusedreduce.bench.models import resnet50_shapes_for_size
 from fusedreduce.collectives import adasum_comm_dtype
 
-METHODS = ["all_reduce", "grad_reducer", "adasum"]
+METHODS = ["all_reduce", "grad_reducer", "adasum", "adasum_in_place", "tree_exchanges"]
 SIZE = 30_000
 
 
@@ -39,6 +40,7 @@ def test_quick_adasum_benchmark_results_are_complete_and_positive(quick_run):
     assert record["config"]["collectives"]["parts"] == ["adasum"]
     assert [r["method"] for r in results] == METHODS
     for result in results:
+        assert result["role"] == ROLES[result["method"]]
         assert result["world_size"] == 2 and result["size"] == SIZE
         assert result["n_tensors"] == 161
         assert result["bytes"] == 4 * result["n_elements"]
@@ -58,3 +60,23 @@ def test_adasum_bytes_are_counted_and_match_the_two_rank_tree(quick_run):
     statistics = adasum["bytes_sent_per_rank"] - sum(b.nbytes for b in plan.buckets) - 16
     assert statistics % (3 * 8) == 0
     assert statistics >= 3 * 8 * len(grads)
+
+    # in place: one flat fp32 buffer, no agreement check; the tree's traffic
+    # without the math is the same traffic
+    in_place, exchanges = (next(r for r in record["results"] if r["method"] == m)
+                           for m in ("adasum_in_place", "tree_exchanges"))
+    statistics = in_place["bytes_sent_per_rank"] - 4 * in_place["n_elements"]
+    assert statistics % (3 * 8) == 0 and statistics >= 3 * 8 * len(grads)
+    assert exchanges["bytes_sent_per_rank"] == in_place["bytes_sent_per_rank"]
+
+
+def test_the_math_is_switched_off_only_inside_without_adasum_math():
+    a, b = torch.ones(5), torch.full((5,), 2.0)
+    real = kernels.adasum_combine
+    with without_adasum_math():
+        assert kernels.adasum_combine is not real
+        assert torch.equal(kernels.adasum_combine(a, b, [0, 5], None, out=a), torch.ones(5))
+        assert kernels.adasum_chunk_stats(a, b, [0, 5]).abs().sum() == 0
+    assert kernels.adasum_combine is real
+    assert torch.equal(kernels.adasum_combine(a, b, [0, 5], kernels.adasum_stats(a, b, [0, 5])),
+                       torch.full((5,), 1.5))  # parallel: the mean
