@@ -27,6 +27,8 @@ so one launch covers any number of segments of any sizes.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import triton
@@ -129,7 +131,22 @@ def _combine_kernel(a, b, out, table, stats, n_segments, FLOOR: tl.constexpr,
 
 def _segment_table(boundaries, device, unit):
     """The launch table (one program per ``unit`` elements of each segment), the
-    program count and each segment's first program (``n + 1`` entries)."""
+    program count and each segment's first program (``n + 1`` entries).
+
+    A bucket's segments are the same every step, so tables are kept per
+    ``(boundaries, device, unit)`` (the last ``TABLES_KEPT``): a repeated call
+    costs a lookup instead of numpy work and a host-to-device copy. Kernels
+    only read them, and the copy that made them completed before they were
+    first used, so any stream may read them.
+    """
+    return _cached_segment_table(tuple(boundaries), device, unit)
+
+
+TABLES_KEPT = 64
+
+
+@functools.lru_cache(maxsize=TABLES_KEPT)
+def _cached_segment_table(boundaries, device, unit):
     bounds = np.asarray(boundaries, dtype=np.int64)
     starts, lengths = bounds[:-1], np.diff(bounds)
     n = len(starts)
@@ -138,8 +155,16 @@ def _segment_table(boundaries, device, unit):
     first = np.concatenate([[0], np.cumsum(pieces)]).astype(np.int64)
     seg_of = np.repeat(np.arange(n, dtype=np.int64), pieces)
     work = (seg_of << 32) | (np.arange(programs, dtype=np.int64) - np.repeat(first[:-1], pieces))
-    table = torch.from_numpy(np.concatenate([starts, lengths, work])).to(device, non_blocking=True)
+    # a blocking copy (once per layout): a kept table may be read from any stream
+    table = torch.from_numpy(np.concatenate([starts, lengths, work])).to(device)
     return table, programs, first
+
+
+@functools.lru_cache(maxsize=TABLES_KEPT)
+def _first_chunks(counts, device):
+    """Each segment's first row in the chunk partials (``n + 1`` entries), on ``device``."""
+    first = np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
+    return torch.from_numpy(first.astype(np.int64)).to(device)
 
 
 def chunk_stats(a, b, boundaries, out):
@@ -154,8 +179,7 @@ def reduce_chunks(partials, counts, out):
     """``out[i]`` (float64 ``[n, 3]``): segment ``i``'s ``counts[i]`` chunk partials
     added in chunk order."""
     if len(counts):
-        first = np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
-        first = torch.from_numpy(first.astype(np.int64)).to(partials.device, non_blocking=True)
+        first = _first_chunks(tuple(int(c) for c in counts), partials.device)
         _reduce_chunks_kernel[(len(counts),)](partials, first, out, num_warps=1)
 
 

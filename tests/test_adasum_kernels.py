@@ -477,6 +477,29 @@ def test_torch_whole_chunk_partials_do_not_depend_on_batch_slot_or_alignment(dty
         assert abs(alone[0, j].item() - expected[j].item()) <= CHUNK * EPS64 * float(total)
 
 
+def test_triton_launch_tables_are_kept_per_layout_and_stay_right():
+    # the Triton launchers keep a bucket layout's tables; a caller's list may
+    # change afterwards, and a full cache evicts, without a wrong table
+    pytest.importorskip("triton")
+    from fusedreduce.kernels import adasum as triton_adasum
+    segments = [0, 3, 3, 2 * CHUNK + 1]
+    first, programs, _ = triton_adasum._segment_table(segments, torch.device("cpu"), CHUNK)
+    segments[-1] = 5  # the kept table belongs to the old values
+    again, _, _ = triton_adasum._segment_table([0, 3, 3, 2 * CHUNK + 1], torch.device("cpu"),
+                                               CHUNK)
+    assert again is first and programs == 3
+    assert first.tolist() == [0, 3, 3, 3, 0, 2 * CHUNK - 2, 0, 2 << 32, (2 << 32) | 1]
+    changed, programs, _ = triton_adasum._segment_table(segments, torch.device("cpu"), CHUNK)
+    assert changed.tolist() == [0, 3, 3, 3, 0, 2, 0, 2 << 32] and programs == 2
+    a, b = _values(2 * CHUNK + 1, torch.float32, 5, 1), _values(2 * CHUNK + 1, torch.float32, 5, 2)
+    bounds = [0, 3, 3, 2 * CHUNK + 1]
+    kept = adasum_stats(a, b, bounds, backend="triton")
+    for extra in range(triton_adasum.TABLES_KEPT + 1):  # evict it
+        triton_adasum._segment_table([0, extra + 1], torch.device("cpu"), CHUNK)
+    assert triton_adasum._segment_table(bounds, torch.device("cpu"), CHUNK)[0] is not first
+    assert torch.equal(adasum_stats(a, b, bounds, backend="triton"), kept)
+
+
 def test_chunk_functions_refuse_bad_input(backend):
     a, b = _buffers()
     with pytest.raises(ValueError, match="segments"):
