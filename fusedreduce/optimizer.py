@@ -205,6 +205,5 @@ class AdaSumByDeltaWeight(torch.optim.Optimizer):
             combined = adasum_allreduce(deltas, self.group, local_size=self.local_size,
                                         bucket_cap_mb=self.bucket_cap_mb)
             torch._foreach_add_(saved, combined)
-            for p, new in zip(params, saved):
-                p.copy_(new)
+            torch._foreach_copy_([p.detach() for p in params], saved)
         return loss
