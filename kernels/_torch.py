@@ -408,18 +408,22 @@ def adasum_reduce_chunks(partials, counts, out):
     """``out[i]``: segment ``i``'s chunk partials added in chunk order,
     ``((p0 + p1) + p2) + …`` in fp64 (0 for a segment without chunks)."""
     if partials.device.type == "cpu":
-        # exact IEEE double additions, one after the other: Python floats are fp64
-        rows, sums, position = partials.tolist(), [], 0
+        # exact IEEE double additions, one after the other: Python floats are
+        # fp64. One flat list of floats: a list per row would hand the garbage
+        # collector thousands of containers per call, and its full passes over
+        # a training process's heap cost 20 ms a call (measured)
+        values, sums, position = partials.reshape(-1).tolist(), [], 0
         for count in counts:
+            end = position + 3 * count
             dot = a2 = b2 = -0.0  # -0.0 + x is x for every x, -0.0 included
-            for d, x, y in rows[position:position + count]:
-                dot += d
-                a2 += x
-                b2 += y
-            sums.append((dot, a2, b2) if count else (0.0, 0.0, 0.0))
-            position += count
+            for k in range(position, end, 3):
+                dot += values[k]
+                a2 += values[k + 1]
+                b2 += values[k + 2]
+            sums += (dot, a2, b2) if count else (0.0, 0.0, 0.0)
+            position = end
         if sums:
-            out.copy_(torch.tensor(sums, dtype=torch.float64))
+            out.copy_(torch.tensor(sums, dtype=torch.float64).view(-1, 3))
         return
     # elsewhere: one column of a padded [segments, longest, 3] gather at a time;
     # the padding is -0.0, which adds exactly
