@@ -367,10 +367,19 @@ def _check_pair(a, b):
                          f"{a.dtype} on {a.device}, b is {b.numel()} {b.dtype} on {b.device}")
 
 
-def _check_segments(segments, size: int):
+def _segment_list(segments) -> list:
+    """``segments`` (a sequence or a tensor) as a list of ints, each checked."""
     if isinstance(segments, torch.Tensor):
         segments = segments.tolist()
-    bounds = [_index(s, f"segments[{i}]") for i, s in enumerate(segments)]
+    return [_index(s, f"segments[{i}]") for i, s in enumerate(segments)]
+
+
+def _check_segments(segments, size: Optional[int] = None):
+    """The boundaries as ints: from 0 to ``size`` (default: the last one),
+    never decreasing."""
+    bounds = _segment_list(segments)
+    if size is None:
+        size = bounds[-1] if bounds else 0
     if len(bounds) < 1 or bounds[0] != 0 or bounds[-1] != size:
         raise ValueError(f"segments must be the boundaries [0, ..., {size}] of the buffer, "
                          f"got {bounds[:3]}...{bounds[-2:]}")
@@ -388,9 +397,7 @@ def adasum_chunk_counts(segments: Sequence[int]) -> list:
         >>> adasum_chunk_counts([0, 5, 5, ADASUM_CHUNK + 5])
         [1, 0, 1]
     """
-    bounds = [_index(s, f"segments[{i}]") for i, s in enumerate(
-        segments.tolist() if isinstance(segments, torch.Tensor) else segments)]
-    return _torch.adasum_chunk_counts(bounds)
+    return _torch.adasum_chunk_counts(_segment_list(segments))
 
 
 def adasum_stats(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int], *,
@@ -425,11 +432,18 @@ def adasum_stats(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int], *,
     """
     _check_pair(a, b)
     bounds = _check_segments(segments, a.numel())
+    counts = _torch.adasum_chunk_counts(bounds)
+    # never an empty allocation: a Triton launch must get a real pointer
+    partials = torch.empty(max(sum(counts), 1), 3, dtype=torch.float64,
+                           device=a.device)[:sum(counts)]
     out = torch.zeros(len(bounds) - 1, 3, dtype=torch.float64, device=a.device)
     if resolve_backend(backend, a.device) == "torch":
-        _torch.adasum_stats(a, b, bounds, out)
+        _torch.adasum_chunk_stats(a, b, bounds, partials)
+        _torch.adasum_reduce_chunks(partials, counts, out)
     else:
-        _triton_kernels()[1].stats(a, b, bounds, out)
+        triton_adasum = _triton_kernels()[1]
+        triton_adasum.chunk_stats(a, b, bounds, partials)
+        triton_adasum.reduce_chunks(partials, counts, out)
     return out
 
 
@@ -477,10 +491,7 @@ def adasum_reduce_chunks(partials: torch.Tensor, segments: Sequence[int], *,
         TypeError/ValueError: bad ``segments`` (any non-decreasing boundaries
             from 0), or ``partials`` not float64 ``[n_chunks, 3]``.
     """
-    if isinstance(segments, torch.Tensor):
-        segments = segments.tolist()
-    bounds = [_index(s, f"segments[{i}]") for i, s in enumerate(segments)]
-    _check_segments(bounds, bounds[-1] if bounds else 0)
+    bounds = _check_segments(segments)
     counts = _torch.adasum_chunk_counts(bounds)
     if not isinstance(partials, torch.Tensor) or partials.dtype != torch.float64 \
             or partials.shape != (sum(counts), 3):

@@ -445,15 +445,6 @@ def adasum_reduce_chunks(partials, counts, out):
     out.copy_(torch.where(nonempty[:, None], total, 0.0))
 
 
-def adasum_stats(a, b, boundaries, out):
-    """Each segment's ``(a·b, ‖a‖², ‖b‖²)`` into ``out`` (float64 ``[n, 3]``): its
-    chunk partials (``adasum_chunk_stats``) added in chunk order."""
-    counts = adasum_chunk_counts(boundaries)
-    partials = torch.empty(sum(counts), 3, dtype=torch.float64, device=a.device)
-    adasum_chunk_stats(a, b, boundaries, partials)
-    adasum_reduce_chunks(partials, counts, out)
-
-
 def adasum_coefficients(segment_stats, floor):
     """``(ca, cb)``, float64 [n] each: 1 where the squared norm is below ``floor``."""
     dot, a2, b2 = segment_stats.unbind(1)
@@ -489,13 +480,12 @@ def _combine_in_compute_dtype(a, b, out, spans, ca, cb):
         a, b, ca, cb = b, a, cb, ca
     for group in _pieces(spans, _COMBINE_PASS):
         # foreach ops round a Python scalar to the tensors' dtype, as the kernel does
-        others = torch._foreach_mul([b[lo:hi] for _, lo, hi in group], [cb[i] for i, _, _ in group])
+        others = torch._foreach_mul([b[lo:hi] for _, lo, hi in group],
+                                    [cb[i] for i, _, _ in group])
         targets = [out[lo:hi] for _, lo, hi in group]
-        if out is a:
-            torch._foreach_mul_(targets, [ca[i] for i, _, _ in group])
-        else:
-            torch._foreach_copy_(targets, torch._foreach_mul([a[lo:hi] for _, lo, hi in group],
-                                                             [ca[i] for i, _, _ in group]))
+        if out is not a:
+            torch._foreach_copy_(targets, [a[lo:hi] for _, lo, hi in group])
+        torch._foreach_mul_(targets, [ca[i] for i, _, _ in group])
         torch._foreach_add_(targets, others)
 
 

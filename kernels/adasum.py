@@ -130,8 +130,8 @@ def _combine_kernel(a, b, out, table, stats, n_segments, FLOOR: tl.constexpr,
 
 
 def _segment_table(boundaries, device, unit):
-    """The launch table (one program per ``unit`` elements of each segment), the
-    program count and each segment's first program (``n + 1`` entries).
+    """The launch table (one program per ``unit`` elements of each segment) and
+    the program count.
 
     A bucket's segments are the same every step, so tables are kept per
     ``(boundaries, device, unit)`` (the last ``TABLES_KEPT``): a repeated call
@@ -152,12 +152,12 @@ def _cached_segment_table(boundaries, device, unit):
     n = len(starts)
     pieces = -(-lengths // unit)
     programs = int(pieces.sum())
-    first = np.concatenate([[0], np.cumsum(pieces)]).astype(np.int64)
+    first = np.cumsum(pieces) - pieces  # each segment's first program
     seg_of = np.repeat(np.arange(n, dtype=np.int64), pieces)
-    work = (seg_of << 32) | (np.arange(programs, dtype=np.int64) - np.repeat(first[:-1], pieces))
+    work = (seg_of << 32) | (np.arange(programs, dtype=np.int64) - np.repeat(first, pieces))
     # a blocking copy (once per layout): a kept table may be read from any stream
     table = torch.from_numpy(np.concatenate([starts, lengths, work])).to(device)
-    return table, programs, first
+    return table, programs
 
 
 @functools.lru_cache(maxsize=TABLES_KEPT)
@@ -169,7 +169,7 @@ def _first_chunks(counts, device):
 
 def chunk_stats(a, b, boundaries, out):
     """Fill ``out`` (float64 ``[n_chunks, 3]``) with every chunk's partial sums, in order."""
-    table, programs, _ = _segment_table(boundaries, a.device, CHUNK)
+    table, programs = _segment_table(boundaries, a.device, CHUNK)
     if programs:
         _chunk_stats_kernel[(programs,)](a, b, table, out, len(boundaries) - 1, CHUNK=CHUNK,
                                          BLOCK=BLOCK, num_warps=NUM_WARPS)
@@ -183,19 +183,9 @@ def reduce_chunks(partials, counts, out):
         _reduce_chunks_kernel[(len(counts),)](partials, first, out, num_warps=1)
 
 
-def stats(a, b, boundaries, out):
-    """Fill ``out`` (float64 ``[n_segments, 3]``) with each segment's statistics."""
-    table, programs, first = _segment_table(boundaries, a.device, CHUNK)
-    partials = torch.empty(max(programs, 1), 3, dtype=torch.float64, device=a.device)
-    if programs:
-        _chunk_stats_kernel[(programs,)](a, b, table, partials, len(boundaries) - 1,
-                                         CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS)
-    reduce_chunks(partials, np.diff(first), out)
-
-
 def combine(a, b, boundaries, segment_stats, out):
     """``out = ca·a + cb·b`` per segment (``out`` may be ``a`` or ``b``)."""
-    table, programs, _ = _segment_table(boundaries, a.device, BLOCK)
+    table, programs = _segment_table(boundaries, a.device, BLOCK)
     if programs:
         _combine_kernel[(programs,)](a, b, out, table, segment_stats, len(boundaries) - 1,
                                      FLOOR=NORM_FLOOR, LIMIT=FP32_LIMIT, BLOCK=BLOCK,

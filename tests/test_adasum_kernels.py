@@ -483,13 +483,13 @@ def test_triton_launch_tables_are_kept_per_layout_and_stay_right():
     pytest.importorskip("triton")
     from fusedreduce.kernels import adasum as triton_adasum
     segments = [0, 3, 3, 2 * CHUNK + 1]
-    first, programs, _ = triton_adasum._segment_table(segments, torch.device("cpu"), CHUNK)
+    first, programs = triton_adasum._segment_table(segments, torch.device("cpu"), CHUNK)
     segments[-1] = 5  # the kept table belongs to the old values
-    again, _, _ = triton_adasum._segment_table([0, 3, 3, 2 * CHUNK + 1], torch.device("cpu"),
+    again, _ = triton_adasum._segment_table([0, 3, 3, 2 * CHUNK + 1], torch.device("cpu"),
                                                CHUNK)
     assert again is first and programs == 3
     assert first.tolist() == [0, 3, 3, 3, 0, 2 * CHUNK - 2, 0, 2 << 32, (2 << 32) | 1]
-    changed, programs, _ = triton_adasum._segment_table(segments, torch.device("cpu"), CHUNK)
+    changed, programs = triton_adasum._segment_table(segments, torch.device("cpu"), CHUNK)
     assert changed.tolist() == [0, 3, 3, 3, 0, 2, 0, 2 << 32] and programs == 2
     a, b = _values(2 * CHUNK + 1, torch.float32, 5, 1), _values(2 * CHUNK + 1, torch.float32, 5, 2)
     bounds = [0, 3, 3, 2 * CHUNK + 1]
