@@ -103,13 +103,13 @@ def start_bucket_all_reduce(plan: BucketPlan, bucket: Bucket, tensors: Sequence[
     it carries 1 where this rank's inputs held an inf/NaN (else 0), so after
     the sum it counts the ranks that did, at no extra collective.
     """
-    data = buffer[:bucket.size] if count_nonfinite else buffer
     if count_nonfinite:
+        data = buffer[:bucket.size]
         _, flag = plan.flatten(bucket, tensors, out=data, scale=prescale, check_finite=True,
                                backend=backend)
         buffer[bucket.size:].copy_(flag)
     else:
-        plan.flatten(bucket, tensors, out=data, scale=prescale, backend=backend)
+        data = plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=backend)
     work = dist.all_reduce(buffer, group=group, async_op=True) if world_size > 1 else None
     return PendingBucket(bucket, data, work)
 
