@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from fusedreduce.kernels import resolve_backend
 
-from . import collectives, common, kernels, plot, reduce
+from . import collectives_bench, common, kernels_bench, plot, ranks, reduce_bench
 from .models import TENSOR_LISTS
 
 # command -> the parts it runs: "kernels" and the collectives' parts
@@ -63,7 +63,7 @@ def build_parser(prog: str = "fusedreduce-bench") -> argparse.ArgumentParser:
     options.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                          help="default auto: cuda when available (for collectives: when "
                               "there is a GPU per worker), else cpu")
-    options.add_argument("--dtype", type=common.csv_choices(kernels.DTYPE_CHOICES),
+    options.add_argument("--dtype", type=common.csv_choices(kernels_bench.DTYPE_CHOICES),
                          help="gradient dtypes, comma-separated: the kernels' input (default "
                               "float16,bfloat16; --quick float16) and the collectives' "
                               "gradients (default float32); the training step is always "
@@ -110,28 +110,29 @@ def _device_type(requested: str, needs_ranks: bool, world_size: int, joined: boo
 
 def _kernel_config(args: argparse.Namespace, device: torch.device) -> dict:
     return {"lists": args.lists,
-            "sizes": args.sizes or (kernels.QUICK_SIZES if args.quick else kernels.DEFAULT_SIZES),
-            "dtypes": args.dtype or (kernels.QUICK_DTYPES if args.quick
-                                     else kernels.DEFAULT_DTYPES),
-            "scales": list(kernels.QUICK_SCALES if args.quick else kernels.SCALES),
+            "sizes": args.sizes or (kernels_bench.QUICK_SIZES if args.quick
+                                    else kernels_bench.DEFAULT_SIZES),
+            "dtypes": args.dtype or (kernels_bench.QUICK_DTYPES if args.quick
+                                     else kernels_bench.DEFAULT_DTYPES),
+            "scales": list(kernels_bench.QUICK_SCALES if args.quick else kernels_bench.SCALES),
             "repeats": args.repeats or (QUICK_REPEATS if args.quick
                                         else FULL_REPEATS)["kernels"],
-            "flat_dtype": common.dtype_name(kernels.FLAT_DTYPE),
+            "flat_dtype": common.dtype_name(kernels_bench.FLAT_DTYPE),
             "timer": "do_bench" if device.type == "cuda" else "perf_counter, round-robin"}
 
 
 def _collective_config(args: argparse.Namespace, parts: Sequence[str], world_size: int,
                        backend: str) -> dict:
     return {"parts": list(parts),
-            "sizes": args.sizes or (collectives.QUICK_SIZES if args.quick
-                                    else collectives.DEFAULT_SIZES),
-            "dtypes": args.dtype or collectives.DEFAULT_DTYPES,
+            "sizes": args.sizes or (collectives_bench.QUICK_SIZES if args.quick
+                                    else collectives_bench.DEFAULT_SIZES),
+            "dtypes": args.dtype or collectives_bench.DEFAULT_DTYPES,
             "repeats": args.repeats or (QUICK_REPEATS if args.quick
                                         else FULL_REPEATS)["collectives"],
             "world_size": world_size, "backend": backend,
             # the training step's per-rank batch: images of image x image pixels
             "batch": 2, "image": 32 if args.quick else 64,
-            "bucket_cap_mb": reduce.BUCKET_CAP_MB,
+            "bucket_cap_mb": reduce_bench.BUCKET_CAP_MB,
             "timer": COLLECTIVE_TIMER}
 
 
@@ -205,13 +206,13 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "fusedreduce-bench") 
         plot.require_matplotlib()  # before any measurement
     parts = COMMANDS[args.command]
     collective_parts = [part for part in parts if part != "kernels"]
-    joined = common.torchrun_env()
+    joined = ranks.torchrun_env()
     world_size = args.world_size or 2
     device_type = _device_type(args.device, bool(collective_parts), world_size, joined)
     backend = "nccl" if device_type == "cuda" else "gloo"
     rank = 0
     if joined:
-        rank, world_size = common.join_launch(backend)
+        rank, world_size = ranks.join_launch(backend)
         if args.world_size not in (None, world_size):
             raise SystemExit(f"--world-size {args.world_size}, but torchrun launched "
                              f"{world_size} ranks")
@@ -228,8 +229,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "fusedreduce-bench") 
     config = {"command": args.command, "quick": args.quick,
               "launcher": "torchrun" if joined else "spawn",
               "kernels": kernel_config, "collectives": collective_config}
-    steps = ((kernels.n_steps(kernel_config) if kernel_config else 0)
-             + (len(collectives.cases(collective_config)) if collective_config else 0))
+    steps = ((kernels_bench.n_steps(kernel_config) if kernel_config else 0)
+             + (len(collectives_bench.cases(collective_config)) if collective_config else 0))
     progress = common.Progress(steps, enabled=lead and not args.no_progress)
     if lead:
         common.warn_if_busy(machine)
@@ -237,11 +238,11 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "fusedreduce-bench") 
     started = time.perf_counter()
     results: List[dict] = []
     if kernel_config and lead:  # under torchrun, rank 0 alone times the kernels
-        results += kernels.run(kernel_config, device, progress)
+        results += kernels_bench.run(kernel_config, device, progress)
     if collective_config:
         if joined:
             dist.barrier()  # the other ranks wait for rank 0's kernels
-        results += collectives.run(collective_config, progress, joined)
+        results += collectives_bench.run(collective_config, progress, joined)
     elapsed = time.perf_counter() - started
 
     if lead:

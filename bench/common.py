@@ -1,4 +1,7 @@
-"""What the benchmarks share: sizes, timing, ranks, the machine record, JSON, tables, progress."""
+"""What the benchmarks share: sizes, result records, the machine record, JSON, tables, progress.
+
+Timing is in ``timing.py``, starting and joining ranks in ``ranks.py``.
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,22 +10,17 @@ import json
 import os
 import platform
 import re
-import statistics
 import sys
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 from importlib import metadata
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .timing import summary_ms
+
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16,
           "float32": torch.float32, "float64": torch.float64}
-# a collective that never completes must end the run, not hang it; long enough
-# for the other ranks of a torchrun launch to wait while rank 0 times the kernels
-RANK_TIMEOUT = timedelta(seconds=1800)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -66,17 +64,6 @@ def format_count(n: int) -> str:
     return str(n)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timing(samples: Sequence[float]) -> Dict[str, float]:
-    """``time_ms`` (the median call, which every derived figure uses) and
-    ``time_ms_min`` (the fastest: the least disturbed when other work shares the machine)."""
-    return {"time_ms": statistics.median(samples), "time_ms_min": min(samples)}
-
-
 def result(benchmark: str, case: str, size: int, method: str, role: str, baseline: str,
            world_size: int, n_tensors: int, n_elements: int, nbytes: int,
            samples: Mapping[str, Sequence[float]], **extra) -> dict:
@@ -87,70 +74,12 @@ def result(benchmark: str, case: str, size: int, method: str, role: str, baselin
     ``nbytes`` over it, and ``ratio`` is the baseline's median over it (above 1:
     faster than the baseline).
     """
-    times = timing(samples[method])
+    times = summary_ms(samples[method])
     return {"benchmark": benchmark, "case": case, "size": size, "method": method, "role": role,
             "baseline": baseline, "world_size": world_size, "n_tensors": n_tensors,
             "n_elements": n_elements, "bytes": nbytes, **times,
             "gbps": nbytes / (times["time_ms"] * 1e6),
-            "ratio": timing(samples[baseline])["time_ms"] / times["time_ms"], **extra}
-
-
-def time_interleaved(fns: Mapping[str, Callable[[], object]], repeats: int,
-                     device: torch.device) -> Dict[str, List[float]]:
-    """``repeats`` wall times in ms of each function.
-
-    The functions are timed round-robin, one call of each per round with the
-    starting function rotating, rather than each in one burst: on a small,
-    shared machine the noise drifts over seconds, and interleaving spreads it
-    over every function instead of penalising whichever ran in a bad second.
-    Callers warm the functions up first.
-    """
-    names = list(fns)
-    samples: Dict[str, List[float]] = {name: [] for name in names}
-    for round_ in range(repeats):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            synchronize(device)
-            start = time.perf_counter()
-            fns[name]()
-            synchronize(device)
-            samples[name].append((time.perf_counter() - start) * 1e3)
-    return samples
-
-
-def time_do_bench(fns: Mapping[str, Callable[[], object]]) -> Dict[str, List[float]]:
-    """The times in ms of each function from ``triton.testing.do_bench`` (CUDA
-    events, L2 flushed before every call, as many calls as fill 100 ms)."""
-    from triton.testing import do_bench
-    return {name: list(do_bench(fn, return_mode="all")) for name, fn in fns.items()}
-
-
-def time_across_ranks(fns: Mapping[str, Callable[[], object]], repeats: int,
-                      device: torch.device) -> Dict[str, List[float]]:
-    """``repeats`` times in ms per function, each the slowest rank's, round-robin.
-
-    Every function runs once first as a warm-up. Each timed call starts after a
-    barrier; its time is all-reduced with MAX, so every rank returns the same
-    figures.
-    """
-    import torch.distributed as dist
-    names = list(fns)
-    samples: Dict[str, List[float]] = {name: [] for name in names}
-    for name in names:
-        fns[name]()
-    for round_ in range(repeats):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            dist.barrier()
-            synchronize(device)
-            start = time.perf_counter()
-            fns[name]()
-            synchronize(device)
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
-                                   device=device)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            samples[name].append(float(elapsed) * 1e3)
-    return samples
+            "ratio": summary_ms(samples[baseline])["time_ms"] / times["time_ms"], **extra}
 
 
 def _package_version(name: str) -> Optional[str]:
@@ -314,85 +243,3 @@ class Progress:
         else:
             print(f"[{self.done + 1}/{self.total} {elapsed:.0f}s] {label}", file=sys.stderr,
                   flush=True)
-
-
-def torchrun_env() -> bool:
-    """Whether this process is one rank of an existing launch (``torchrun`` sets these)."""
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-
-
-def _init_rank(backend: str, local_rank: int, **init) -> None:
-    import torch.distributed as dist
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend, timeout=RANK_TIMEOUT, **init)
-    if backend == "gloo":
-        # the ranks share this machine's cores: don't oversubscribe them
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.get_world_size()))
-
-
-def rank_device(backend: str) -> torch.device:
-    """This rank's device: its GPU under NCCL, else the CPU."""
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _rank_main(body, rank, world_size, init_file, config, queue):
-    import torch.distributed as dist
-    try:
-        _init_rank(config["backend"], rank, init_method=f"file://{init_file}", rank=rank,
-                   world_size=world_size)
-        try:
-            queue.put((rank, True, body(rank, world_size, config)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - the parent reports it instead of waiting forever
-        queue.put((rank, False, traceback.format_exc()))
-
-
-def run_on_ranks(body, world_size: int, config: dict) -> Dict[int, object]:
-    """``{rank: body(rank, world_size, config)}``, each rank a spawned local process.
-
-    ``config["backend"]`` is the process group's backend (``gloo``, or ``nccl``
-    with rank r on GPU r). ``body`` must be a module-level function returning a
-    picklable record. A rank that raises stops the others and raises here with
-    its traceback.
-    """
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_rank_main,
-                             args=(body, r, world_size, init_file, config, queue))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        outcome: Dict[int, object] = {}
-        for _ in range(world_size):
-            rank, ok, payload = queue.get(timeout=3600)
-            if not ok:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            outcome[rank] = payload
-        for p in procs:
-            p.join()
-    return outcome
-
-
-def join_launch(backend: str) -> Tuple[int, int]:
-    """Join the launch ``torchrun`` set up in the environment: ``(rank, world_size)``."""
-    import torch.distributed as dist
-    _init_rank(backend, int(os.environ.get("LOCAL_RANK", "0")))
-    return dist.get_rank(), dist.get_world_size()
-
-
-def run_in_launch(body, config: dict) -> Dict[int, object]:
-    """``body`` on this rank of a joined launch; every rank's record, on every rank."""
-    import torch.distributed as dist
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    records: List[object] = [None] * world_size
-    dist.all_gather_object(records, body(rank, world_size, config))
-    return dict(enumerate(records))

@@ -3,12 +3,15 @@
 Gradients are gathered from many tensors into a few flat buffers by fused
 kernels (``fusedreduce.kernels``), reduced with one ``torch.distributed``
 collective per buffer, and scattered back, cast and scaled in the same pass.
+The README's "Architecture" section maps the modules.
 """
 from . import hooks, kernels
-from .broadcast import broadcast_optimizer_state, parameter_broadcast
+from .adasum import adasum_allreduce, adasum_allreduce_flat
+from .allreduce import all_reduce_plan
+from .broadcast import broadcast_optimizer_state, broadcast_tensors, parameter_broadcast
 from .buckets import Bucket, BucketPlan, TensorSpec
-from .collectives import adasum_allreduce, all_reduce_plan, broadcast_tensors
 from .optimizer import AdaSumByDeltaWeight, DistributedOptimizer
+from .precision import communication_dtype
 from .reducer import DistributedGradReducer
 
 __all__ = [
@@ -17,11 +20,13 @@ __all__ = [
     "BucketPlan",
     "TensorSpec",
     "adasum_allreduce",
+    "adasum_allreduce_flat",
     "DistributedGradReducer",
     "DistributedOptimizer",
     "all_reduce_plan",
     "broadcast_optimizer_state",
     "broadcast_tensors",
+    "communication_dtype",
     "hooks",
     "kernels",
     "parameter_broadcast",

@@ -1,25 +1,76 @@
-"""Parameter and optimizer-state broadcast through fused buckets.
+"""Broadcast through fused buckets: tensors, a module's parameters, optimizer state.
 
-``parameter_broadcast`` is the PyTorch counterpart of MindSpore's
-``parameter_broadcast(net, layout, cur_rank, initial_rank)``;
-``broadcast_optimizer_state`` follows Horovod's: ranks whose optimizer has no
-state yet (nothing stepped) receive the source's full state.
+``broadcast_tensors`` is the mechanism: floating tensors flattened into
+buckets of their own dtype, one ``broadcast`` per bucket, unflattened (no
+cast, so the copy is exact). ``parameter_broadcast`` is the PyTorch
+counterpart of MindSpore's ``parameter_broadcast(net, layout, cur_rank,
+initial_rank)``; ``broadcast_optimizer_state`` follows Horovod's: ranks whose
+optimizer has no state yet (nothing stepped) receive the source's full state.
 """
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .collectives import broadcast_tensors, require_process_group
+from . import kernels
+from .buckets import BucketPlan
+from .process_group import (check_rank, comm_device, global_rank, require_process_group,
+                            verify_same_on_all_ranks)
 
 
-def _global_rank(group, group_rank: int) -> int:
-    if group is None:
-        return group_rank
-    return dist.get_global_rank(group, group_rank)
+def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *, group=None,
+                      bucket_cap_mb: float = 25.0, backend: str = "auto",
+                      verify: bool = True, names: Optional[Sequence[str]] = None) -> None:
+    """Make every rank's ``tensors`` bitwise equal to rank ``src``'s, in place.
+
+    Floating tensors go through fused buckets of their own dtype (one
+    ``broadcast`` per bucket, no cast, so the copy is exact); other dtypes
+    (integer and bool buffers, say) are packed per dtype with torch and
+    broadcast once per dtype. Tensors on a device the backend cannot use
+    (CPU tensors under NCCL) travel through a staging copy.
+
+    ``src`` is a global rank, as in ``torch.distributed.broadcast``. With
+    ``verify`` (the default), one small all-reduce first checks that every
+    rank passes the same shapes and dtypes and the same bucket cap; ``names``
+    (one per tensor) label the first mismatch in the error.
+
+    Raises:
+        RuntimeError: with ``verify``: the ranks' tensor lists or bucket
+            layouts differ (raised on every rank before any broadcast).
+    """
+    tensors = list(tensors)
+    device = comm_device(group)
+    floating = [t for t in tensors if t.dtype in kernels.SUPPORTED_DTYPES]
+    others = [t for t in tensors if t.dtype not in kernels.SUPPORTED_DTYPES]
+    staged = [t if t.device == device else t.to(device) for t in floating]
+    plan = BucketPlan(staged, bucket_cap_mb=bucket_cap_mb)
+    if verify and dist.get_world_size(group) > 1:
+        labels = list(names) if names is not None else [f"tensors[{i}]"
+                                                         for i in range(len(tensors))]
+        verify_same_on_all_ranks(
+            [(tuple(t.shape), str(t.dtype)) for t in tensors],
+            [f"{label} {tuple(t.shape)} {t.dtype}" for label, t in zip(labels, tensors)],
+            group, what="tensor", bucket_layout=plan.layout(),
+            bucket_layout_hint="pass the same bucket_cap_mb on every rank")
+    with torch.no_grad():
+        for bucket in plan.buckets:
+            buffer = plan.flatten(bucket, staged, backend=backend)
+            dist.broadcast(buffer, src, group=group)
+            plan.unflatten(bucket, buffer, staged, backend=backend)
+        for t, s in zip(floating, staged):
+            if s is not t:
+                t.copy_(s)
+        for dtype in sorted({t.dtype for t in others}, key=str):
+            same = [t for t in others if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1).to(device) for t in same])
+            dist.broadcast(flat, src, group=group)
+            start = 0
+            for t in same:
+                t.copy_(flat[start:start + t.numel()].view(t.shape))
+                start += t.numel()
 
 
 def parameter_broadcast(
@@ -69,10 +120,8 @@ def parameter_broadcast(
     if cur_rank is not None and cur_rank != rank:
         raise ValueError(f"cur_rank={cur_rank} is not this process's rank ({rank})")
     for name, value in (("initial_rank", initial_rank), ("src", src)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not 0 <= value < world_size):
-            raise ValueError(f"{name}={value!r} is not a rank of the group "
-                             f"(0..{world_size - 1})")
+        if value is not None:
+            check_rank(value, name, world_size)
     named = dict(module.named_parameters())
     if layout is not None:
         unknown = [n for n in layout if n not in named]
@@ -86,7 +135,7 @@ def parameter_broadcast(
             chosen += [(f"buffer {n}", b) for n, b in module.named_buffers()]
     source = initial_rank if src is None else src
     with torch.no_grad():
-        broadcast_tensors([t.data for _, t in chosen], _global_rank(group, source), group=group,
+        broadcast_tensors([t.data for _, t in chosen], global_rank(group, source), group=group,
                           bucket_cap_mb=bucket_cap_mb, names=[n for n, _ in chosen])
 
 
@@ -107,10 +156,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0, gr
         >>> broadcast_optimizer_state(optimizer, src=0)          # doctest: +SKIP
     """
     world_size = require_process_group(group)
-    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world_size:
-        raise ValueError(f"src={src!r} is not a rank of the group (0..{world_size - 1})")
+    check_rank(src, "src", world_size)
     rank = dist.get_rank(group)
-    global_src = _global_rank(group, src)
+    global_src = global_rank(group, src)
     state_dict = optimizer.state_dict()
     # the source describes its state: tensors become (shape, dtype) placeholders
     skeleton = None

@@ -17,10 +17,6 @@ from . import kernels
 
 DtypeRule = Union[None, torch.dtype, Callable[[torch.dtype], torch.dtype]]
 
-#: segment starts are aligned to this many bytes, so the kernels' 128-bit fast
-#: path applies to every full block of every segment
-ALIGN_BYTES = 16
-
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -162,7 +158,9 @@ class BucketPlan:
 
     def _bucket(self, index: int, members: List[int]) -> Bucket:
         dtype = self.comm_dtypes[members[0]]
-        align = ALIGN_BYTES // _itemsize(dtype)
+        # aligned segment starts: the kernels' 128-bit fast path then applies to
+        # every full block of every segment
+        align = kernels.ALIGN_BYTES // _itemsize(dtype)
         offsets, position = [], 0
         for i in members:
             offsets.append(position)

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
+from ._checks import check_prescale
+from .adasum import adasum_allreduce_flat, adasum_allreduce_plan, check_local_size
 from .buckets import BucketPlan, TensorSpec
-from .collectives import (adasum_buffer, adasum_comm_dtype, adasum_plan, check_local_size,
-                          require_process_group)
-
-_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+from .precision import communication_dtype, split_scale
+from .process_group import require_process_group
 
 
 class HookState:
@@ -61,10 +61,7 @@ class HookState:
     def __init__(self, group=None, *, prescale: Optional[float] = None, local_size: int = 1,
                  backend: str = "auto") -> None:
         self.world_size = require_process_group(group)
-        if prescale is not None:
-            kernels.check_scale(prescale, "prescale")
-            if prescale == 0:
-                raise ValueError("prescale must not be 0: the sum would be lost")
+        check_prescale(prescale)
         check_local_size(local_size, self.world_size)
         # the name only: the buckets' device (known at the first bucket) decides
         # whether it can run there
@@ -76,19 +73,20 @@ class HookState:
         self._adasum_plans: Dict[tuple, BucketPlan] = {}
 
     def scales(self):
-        """``(before, after)`` with ``before * after == 1 / world_size``."""
+        """``(before, after)`` with ``before * after == 1 / world_size``: by
+        default all of the division before the collective, as DDP does."""
         total = 1.0 / self.world_size
-        before = self.prescale if self.prescale is not None else total
-        return before, total / before
+        return split_scale(total, self.prescale, total)
 
-    def adasum_plan(self, grads) -> BucketPlan:
-        # keyed by shapes and dtypes, never by DDP's bucket index: DDP rebuilds
-        # its buckets after the first iteration
+    def adasum_plan_for(self, grads) -> BucketPlan:
+        """The one-bucket AdaSum plan of a DDP bucket holding ``grads``, kept per
+        shapes and dtypes (never per DDP's bucket index: DDP rebuilds its
+        buckets after the first iteration)."""
         key = tuple((tuple(g.shape), g.dtype) for g in grads)
         if key not in self._adasum_plans:
             self._adasum_plans[key] = BucketPlan(
                 [TensorSpec.of(g) for g in grads], bucket_cap_mb=float("1e9"),
-                comm_dtype=adasum_comm_dtype)
+                comm_dtype=communication_dtype)
         return self._adasum_plans[key]
 
 
@@ -151,10 +149,7 @@ def allreduce_hook(state: Optional[HookState],
     Example:
         >>> ddp.register_comm_hook(None, allreduce_hook)          # doctest: +SKIP
     """
-    state = _state(state)
-    dtype = bucket.buffer().dtype
-    wide = torch.float32 if dtype in _SIXTEEN_BIT else dtype
-    return _reduce_in(state, bucket, wide)
+    return _reduce_in(_state(state), bucket, communication_dtype(bucket.buffer().dtype))
 
 
 def fp16_compress_hook(state: Optional[HookState],
@@ -201,22 +196,18 @@ def adasum_hook(state: Optional[HookState],
     state = _state(state)
     buffer = bucket.buffer()
     grads = bucket.gradients()
-    if buffer.dtype == adasum_comm_dtype(buffer.dtype):
-        # an fp32/fp64 bucket is combined where it is: DDP packs it densely in
-        # gradients() order, and a tensor's statistics do not depend on where
-        # it sits, so this is still bitwise adasum_allreduce's result
-        bounds = [0]
-        for g in grads:
-            bounds.append(bounds[-1] + g.numel())
-        adasum_buffer(buffer, bounds + [buffer.numel()], group=state.group,
-                      local_size=state.local_size, backend=state.backend)
+    # DDP packs a bucket densely in gradients() order
+    boundaries = kernels.packed_boundaries([g.numel() for g in grads])
+    if buffer.dtype == communication_dtype(buffer.dtype):
+        # an fp32/fp64 bucket is combined where it is: a tensor's statistics do
+        # not depend on where it sits, so this is still bitwise adasum_allreduce's
+        adasum_allreduce_flat(buffer, boundaries + [buffer.numel()], group=state.group,
+                              local_size=state.local_size, backend=state.backend)
         return _future_of(buffer)
-    outputs, start = [], 0
-    for g in grads:  # DDP packs the bucket densely in gradients() order
-        outputs.append(buffer[start:start + g.numel()].view(g.shape))
-        start += g.numel()
-    adasum_plan(state.adasum_plan(grads), grads, outputs, group=state.group,
-                local_size=state.local_size, backend=state.backend)
+    outputs = [buffer[lo:hi].view(g.shape)
+               for g, lo, hi in zip(grads, boundaries[:-1], boundaries[1:])]
+    adasum_allreduce_plan(state.adasum_plan_for(grads), grads, outputs, group=state.group,
+                          local_size=state.local_size, backend=state.backend)
     return _future_of(buffer)
 
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import (adasum_allreduce, broadcast_tensors, check_local_size,
-                          require_process_group)
+from ._checks import check_int
+from .adasum import adasum_allreduce, check_local_size
+from .broadcast import broadcast_tensors
+from .process_group import require_process_group
 from .reducer import DistributedGradReducer
 
 
@@ -91,11 +93,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         if reduce_method not in ("sum", "mean"):
             raise ValueError(f"reduce_method must be 'sum' or 'mean', got {reduce_method!r}")
-        for name, value, low in (("bcast_period", bcast_period, -1),
-                                 ("param_pack_thd", param_pack_thd, 1),
-                                 ("backward_passes_per_step", backward_passes_per_step, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int(bcast_period, "bcast_period", minimum=-1)
+        check_int(param_pack_thd, "param_pack_thd")
+        check_int(backward_passes_per_step, "backward_passes_per_step")
         require_process_group(group)
         self.__dict__.update(optimizer.__dict__)
         self.group = group

@@ -3,34 +3,25 @@ overlapped with backward through gradient hooks.
 
 PyTorch counterpart of MindSpore's ``nn.DistributedGradReducer``: gradients
 are averaged (``mean=True``, divided by ``degree``) or summed across the
-process group, low-precision gradients are reduced in fp32 (the seed's
-``construct`` note) and cast back, all through the foundation's BucketPlan and
-fused kernels: flatten/cast/prescale -> one all-reduce per bucket ->
-unflatten/cast/postscale.
+process group, low-precision gradients are reduced in fp32 and cast back
+(``precision.communication_dtype``), all through a ``BucketPlan`` and the
+fused all-reduce pipeline (``allreduce.py``): flatten/cast/prescale -> one
+all-reduce per bucket -> unflatten/cast/postscale. This module is the call
+API; the overlap with backward is ``overlap.BackwardOverlap``.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 
 from . import kernels
+from ._checks import check_int, check_prescale
+from .allreduce import PendingBucket, bucket_buffer, finish_bucket, start_bucket_all_reduce
 from .buckets import BucketPlan
-from .collectives import (PendingBucket, finish_bucket, require_process_group,
-                          start_bucket_all_reduce, verify_same_on_all_ranks)
-
-_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
-
-
-def communication_dtype(grad_dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a gradient travels in: a 16-bit ``reduce_dtype`` compresses every
-    gradient to it; fp32/fp64 never narrows a gradient (fp64 stays fp64)."""
-    if reduce_dtype in _SIXTEEN_BIT:
-        return reduce_dtype
-    if grad_dtype == torch.float64:
-        return torch.float64
-    return reduce_dtype
+from .overlap import BackwardOverlap
+from .precision import communication_dtype, split_scale
+from .process_group import require_process_group, verify_same_on_all_ranks
 
 
 class DistributedGradReducer:
@@ -92,15 +83,11 @@ class DistributedGradReducer:
         for i, p in enumerate(self.parameters):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"parameters[{i}] must be a tensor, got {type(p).__name__}")
-        if degree is not None and (isinstance(degree, bool) or not isinstance(degree, int)
-                                   or degree <= 0):
-            raise ValueError(f"degree must be a positive int, got {degree!r}")
+        if degree is not None:
+            check_int(degree, "degree")
         if reduce_dtype not in kernels.SUPPORTED_DTYPES:
             raise TypeError(f"reduce_dtype must be a floating dtype, got {reduce_dtype}")
-        if prescale is not None:
-            kernels.check_scale(prescale, "prescale")
-            if prescale == 0:
-                raise ValueError("prescale must not be 0: the sum would be lost")
+        check_prescale(prescale)
         # where the gradients live decides whether the backend can run: say so now
         for device in sorted({p.device for p in self.parameters}, key=str):
             kernels.resolve_backend(backend, device)
@@ -122,21 +109,15 @@ class DistributedGradReducer:
                                comm_dtype=lambda d: communication_dtype(d, reduce_dtype),
                                fusion_ids=[fusion_ids[i] for i in self._order])
         total = 1.0 / self.degree if self.mean else 1.0
-        self._scales = [_split_scale(total, prescale, b.dtype) for b in self.plan.buckets]
+        # by default 16-bit communication divides fully before the sum (guarding
+        # fp16 overflow); wider communication divides after it
+        self._scales = [split_scale(total, prescale,
+                                    total if b.dtype in kernels.SIXTEEN_BIT_DTYPES else 1.0)
+                        for b in self.plan.buckets]
         self._buffers: Optional[List[torch.Tensor]] = None
         self._verified = self.world_size == 1
-        # hook state
-        self._handles: list = []
-        self._sync_enabled = True
-        self._passes_per_sync = 1
-        self._passes_since_sync = 0
-        self._in_backward = False
-        self._backward_task: Optional[int] = None
-        self._syncing = False
-        self._ready: List[int] = []
-        self._next_launch = 0
-        self._pending: List[PendingBucket] = []
-        self._reduced_in_backward = False
+        self._overlap = BackwardOverlap([self.parameters[i] for i in self._order], self.plan,
+                                        self._start, self._finish, self._verify_once)
 
     # ------------------------------------------------------------------ checks
     def _verify_once(self) -> None:
@@ -151,9 +132,9 @@ class DistributedGradReducer:
         names = [f"parameters[{i}] {tuple(p.shape)} {p.dtype}"
                  for i, p in enumerate(self.parameters)]
         verify_same_on_all_ranks(description, names, self.group, what="parameter",
-                                 layout=self.plan.layout(),
-                                 layout_hint="pass the same bucket_cap_mb and fusion_type "
-                                             "on every rank")
+                                 bucket_layout=self.plan.layout(),
+                                 bucket_layout_hint="pass the same bucket_cap_mb and "
+                                                    "fusion_type on every rank")
         self._verified = True
 
     def _check_grads(self, grads: Sequence[torch.Tensor]) -> None:
@@ -169,33 +150,24 @@ class DistributedGradReducer:
                 raise ValueError(f"grads[{i}] is {tuple(g.shape)} {g.dtype} on {g.device} but "
                                  f"parameters[{i}] is {tuple(p.shape)} {p.dtype} on {p.device}")
 
-    def _buffers_for_plan(self) -> List[torch.Tensor]:
-        if self._buffers is None:
-            # one spare element per bucket carries the non-finite count
-            self._buffers = [torch.empty(b.size + 1, dtype=b.dtype, device=b.device)
-                             for b in self.plan.buckets]
-        return self._buffers
-
     # ---------------------------------------------------------- one reduction
-    def _start(self, index: int, tensors: Sequence[torch.Tensor]) -> PendingBucket:
-        bucket = self.plan.buckets[index]
-        storage = self._buffers_for_plan()[index]
+    def _start(self, index: int, tensors: Sequence[Optional[torch.Tensor]]) -> PendingBucket:
+        if self._buffers is None:
+            self._buffers = [bucket_buffer(b, count_nonfinite=self.check_finite)
+                             for b in self.plan.buckets]
         prescale, _ = self._scales[index]
-        # with check_finite the spare last element carries the non-finite count
         return start_bucket_all_reduce(
-            self.plan, bucket, tensors, storage if self.check_finite else storage[:bucket.size],
-            group=self.group, prescale=prescale, world_size=self.world_size,
-            backend=self.backend, count_nonfinite=self.check_finite)
+            self.plan, self.plan.buckets[index], tensors, self._buffers[index], group=self.group,
+            world_size=self.world_size, prescale=prescale, backend=self.backend,
+            count_nonfinite=self.check_finite)
 
     def _finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
-        flags = []
         for p in pending:
             _, postscale = self._scales[p.bucket.index]
             finish_bucket(self.plan, p, outputs, postscale=postscale, backend=self.backend)
-            if self.check_finite:
-                flags.append(self._buffers_for_plan()[p.bucket.index][p.bucket.size])
         if self.check_finite:
-            self.found_nonfinite = (torch.stack(flags) != 0).any() if flags else \
+            counts = [p.nonfinite_ranks for p in pending]
+            self.found_nonfinite = (torch.stack(counts) != 0).any() if counts else \
                 torch.zeros((), dtype=torch.bool)
 
     def __call__(self, grads: Union[torch.Tensor, Sequence[torch.Tensor]]):
@@ -246,133 +218,37 @@ class DistributedGradReducer:
             ValueError: a parameter does not require grad (it would never be
                 ready), ``passes_per_sync`` is not a positive int, or hooks are
                 already registered.
+
+        Example:
+            >>> reducer = DistributedGradReducer(model.parameters()).register_hooks()  # doctest: +SKIP
+            >>> loss.backward()   # .grad now holds the mean over the ranks      # doctest: +SKIP
         """
-        if self._handles:
+        if self._overlap.attached:
             raise ValueError("hooks are already registered on this reducer")
-        if isinstance(passes_per_sync, bool) or not isinstance(passes_per_sync, int) \
-                or passes_per_sync < 1:
-            raise ValueError(f"passes_per_sync must be a positive int, got {passes_per_sync!r}")
+        check_int(passes_per_sync, "passes_per_sync")
         for i, p in enumerate(self.parameters):
             if not p.requires_grad:
                 raise ValueError(f"parameters[{i}] does not require grad: its gradient would "
                                  f"never be ready; leave it out of the reducer")
-        self._passes_per_sync = passes_per_sync
-        for slot, i in enumerate(self._order):
-            self._handles.append(self.parameters[i].register_post_accumulate_grad_hook(
-                lambda param, slot=slot: self._on_grad_ready(slot)))
+        self._overlap.attach(passes_per_sync)
         return self
 
     def remove_hooks(self) -> None:
         """Undo ``register_hooks``."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._overlap.detach()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally in the backward passes inside this block."""
-        previous, self._sync_enabled = self._sync_enabled, False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
+    def no_sync(self):
+        """A context in which backward passes accumulate gradients locally."""
+        return self._overlap.no_sync()
 
     @property
     def reduced(self) -> bool:
         """Whether ``.grad`` holds reduced gradients not yet ``consume``d."""
-        return self._reduced_in_backward
+        return self._overlap.reduced
 
     def consume(self) -> None:
         """Mark the reduced gradients as used (an optimizer step took them)."""
-        self._reduced_in_backward = False
-
-    def _on_grad_ready(self, slot: int) -> None:
-        task = _graph_task_id()
-        if self._in_backward and task != self._backward_task:
-            # the backward these hooks belonged to raised before its end
-            self._abandon_backward()
-        if not self._in_backward:
-            self._begin_backward(task)
-        if not self._syncing:
-            return
-        bucket_index, _ = self.plan.location[slot]
-        self._ready[bucket_index] -= 1
-        self._launch_ready()
-
-    def _abandon_backward(self) -> None:
-        """Forget a backward pass that raised after some buckets started.
-
-        Autograd drops the end-of-backward callback when a backward raises,
-        so the next backward finds the last one's state. Its collectives were
-        issued (on every rank alike when every rank failed the same way): wait
-        for them, since the next pass reuses their buffers, and discard them.
-        The failed pass does not count towards ``passes_per_sync``.
-        """
-        for pending in self._pending:
-            if pending.work is not None:
-                pending.work.wait()
-        self._pending = []
-        self._in_backward = False
-
-    def _begin_backward(self, task: Optional[int] = None) -> None:
-        self._backward_task = task
-        self._in_backward = True
-        self._syncing = self._sync_enabled and \
-            (self._passes_since_sync + 1) % self._passes_per_sync == 0
-        self._reduced_in_backward = False
-        if self._syncing:
-            self._verify_once()
-            self._ready = [len(b.tensor_indices) for b in self.plan.buckets]
-            self._next_launch = 0
-            self._pending = []
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    def _grads_in_plan_order(self) -> List[torch.Tensor]:
-        grads = []
-        for i in self._order:
-            p = self.parameters[i]
-            grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
-        return grads
-
-    def _launch_ready(self, everything: bool = False) -> None:
-        # strictly in bucket order, so every rank issues the same collectives
-        # in the same sequence whatever order its gradients arrive in
-        all_grads = self._grads_in_plan_order() if everything else None
-        while self._next_launch < len(self.plan.buckets) and \
-                (everything or self._ready[self._next_launch] == 0):
-            bucket = self.plan.buckets[self._next_launch]
-            grads = all_grads if everything else self._grads_of(bucket)
-            self._pending.append(self._start(self._next_launch, grads))
-            self._next_launch += 1
-
-    def _grads_of(self, bucket) -> List[Optional[torch.Tensor]]:
-        grads: List[Optional[torch.Tensor]] = [None] * len(self._order)
-        for slot in bucket.tensor_indices:
-            grads[slot] = self.parameters[self._order[slot]].grad
-        return grads
-
-    def _end_backward(self) -> None:
-        self._in_backward = False
-        if not self._syncing:
-            self._passes_since_sync += 1
-            return
-        self._launch_ready(everything=True)
-        outputs = []
-        for i in self._order:
-            p = self.parameters[i]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            outputs.append(p.grad)
-        self._finish(self._pending, outputs)
-        self._pending = []
-        self._passes_since_sync = 0
-        self._reduced_in_backward = True
-
-
-def _graph_task_id() -> Optional[int]:
-    """The running backward's id (None where torch does not expose one)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current() if current is not None else None
+        self._overlap.reduced = False
 
 
 def _fusion_ids(fusion_type, n: int) -> List[int]:
@@ -384,10 +260,3 @@ def _fusion_ids(fusion_type, n: int) -> List[int]:
     if len(ids) != n:
         raise ValueError(f"fusion_type has {len(ids)} entries for {n} parameters")
     return ids
-
-
-def _split_scale(total: float, prescale: Optional[float], dtype: torch.dtype):
-    """(prescale, postscale) with prescale * postscale == total."""
-    if prescale is None:
-        prescale = total if dtype in _SIXTEEN_BIT else 1.0
-    return prescale, total / prescale

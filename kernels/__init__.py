@@ -1,11 +1,15 @@
-"""Fused multi-tensor kernels: flatten/cast/scale into one flat buffer and back.
+"""Fused multi-tensor kernels: flatten/cast/scale into one flat buffer and back,
+and AdaSum's per-segment statistics and combine.
 
-``flatten_cast_scale`` and ``unflatten_cast_scale`` are the one mechanism every
-fusedreduce API moves gradients with. On CUDA they run as one Triton launch per
-call whatever the number of tensors; on the CPU (and with ``backend="torch"``)
-a torch fallback with the same semantics serves.
+This module is the public kernel API. Each function validates its arguments
+(raising before anything is written), picks a backend for the device
+(``resolve_backend``: Triton on CUDA, the torch fallback elsewhere) and
+dispatches to it; nothing else happens here. The backends implement one
+protocol (``_backends.py``), one op family per subpackage: ``flatten/`` and
+``adasum/``, each with a ``triton_backend`` and a ``torch_backend`` module side
+by side. Constants and helpers both families share are in ``_common.py``.
 
-Semantics shared by both backends:
+Flatten semantics (both backends):
 
 - element ``j`` of tensor ``i`` (in row-major order) lives at
   ``flat[offsets[i] + j]``; without ``offsets`` the tensors are packed densely
@@ -14,17 +18,25 @@ Semantics shared by both backends:
   ``scale`` in fp32, or in fp64 when the source or the destination is fp64;
 - flat elements not covered by any tensor (padding between ``offsets``) are
   written as zero by ``flatten_cast_scale`` and ignored by the inverse.
+
+AdaSum functions take the segments of their flat buffers as ``segments``: the
+``n + 1`` boundaries ``[0, ..., size]`` of ``n`` segments (one per tensor).
+
+Over 300 lines because of the seven public functions' docstrings (semantics,
+errors, examples); their code is a validation and one dispatch each.
 """
 from __future__ import annotations
 
-import math
-import operator
-import os
-from typing import Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _torch
+from . import _checks
+from ._backends import backend_for, check_backend, resolve_backend, triton_available
+from ._checks import check_scale
+from ._common import (ADASUM_CHUNK, ADASUM_FP32_LIMIT, ADASUM_NORM_FLOOR, ALIGN_BYTES,
+                      SIXTEEN_BIT_DTYPES, SUPPORTED_DTYPES, adasum_chunk_counts as _chunk_counts,
+                      packed_boundaries, scratch_buffer)
 
 __all__ = [
     "flatten_cast_scale",
@@ -34,174 +46,20 @@ __all__ = [
     "adasum_reduce_chunks",
     "adasum_chunk_counts",
     "adasum_combine",
+    "check_segments",
+    "packed_boundaries",
+    "scratch_buffer",
     "ADASUM_NORM_FLOOR",
     "ADASUM_CHUNK",
     "ADASUM_FP32_LIMIT",
+    "ALIGN_BYTES",
     "triton_available",
     "resolve_backend",
     "check_backend",
     "check_scale",
     "SUPPORTED_DTYPES",
+    "SIXTEEN_BIT_DTYPES",
 ]
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-BACKENDS = ("auto", "triton", "torch")
-_SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
-_STRIDED = frozenset([torch.strided])
-
-#: AdaSum coefficients are 1 where a squared norm is below this: sqrt(float64 tiny)
-ADASUM_NORM_FLOOR = math.sqrt(2.2250738585072014e-308)
-#: AdaSum statistics are sums over chunks of this many elements from a segment's start
-ADASUM_CHUNK = _torch.ADASUM_CHUNK
-#: fp32/16-bit buffers are combined in fp32 while both coefficients are at most
-#: this in magnitude, in fp64 otherwise
-ADASUM_FP32_LIMIT = _torch.ADASUM_FP32_LIMIT
-
-_triton_modules = None
-_triton_error: Optional[BaseException] = None
-
-
-def _triton_kernels():
-    """The Triton kernel modules ``(flatten, adasum)``, imported on first use
-    (Triton is optional), or None when Triton cannot be imported."""
-    global _triton_modules, _triton_error
-    if _triton_modules is None and _triton_error is None:
-        os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-        try:
-            from . import adasum, flatten
-        except ImportError as exc:  # Triton missing or broken
-            _triton_error = exc
-        else:
-            _triton_modules = (flatten, adasum)
-    return _triton_modules
-
-
-def _triton():
-    modules = _triton_kernels()
-    return modules[0] if modules else None
-
-
-def triton_available() -> bool:
-    """Whether the Triton backend can be imported here."""
-    return _triton() is not None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def check_backend(backend) -> str:
-    """``backend`` itself if it names a backend (``"auto"``, ``"triton"`` or
-    ``"torch"``); whether it can run is decided per device by ``resolve_backend``.
-
-    Raises:
-        ValueError: any other value.
-    """
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend a call on ``device`` runs with: ``"triton"`` or ``"torch"``.
-
-    ``"auto"`` picks Triton on CUDA and the torch fallback elsewhere. Triton on
-    CPU tensors works only under its interpreter (``TRITON_INTERPRET=1``).
-
-    Raises:
-        ValueError: ``backend`` is not one of ``"auto"``, ``"triton"``, ``"torch"``.
-        RuntimeError: Triton is needed (CUDA with ``"auto"``, or ``"triton"``)
-            but cannot be imported, or ``"triton"`` was asked for on a CPU
-            without the interpreter.
-    """
-    check_backend(backend)
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return "torch"
-    if _triton() is None:
-        raise RuntimeError(
-            f"the Triton backend is needed for tensors on {device} but Triton cannot be "
-            f"imported ({_triton_error}); install it with `pip install triton`, or pass "
-            f"backend='torch' to use the slower torch fallback")
-    if device.type == "cpu" and not _interpreting():
-        raise RuntimeError(
-            "backend='triton' on CPU tensors needs Triton's interpreter: set "
-            "TRITON_INTERPRET=1 before importing triton, or use backend='torch'")
-    return "triton"
-
-
-def check_scale(scale, name: str = "scale") -> float:
-    """``scale`` as a float; TypeError/ValueError (naming ``name``) unless it is a
-    finite Python number."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{name} must be a Python int or float, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"{name} must be finite, got {scale}")
-    return float(scale)
-
-
-def _check_dtype(dtype, name: str) -> None:
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must be one of float16, bfloat16, float32, float64; got {dtype}")
-
-
-def _check_tensors(tensors, name: str) -> Tuple[torch.Tensor, ...]:
-    """The tensors as a tuple, after the checks shared by both directions."""
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
-        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
-    tensors = tuple(tensors)
-    # the common, valid case in a few C-level passes (this runs every step, for
-    # every gradient); only a failure walks the list to name the culprit
-    if all(isinstance(t, torch.Tensor) for t in tensors) and \
-            {t.layout for t in tensors} <= _STRIDED and \
-            {t.dtype for t in tensors} <= _SUPPORTED_SET and \
-            len({t.device for t in tensors}) <= 1:
-        return tensors
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
-        if t.layout != torch.strided:
-            raise TypeError(f"{name}[{i}] has layout {t.layout}; only dense (strided) tensors "
-                            f"can be fused, densify sparse gradients first")
-        _check_dtype(t.dtype, f"{name}[{i}].dtype")
-        if t.device != tensors[0].device:
-            raise ValueError(f"{name}[{i}] is on {t.device} but {name}[0] is on "
-                             f"{tensors[0].device}; one call fuses tensors of one device")
-    return tensors
-
-
-def _index(value, name: str) -> int:
-    """``value`` as an int (numpy and torch integers included); TypeError otherwise."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got a bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {value!r}") from None
-
-
-def _layout(tensors, offsets, name: str):
-    """Start offsets of the segments and the flat size they need."""
-    numels = [t.numel() for t in tensors]
-    if offsets is None:
-        starts, position = [], 0
-        for n in numels:
-            starts.append(position)
-            position += n
-        return starts, position
-    if not all(type(o) is int for o in offsets):
-        offsets = [_index(o, f"offsets[{i}]") for i, o in enumerate(offsets)]
-    offsets = list(offsets)
-    if len(offsets) != len(tensors):
-        raise ValueError(f"offsets has {len(offsets)} entries but {name} has {len(tensors)}")
-    end = 0
-    for i, (o, n) in enumerate(zip(offsets, numels)):
-        if o < 0:
-            raise ValueError(f"offsets[{i}]={o} is negative")
-        if o < end:
-            raise ValueError(f"offsets[{i}]={o} overlaps the previous segment (which ends at "
-                             f"{end}); offsets must be increasing and segments disjoint")
-        end = o + n
-    return offsets, end
 
 
 def flatten_cast_scale(
@@ -248,48 +106,21 @@ def flatten_cast_scale(
         >>> flatten_cast_scale(grads, scale=0.5)
         tensor([0.5000, 0.5000, 0.5000, 0.5000, 0.5000, 0.5000, 1.0000, 1.0000, 1.0000, 1.0000])
     """
-    tensors = _check_tensors(tensors, "tensors")
+    tensors = _checks.check_tensors(tensors, "tensors")
     scale = check_scale(scale)
-    starts, size = _layout(tensors, offsets, "tensors")
+    starts, size = _checks.segment_starts(tensors, offsets, "tensors")
     if out is None:
-        _check_dtype(dtype, "dtype")
+        _checks.check_dtype(dtype, "dtype")
         device = tensors[0].device if tensors else torch.device("cpu")
     else:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        _checks.check_out(out, tensors, size, exact=offsets is None)
         dtype, device = out.dtype, out.device
-        _check_dtype(dtype, "out.dtype")
-        if tensors and device != tensors[0].device:
-            raise ValueError(f"out is on {device} but the tensors are on {tensors[0].device}")
-        if out.dim() != 1 or not out.is_contiguous():
-            raise ValueError(f"out must be a 1-D contiguous tensor, got shape {tuple(out.shape)} "
-                             f"with strides {out.stride()}")
-        if (offsets is None and out.numel() != size) or out.numel() < size:
-            need = f"{size}" if offsets is None else f"at least {size}"
-            raise ValueError(f"out has {out.numel()} elements but the tensors need {need}")
-    chosen = resolve_backend(backend, device)
+    chosen = backend_for(backend, device)
     if out is None:
         out = torch.empty(size, dtype=dtype, device=device)
-    extents = _extents(starts, out.numel())
-    if chosen == "torch":
-        flag = _torch.flatten(tensors, starts, extents, out, scale, check_finite)
-    else:
-        flag = torch.zeros(1, dtype=torch.uint8, device=device) if check_finite else None
-        staged = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-        lead = starts[0] if tensors else out.numel()
-        if lead > 0:
-            # an empty pseudo-segment whose programs zero the buffer's leading gap
-            staged, starts, extents = [out[:0]] + staged, [0] + starts, [lead] + extents
-        _triton().flatten(staged, starts, extents, out, scale, flag)
-        if flag is not None:
-            flag = flag.view(torch.bool)[0]
+    flag = chosen.flatten(tensors, starts, _checks.extents(starts, out.numel()), out, scale,
+                          check_finite)
     return (out, flag) if check_finite else out
-
-
-def _extents(starts, total):
-    """How far each segment's writes reach: up to the next segment (or the
-    buffer's end), so padding after a segment is zeroed in the same pass."""
-    return [end - start for start, end in zip(starts, starts[1:] + [total])]
 
 
 def unflatten_cast_scale(
@@ -326,78 +157,48 @@ def unflatten_cast_scale(
         >>> grads[1]
         tensor([ 8., 10., 12.])
     """
-    if not isinstance(flat, torch.Tensor):
-        raise TypeError(f"flat must be a torch.Tensor, got {type(flat).__name__}")
-    if flat.layout != torch.strided:
-        raise TypeError(f"flat has layout {flat.layout}; it must be a dense tensor")
-    _check_dtype(flat.dtype, "flat.dtype")
-    if flat.dim() != 1 or not flat.is_contiguous():
-        raise ValueError(f"flat must be a 1-D contiguous tensor, got shape {tuple(flat.shape)}")
-    tensors = _check_tensors(tensors, "tensors")
+    _checks.check_flat(flat, "flat")
+    tensors = _checks.check_tensors(tensors, "tensors")
     scale = check_scale(scale)
     if tensors and tensors[0].device != flat.device:
         raise ValueError(f"tensors are on {tensors[0].device} but flat is on {flat.device}")
-    starts, size = _layout(tensors, offsets, "tensors")
+    starts, size = _checks.segment_starts(tensors, offsets, "tensors")
     if flat.numel() < size:
         raise ValueError(f"flat has {flat.numel()} elements but the segments need {size}")
-    chosen = resolve_backend(backend, flat.device)
-    if chosen == "torch":
-        _torch.unflatten(flat, tensors, starts, scale, accumulate)
-        return
-    with torch.no_grad():
-        staged = tuple(t if t.is_contiguous() else t.contiguous() for t in tensors)
-        _triton().unflatten(flat, staged, starts, scale, accumulate)
-        for t, s in zip(tensors, staged):
-            if s is not t:
-                t.copy_(s)
+    backend_for(backend, flat.device).unflatten(flat, tensors, starts, scale, accumulate)
 
 
-def _check_pair(a, b):
-    for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.layout != torch.strided:
-            raise TypeError(f"{name} has layout {t.layout}; it must be a dense tensor")
-        _check_dtype(t.dtype, f"{name}.dtype")
-        if t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"{name} must be a 1-D contiguous buffer, got shape "
-                             f"{tuple(t.shape)}")
-    if a.dtype != b.dtype or a.device != b.device or a.numel() != b.numel():
-        raise ValueError(f"a and b must match in dtype, device and size: a is {a.numel()} "
-                         f"{a.dtype} on {a.device}, b is {b.numel()} {b.dtype} on {b.device}")
-
-
-def _segment_list(segments) -> list:
-    """``segments`` (a sequence or a tensor) as a list of ints, each checked."""
-    if isinstance(segments, torch.Tensor):
-        segments = segments.tolist()
-    return [_index(s, f"segments[{i}]") for i, s in enumerate(segments)]
-
-
-def _check_segments(segments, size: Optional[int] = None):
-    """The boundaries as ints: from 0 to ``size`` (default: the last one),
-    never decreasing."""
-    bounds = _segment_list(segments)
-    if size is None:
-        size = bounds[-1] if bounds else 0
-    if len(bounds) < 1 or bounds[0] != 0 or bounds[-1] != size:
-        raise ValueError(f"segments must be the boundaries [0, ..., {size}] of the buffer, "
-                         f"got {bounds[:3]}...{bounds[-2:]}")
-    for i in range(1, len(bounds)):
-        if bounds[i] < bounds[i - 1]:
-            raise ValueError(f"segments must not decrease: segments[{i}]={bounds[i]} < "
-                             f"segments[{i - 1}]={bounds[i - 1]}")
-    return bounds
-
-
-def adasum_chunk_counts(segments: Sequence[int]) -> list:
+def adasum_chunk_counts(segments: Sequence[int]) -> List[int]:
     """How many AdaSum chunks each segment has: ``ceil(length / ADASUM_CHUNK)``.
+
+    Raises:
+        TypeError: a boundary that is not an int.
 
     Example:
         >>> adasum_chunk_counts([0, 5, 5, ADASUM_CHUNK + 5])
         [1, 0, 1]
     """
-    return _torch.adasum_chunk_counts(_segment_list(segments))
+    return _chunk_counts(_checks.boundary_list(segments))
+
+
+def check_segments(segments: Sequence[int], size: Optional[int] = None) -> List[int]:
+    """The boundaries ``segments`` as a list of ints, checked: from 0 to ``size``
+    (default: its last entry), never decreasing.
+
+    Raises:
+        TypeError: a boundary that is not an int.
+        ValueError: not from 0 to ``size``, or decreasing.
+
+    Example:
+        >>> check_segments([0, 3, 3, 5], 5)
+        [0, 3, 3, 5]
+    """
+    return _checks.check_boundaries(segments, size)
+
+
+def _chunk_partials(rows: int, device: torch.device) -> torch.Tensor:
+    # never an empty allocation: a Triton launch must get a real pointer
+    return torch.empty(max(rows, 1), 3, dtype=torch.float64, device=device)[:rows]
 
 
 def adasum_stats(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int], *,
@@ -430,20 +231,14 @@ def adasum_stats(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int], *,
         tensor([[ 3., 25.,  1.],
                 [ 2.,  1.,  4.]], dtype=torch.float64)
     """
-    _check_pair(a, b)
-    bounds = _check_segments(segments, a.numel())
-    counts = _torch.adasum_chunk_counts(bounds)
-    # never an empty allocation: a Triton launch must get a real pointer
-    partials = torch.empty(max(sum(counts), 1), 3, dtype=torch.float64,
-                           device=a.device)[:sum(counts)]
-    out = torch.zeros(len(bounds) - 1, 3, dtype=torch.float64, device=a.device)
-    if resolve_backend(backend, a.device) == "torch":
-        _torch.adasum_chunk_stats(a, b, bounds, partials)
-        _torch.adasum_reduce_chunks(partials, counts, out)
-    else:
-        triton_adasum = _triton_kernels()[1]
-        triton_adasum.chunk_stats(a, b, bounds, partials)
-        triton_adasum.reduce_chunks(partials, counts, out)
+    _checks.check_pair(a, b)
+    boundaries = _checks.check_boundaries(segments, a.numel())
+    chosen = backend_for(backend, a.device)
+    counts = _chunk_counts(boundaries)
+    partials = _chunk_partials(sum(counts), a.device)
+    out = torch.zeros(len(boundaries) - 1, 3, dtype=torch.float64, device=a.device)
+    chosen.chunk_stats(a, b, boundaries, partials)
+    chosen.reduce_chunks(partials, counts, out)
     return out
 
 
@@ -466,14 +261,11 @@ def adasum_chunk_stats(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int]
         >>> adasum_chunk_stats(a, 2 * a, [0, ADASUM_CHUNK + 2])[:, 0].tolist()
         [32768.0, 4.0]
     """
-    _check_pair(a, b)
-    bounds = _check_segments(segments, a.numel())
-    out = torch.zeros(sum(_torch.adasum_chunk_counts(bounds)), 3, dtype=torch.float64,
-                      device=a.device)
-    if resolve_backend(backend, a.device) == "torch":
-        _torch.adasum_chunk_stats(a, b, bounds, out)
-    else:
-        _triton_kernels()[1].chunk_stats(a, b, bounds, out)
+    _checks.check_pair(a, b)
+    boundaries = _checks.check_boundaries(segments, a.numel())
+    chosen = backend_for(backend, a.device)
+    out = torch.zeros(sum(_chunk_counts(boundaries)), 3, dtype=torch.float64, device=a.device)
+    chosen.chunk_stats(a, b, boundaries, out)
     return out
 
 
@@ -490,19 +282,22 @@ def adasum_reduce_chunks(partials: torch.Tensor, segments: Sequence[int], *,
     Raises:
         TypeError/ValueError: bad ``segments`` (any non-decreasing boundaries
             from 0), or ``partials`` not float64 ``[n_chunks, 3]``.
+
+    Example:
+        >>> rows = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64)
+        >>> adasum_reduce_chunks(rows, [0, ADASUM_CHUNK + 1])
+        tensor([[5., 7., 9.]], dtype=torch.float64)
     """
-    bounds = _check_segments(segments)
-    counts = _torch.adasum_chunk_counts(bounds)
+    boundaries = _checks.check_boundaries(segments)
+    counts = _chunk_counts(boundaries)
     if not isinstance(partials, torch.Tensor) or partials.dtype != torch.float64 \
             or partials.shape != (sum(counts), 3):
         raise ValueError(f"partials must be a float64 tensor of shape ({sum(counts)}, 3) "
                          f"for these segments")
+    chosen = backend_for(backend, partials.device)
     partials = partials.contiguous()
-    out = torch.zeros(len(bounds) - 1, 3, dtype=torch.float64, device=partials.device)
-    if resolve_backend(backend, partials.device) == "torch":
-        _torch.adasum_reduce_chunks(partials, counts, out)
-    else:
-        _triton_kernels()[1].reduce_chunks(partials, counts, out)
+    out = torch.zeros(len(boundaries) - 1, 3, dtype=torch.float64, device=partials.device)
+    chosen.reduce_chunks(partials, counts, out)
     return out
 
 
@@ -536,21 +331,19 @@ def adasum_combine(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int],
         >>> adasum_combine(a, b, [0, 2], adasum_stats(a, b, [0, 2]))  # orthogonal: a + b
         tensor([1., 1.])
     """
-    _check_pair(a, b)
-    bounds = _check_segments(segments, a.numel())
+    _checks.check_pair(a, b)
+    boundaries = _checks.check_boundaries(segments, a.numel())
     if not isinstance(stats, torch.Tensor) or stats.dtype != torch.float64 \
-            or stats.shape != (len(bounds) - 1, 3) or stats.device != a.device:
-        raise ValueError(f"stats must be a float64 tensor of shape ({len(bounds) - 1}, 3) on "
-                         f"{a.device}")
-    if out is None:
-        out = torch.empty_like(a)
-    elif not isinstance(out, torch.Tensor) or out.dtype != a.dtype or out.device != a.device \
-            or out.shape != a.shape or not out.is_contiguous():
+            or stats.shape != (len(boundaries) - 1, 3) or stats.device != a.device:
+        raise ValueError(f"stats must be a float64 tensor of shape ({len(boundaries) - 1}, 3) "
+                         f"on {a.device}")
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != a.dtype
+                            or out.device != a.device or out.shape != a.shape
+                            or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {a.dtype} tensor of shape {tuple(a.shape)} "
                          f"on {a.device}")
-    stats = stats.contiguous()
-    if resolve_backend(backend, a.device) == "torch":
-        _torch.adasum_combine(a, b, bounds, stats, out, ADASUM_NORM_FLOOR, ADASUM_FP32_LIMIT)
-    else:
-        _triton_kernels()[1].combine(a, b, bounds, stats, out)
+    chosen = backend_for(backend, a.device)
+    if out is None:
+        out = torch.empty_like(a)
+    chosen.combine(a, b, boundaries, stats.contiguous(), out)
     return out

@@ -26,8 +26,10 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from fusedreduce.kernels import adasum  # noqa: E402
-from fusedreduce.kernels import flatten as kernels  # noqa: E402
+from fusedreduce.kernels import (ADASUM_CHUNK, ADASUM_FP32_LIMIT, ADASUM_NORM_FLOOR,  # noqa: E402
+                                 ALIGN_BYTES)
+from fusedreduce.kernels.adasum import triton_backend as adasum  # noqa: E402
+from fusedreduce.kernels.flatten import triton_backend as kernels  # noqa: E402
 
 BUFFER_TYPES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
 # what kinds_mask can return: one dtype code's bit, or ALL_KINDS for a mix
@@ -53,7 +55,7 @@ def variants(kernel: str):
                                  "KINDS": "constexpr", "CHECK_FINITE": "constexpr",
                                  "BLOCK": "constexpr", "OUT_VEC": "constexpr"}
                     constexprs = {"KINDS": kinds, "CHECK_FINITE": flag, "BLOCK": kernels.BLOCK,
-                                  "OUT_VEC": kernels.ALIGN_BYTES // size}
+                                  "OUT_VEC": ALIGN_BYTES // size}
                     pointers = 4
                 else:
                     signature = {"table": "*i64", "base": "*u8", "flat": f"*{buffer}",
@@ -61,7 +63,7 @@ def variants(kernel: str):
                                  "ACCUMULATE": "constexpr", "BLOCK": "constexpr",
                                  "FLAT_VEC": "constexpr"}
                     constexprs = {"KINDS": kinds, "ACCUMULATE": flag, "BLOCK": kernels.BLOCK,
-                                  "FLAT_VEC": kernels.ALIGN_BYTES // size}
+                                  "FLAT_VEC": ALIGN_BYTES // size}
                     pointers = 3
                 yield buffer, signature, constexprs, {(i,): ALIGNED for i in range(pointers)}
 
@@ -104,12 +106,12 @@ def adasum_variants():
         yield ("chunk_stats", buffer, adasum._chunk_stats_kernel,
                {"a": f"*{buffer}", "b": f"*{buffer}", "table": "*i64", "partials": "*fp64",
                 "n_segments": "i32", "CHUNK": "constexpr", "BLOCK": "constexpr"},
-               {"CHUNK": adasum.CHUNK, "BLOCK": adasum.BLOCK}, adasum.NUM_WARPS)
+               {"CHUNK": ADASUM_CHUNK, "BLOCK": adasum.BLOCK}, adasum.NUM_WARPS)
         yield ("combine", buffer, adasum._combine_kernel,
                {"a": f"*{buffer}", "b": f"*{buffer}", "out": f"*{buffer}", "table": "*i64",
                 "stats": "*fp64", "n_segments": "i32", "FLOOR": "constexpr",
                 "LIMIT": "constexpr", "BLOCK": "constexpr"},
-               {"FLOOR": adasum.NORM_FLOOR, "LIMIT": adasum.FP32_LIMIT, "BLOCK": adasum.BLOCK},
+               {"FLOOR": ADASUM_NORM_FLOOR, "LIMIT": ADASUM_FP32_LIMIT, "BLOCK": adasum.BLOCK},
                adasum.NUM_WARPS)
     yield ("reduce_chunks", None, adasum._reduce_chunks_kernel,
            {"partials": "*fp64", "first_chunk": "*i64", "stats": "*fp64"}, {}, 1)

@@ -458,10 +458,10 @@ def test_torch_whole_chunk_partials_do_not_depend_on_batch_slot_or_alignment(dty
     # the fallback takes whole chunks through batched fp64 Gram products in
     # fixed scratch: a chunk must give the same bits in every slot of a batch,
     # behind any number of other chunks, from any source alignment
-    from fusedreduce.kernels import _torch as fallback
+    from fusedreduce.kernels.adasum import torch_backend
     ours_a, ours_b = _values(3 * CHUNK, dtype, 11, 1), _values(3 * CHUNK, dtype, 11, 2)
     alone = adasum_chunk_stats(ours_a, ours_b, [0, 3 * CHUNK], backend="torch")
-    for lead_chunks in range(fallback._GRAM_ROWS + 2):
+    for lead_chunks in range(torch_backend.GRAM_BATCH + 2):
         for odd in (0, 1, 3):
             lead = lead_chunks * CHUNK + odd
             a = torch.cat([_values(lead, dtype, lead, 3), ours_a])
@@ -481,22 +481,22 @@ def test_triton_launch_tables_are_kept_per_layout_and_stay_right():
     # the Triton launchers keep a bucket layout's tables; a caller's list may
     # change afterwards, and a full cache evicts, without a wrong table
     pytest.importorskip("triton")
-    from fusedreduce.kernels import adasum as triton_adasum
+    from fusedreduce.kernels.adasum import triton_backend as triton_adasum
     segments = [0, 3, 3, 2 * CHUNK + 1]
-    first, programs = triton_adasum._segment_table(segments, torch.device("cpu"), CHUNK)
+    first, programs = triton_adasum.segment_table(segments, torch.device("cpu"), CHUNK)
     segments[-1] = 5  # the kept table belongs to the old values
-    again, _ = triton_adasum._segment_table([0, 3, 3, 2 * CHUNK + 1], torch.device("cpu"),
+    again, _ = triton_adasum.segment_table([0, 3, 3, 2 * CHUNK + 1], torch.device("cpu"),
                                                CHUNK)
     assert again is first and programs == 3
     assert first.tolist() == [0, 3, 3, 3, 0, 2 * CHUNK - 2, 0, 2 << 32, (2 << 32) | 1]
-    changed, programs = triton_adasum._segment_table(segments, torch.device("cpu"), CHUNK)
+    changed, programs = triton_adasum.segment_table(segments, torch.device("cpu"), CHUNK)
     assert changed.tolist() == [0, 3, 3, 3, 0, 2, 0, 2 << 32] and programs == 2
     a, b = _values(2 * CHUNK + 1, torch.float32, 5, 1), _values(2 * CHUNK + 1, torch.float32, 5, 2)
     bounds = [0, 3, 3, 2 * CHUNK + 1]
     kept = adasum_stats(a, b, bounds, backend="triton")
     for extra in range(triton_adasum.TABLES_KEPT + 1):  # evict it
-        triton_adasum._segment_table([0, extra + 1], torch.device("cpu"), CHUNK)
-    assert triton_adasum._segment_table(bounds, torch.device("cpu"), CHUNK)[0] is not first
+        triton_adasum.segment_table([0, extra + 1], torch.device("cpu"), CHUNK)
+    assert triton_adasum.segment_table(bounds, torch.device("cpu"), CHUNK)[0] is not first
     assert torch.equal(adasum_stats(a, b, bounds, backend="triton"), kept)
 
 

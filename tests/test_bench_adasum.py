@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from bench_utils import check_record, run_bench_once
-from fusedreduce import BucketPlan, kernels
-from fusedreduce.bench.adasum import ROLES, without_adasum_math
+from fusedreduce import BucketPlan, communication_dtype
+from fusedreduce.bench.adasum_bench import ROLES
 from fusedreduce.bench.models import resnet50_shapes_for_size
-from fusedreduce.collectives import adasum_comm_dtype
 
 METHODS = ["all_reduce", "grad_reducer", "adasum", "adasum_in_place", "tree_exchanges"]
 SIZE = 30_000
@@ -54,7 +53,7 @@ def test_adasum_bytes_are_counted_and_match_the_two_rank_tree(quick_run):
     # statistics: 3 fp64 per AdaSum chunk, at least one chunk per tensor
     _, record = quick_run
     grads = [torch.empty(shape) for shape in resnet50_shapes_for_size(SIZE)]
-    plan = BucketPlan(grads, bucket_cap_mb=25.0, comm_dtype=adasum_comm_dtype)
+    plan = BucketPlan(grads, bucket_cap_mb=25.0, comm_dtype=communication_dtype)
     adasum = next(r for r in record["results"] if r["method"] == "adasum")
     assert adasum["bytes_sent_source"] == "counted"
     statistics = adasum["bytes_sent_per_rank"] - sum(b.nbytes for b in plan.buckets) - 16
@@ -69,14 +68,3 @@ def test_adasum_bytes_are_counted_and_match_the_two_rank_tree(quick_run):
     assert statistics % (3 * 8) == 0 and statistics >= 3 * 8 * len(grads)
     assert exchanges["bytes_sent_per_rank"] == in_place["bytes_sent_per_rank"]
 
-
-def test_the_math_is_switched_off_only_inside_without_adasum_math():
-    a, b = torch.ones(5), torch.full((5,), 2.0)
-    real = kernels.adasum_combine
-    with without_adasum_math():
-        assert kernels.adasum_combine is not real
-        assert torch.equal(kernels.adasum_combine(a, b, [0, 5], None, out=a), torch.ones(5))
-        assert kernels.adasum_chunk_stats(a, b, [0, 5]).abs().sum() == 0
-    assert kernels.adasum_combine is real
-    assert torch.equal(kernels.adasum_combine(a, b, [0, 5], kernels.adasum_stats(a, b, [0, 5])),
-                       torch.full((5,), 1.5))  # parallel: the mean

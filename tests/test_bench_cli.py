@@ -13,7 +13,7 @@ from importlib import metadata
 import pytest
 
 from bench_utils import ROOT, check_record, run_bench_once
-from fusedreduce.bench import cli, collectives, common, kernels
+from fusedreduce.bench import cli, collectives_bench, common, kernels_bench
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 BENCHMARKS = ["kernels", "reduce", "step", "adasum"]
@@ -74,8 +74,8 @@ def test_plot_without_matplotlib_fails_before_measuring_and_says_what_to_install
     def measured(*args, **kwargs):
         raise AssertionError("measured before checking for matplotlib")
 
-    monkeypatch.setattr(kernels, "run", measured)
-    monkeypatch.setattr(collectives, "run", measured)
+    monkeypatch.setattr(kernels_bench, "run", measured)
+    monkeypatch.setattr(collectives_bench, "run", measured)
     json_path = tmp_path / "out.json"
     with pytest.raises(SystemExit) as exit_:
         cli.main(["all", "--quick", "--plot", str(tmp_path / "out.png"),

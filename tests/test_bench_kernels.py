@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bench_utils import check_record, run_bench_once
-from fusedreduce.bench.kernels import DIRECTIONS, METHODS, ROLES, Workload, check
+from fusedreduce.bench.kernels_bench import DIRECTIONS, METHODS, ROLES, Workload, check
 from fusedreduce.bench.models import (n_elements, resnet50_classes, resnet50_shapes,
                                       resnet50_shapes_for_size, resnet50_width_for_size,
                                       transformer_shapes, transformer_shapes_for_size)

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from fusedreduce import BucketPlan
-from fusedreduce.buckets import ALIGN_BYTES, TensorSpec
+from fusedreduce.buckets import TensorSpec
+from fusedreduce.kernels import ALIGN_BYTES
 from fusedreduce.kernels import flatten_cast_scale, unflatten_cast_scale
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]

@@ -3,11 +3,11 @@
 Three parts, each in its own module, each case timed inside the same process
 group (spawned local workers, or the ranks of a ``torchrun`` launch):
 
-- ``reduce`` (``bench/reduce.py``): the fused reducer against per-tensor
+- ``reduce`` (``bench/reduce_bench.py``): the fused reducer against per-tensor
   all_reduce and DDP-style buckets, gradient reduction alone.
-- ``step`` (``bench/hooks.py``): a ResNet-50 training step under DDP, against
+- ``step`` (``bench/step_bench.py``): a ResNet-50 training step under DDP, against
   the fused reducer's backward hooks and fusedreduce's DDP communication hooks.
-- ``adasum`` (``bench/adasum.py``): ``adasum_allreduce`` against an
+- ``adasum`` (``bench/adasum_bench.py``): ``adasum_allreduce`` against an
   all_reduce of the same bytes, with the bytes each rank sends.
 
 A part module has ``NAME``, ``FIXED_DTYPE`` (None: the cases take
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import List
 
-from . import adasum, common, hooks, reduce
+from . import adasum_bench, common, ranks, reduce_bench, step_bench
 
-PARTS = {module.NAME: module for module in (reduce, hooks, adasum)}
+PARTS = {module.NAME: module for module in (reduce_bench, step_bench, adasum_bench)}
 DEFAULT_SIZES = [4_000_000, 25_600_000]
 QUICK_SIZES = [1_000_000]
 DEFAULT_DTYPES = ["float32"]
@@ -39,7 +39,7 @@ def cases(config: dict) -> List[dict]:
 
 
 def _rank_body(rank: int, world_size: int, config: dict) -> List[dict]:
-    device = common.rank_device(config["backend"])
+    device = ranks.rank_device(config["backend"])
     # rank 0 carries on the parent's progress bar; the others keep quiet
     progress = common.Progress(**dict(config["progress"], enabled=rank == 0
                                       and config["progress"]["enabled"]))
@@ -59,9 +59,9 @@ def run(config: dict, progress: common.Progress, joined: bool) -> List[dict]:
     records. ``joined``: this process is a rank of a ``torchrun`` launch already."""
     config = dict(config, progress=progress.state())
     if joined:
-        outcome = common.run_in_launch(_rank_body, config)
+        outcome = ranks.run_in_launch(_rank_body, config)
     else:
-        outcome = common.run_on_ranks(_rank_body, config["world_size"], config)
+        outcome = ranks.run_on_ranks(_rank_body, config["world_size"], config)
     results: List[dict] = []
     for i, case in enumerate(cases(config)):
         progress.done += 1

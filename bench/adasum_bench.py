@@ -13,14 +13,16 @@ to the ``--sizes`` entry) in the ``--dtype``:
   (16-bit gradients combined in fp32), each combined along the AdaSum tree
   (recursive halving with per-tensor statistics, then an all-gather), into
   new tensors.
-- ``adasum_in_place`` (ours): ``adasum_buffer`` on a copy of the baseline's
-  flat buffer (fp32/fp64; its segments are the gradients), in place, as
-  ``adasum_hook`` runs on a DDP bucket: the like-for-like match for the
-  baseline, without ``adasum``'s packing and new outputs. Repeated calls
-  combine the previous result; the work does not depend on the values.
-- ``tree_exchanges`` (reference): ``adasum_in_place`` with the statistics and
-  combine kernels replaced by no-ops (``without_adasum_math``): the tree's
-  point-to-point traffic alone, the floor any AdaSum math is added to.
+- ``adasum_in_place`` (ours): ``adasum_allreduce_flat`` on a copy of the
+  baseline's flat buffer in its communication dtype (its segments are the
+  gradients), in place, as ``adasum_hook`` runs on a DDP bucket: the
+  like-for-like match for the baseline, without ``adasum``'s packing and new
+  outputs. Repeated calls combine the previous result; the work does not
+  depend on the values.
+- ``tree_exchanges`` (reference): ``adasum_in_place`` with
+  ``exchanges_only=True``: the tree's point-to-point traffic alone (the same
+  messages and bytes, no statistics or combine), the floor any AdaSum math is
+  added to.
 
 Times are the median over ``--repeats`` calls after a warm-up, the methods
 interleaved round-robin, each call started after a barrier and timed as the
@@ -28,9 +30,9 @@ slowest rank's wall time. ``bytes`` is the gradients' size and ``gbps`` that
 over the time.
 
 Bytes sent per rank are counted, not modelled, for AdaSum: during one extra
-``adasum_allreduce`` call (and one ``adasum_buffer`` call for the in-place
-rows; ``tree_exchanges`` sends what ``adasum_in_place`` does) every rank wraps ``torch.distributed.send`` and
-``batch_isend_irecv`` (the tree's point-to-point traffic: halves, statistics,
+``adasum_allreduce`` call (and one ``adasum_allreduce_flat`` call for the
+in-place rows; ``tree_exchanges`` sends what ``adasum_in_place`` does) every
+rank wraps ``torch.distributed.send`` and ``batch_isend_irecv`` (the tree's point-to-point traffic: halves, statistics,
 the all-gather, a non-power-of-two rank's whole buffer) and adds up the bytes
 of the tensors it sends. The two all-reduces it also issues (a 16-byte check
 that the ranks agree on the tensors and, with ``local_size`` > 1, the block
@@ -43,16 +45,15 @@ model``).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 
-from fusedreduce import DistributedGradReducer, adasum_allreduce, kernels
-from fusedreduce.collectives import adasum_buffer, adasum_comm_dtype
+from fusedreduce import (DistributedGradReducer, adasum_allreduce, adasum_allreduce_flat,
+                         communication_dtype, kernels)
 
-from . import common
+from . import common, timing
 from .models import resnet50_gradients
 
 NAME = "adasum"
@@ -104,35 +105,6 @@ class SentBytes:
             setattr(dist, name, fn)
 
 
-@contextlib.contextmanager
-def without_adasum_math():
-    """AdaSum's statistics and combine kernels as no-ops while inside: the
-    tree then moves exactly its bytes and does nothing else."""
-    def chunk_stats(a, b, segments, **_):
-        return torch.zeros(sum(kernels.adasum_chunk_counts(segments)), 3,
-                           dtype=torch.float64, device=a.device)
-
-    def stats(a, b, segments, **_):
-        return torch.zeros(len(segments) - 1, 3, dtype=torch.float64, device=a.device)
-
-    def reduce_chunks(partials, segments, **_):
-        return torch.zeros(len(segments) - 1, 3, dtype=torch.float64, device=partials.device)
-
-    def combine(a, b, segments, stats, out=None, **_):
-        return out
-
-    stubs = {"adasum_chunk_stats": chunk_stats, "adasum_stats": stats,
-             "adasum_reduce_chunks": reduce_chunks, "adasum_combine": combine}
-    real = {name: getattr(kernels, name) for name in stubs}
-    for name, stub in stubs.items():
-        setattr(kernels, name, stub)
-    try:
-        yield
-    finally:
-        for name, fn in real.items():
-            setattr(kernels, name, fn)
-
-
 def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
                  config: dict) -> dict:
     """Time the methods and count AdaSum's bytes on this rank (inside a process group)."""
@@ -141,25 +113,19 @@ def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
     flat = torch.cat([g.reshape(-1) for g in grads])
     reducer = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB)
     # the in-place rows combine an fp32/fp64 flat buffer cut at the gradients
-    in_place = flat.to(adasum_comm_dtype(dtype))
-    segments = [0]
-    for g in grads:
-        segments.append(segments[-1] + g.numel())
-
-    def exchanges_only():
-        with without_adasum_math():
-            adasum_buffer(in_place, segments)
-
-    samples = common.time_across_ranks(
+    in_place = flat.to(communication_dtype(dtype))
+    segments = kernels.packed_boundaries([g.numel() for g in grads])
+    samples = timing.time_across_ranks(
         {"all_reduce": lambda: dist.all_reduce(flat), "grad_reducer": lambda: reducer(grads),
          "adasum": lambda: adasum_allreduce(grads, bucket_cap_mb=BUCKET_CAP_MB),
-         "adasum_in_place": lambda: adasum_buffer(in_place, segments),
-         "tree_exchanges": exchanges_only},
+         "adasum_in_place": lambda: adasum_allreduce_flat(in_place, segments),
+         "tree_exchanges": lambda: adasum_allreduce_flat(in_place, segments,
+                                                         exchanges_only=True)},
         config["repeats"], device)
     with SentBytes() as sent:
         adasum_allreduce(grads, bucket_cap_mb=BUCKET_CAP_MB)
     with SentBytes() as sent_in_place:
-        adasum_buffer(in_place, segments)
+        adasum_allreduce_flat(in_place, segments)
     return {"samples": samples, "sent": sent.total, "sent_in_place": sent_in_place.total,
             "n_tensors": len(grads),
             "n_elements": flat.numel(), "itemsize": dtype.itemsize,

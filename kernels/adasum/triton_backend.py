@@ -1,11 +1,11 @@
-"""Triton kernels for AdaSum's per-segment statistics and combination.
+"""The AdaSum family on Triton: per-segment statistics and the combine.
 
 For flat buffers ``a`` and ``b`` cut into segments (one per parameter tensor),
 the statistics are each segment's ``(a·b, ‖a‖², ‖b‖²)`` and ``combine`` writes
 ``ca·a + cb·b`` with ``ca = 1 - a·b / (2‖a‖²)``, ``cb = 1 - a·b / (2‖b‖²)``
-(a coefficient is 1 where its squared norm is below ``sqrt(float64 tiny)``).
+(a coefficient is 1 where its squared norm is below ``ADASUM_NORM_FLOOR``).
 
-Statistics are defined over chunks of ``CHUNK`` elements counted from each
+Statistics are defined over chunks of ``ADASUM_CHUNK`` elements counted from each
 segment's start (the last one may be shorter). ``_chunk_stats_kernel`` runs one
 program per chunk: lane ``j`` of a ``BLOCK``-wide fp64 accumulator adds the
 chunk's elements ``j, j + BLOCK, …`` in order, then the lanes are summed. That
@@ -16,7 +16,7 @@ AdaSum must stay right from fp32's tiny to ``sqrt`` of its max, whose squares
 fp32 cannot hold. No atomics: every result has one writer.
 
 ``_combine_kernel`` combines fp64 buffers in fp64; fp32 and 16-bit ones in fp32
-while ``|ca|, |cb| <= FP32_LIMIT`` (2^64), and in fp64 otherwise (a tiny and a
+while ``|ca|, |cb| <= ADASUM_FP32_LIMIT`` (2^64), and in fp64 otherwise (a tiny and a
 huge gradient give coefficients beyond fp32's range, ~1e56). The branch is
 taken per program on the segment's coefficients, which every program of the
 segment (and every rank) computes identically.
@@ -24,25 +24,26 @@ segment (and every rank) computes identically.
 The launch table holds ``[ start | length ]`` per segment, then one
 ``segment << 32 | index`` word per program (the chunk or block of the segment),
 so one launch covers any number of segments of any sizes.
+
+``chunk_stats``, ``reduce_chunks`` and ``combine`` are this backend's side of
+the kernels' backend protocol (``kernels/_backends.py``): the same arguments as
+the torch fallback's, already validated by the façade.
 """
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from ._torch import ADASUM_CHUNK, ADASUM_FP32_LIMIT
-from .flatten import _downcast, _upcast
+from .._common import ADASUM_CHUNK, ADASUM_FP32_LIMIT, ADASUM_NORM_FLOOR
+from .._triton_common import downcast, upcast
 
 BLOCK = 1024
-CHUNK = ADASUM_CHUNK
-FP32_LIMIT = ADASUM_FP32_LIMIT
 NUM_WARPS = 4
-# below this squared norm a coefficient is 1 (AdaSum(g, 0) = g)
-NORM_FLOOR = float(np.sqrt(np.finfo(np.float64).tiny))
 
 
 @triton.jit
@@ -67,8 +68,8 @@ def _chunk_stats_kernel(a, b, table, partials, n_segments, CHUNK: tl.constexpr,
     for i in range(start, end, BLOCK):
         offs = i + tl.arange(0, BLOCK)
         mask = offs < end
-        x = _upcast(tl.load(a + seg_start + offs, mask=mask, other=0.0), tl.float64)
-        y = _upcast(tl.load(b + seg_start + offs, mask=mask, other=0.0), tl.float64)
+        x = upcast(tl.load(a + seg_start + offs, mask=mask, other=0.0), tl.float64)
+        y = upcast(tl.load(b + seg_start + offs, mask=mask, other=0.0), tl.float64)
         dot += x * y
         a2 += x * x
         b2 += y * y
@@ -101,10 +102,10 @@ def _coefficient(dot, norm2, FLOOR: tl.constexpr):
 
 @triton.jit
 def _mix(a, b, out, offs, mask, ca, cb, COMPUTE: tl.constexpr):
-    x = _upcast(tl.load(a + offs, mask=mask, other=0.0), COMPUTE)
-    y = _upcast(tl.load(b + offs, mask=mask, other=0.0), COMPUTE)
+    x = upcast(tl.load(a + offs, mask=mask, other=0.0), COMPUTE)
+    y = upcast(tl.load(b + offs, mask=mask, other=0.0), COMPUTE)
     mixed = ca.to(COMPUTE) * x + cb.to(COMPUTE) * y
-    tl.store(out + offs, _downcast(mixed, out.dtype.element_ty), mask=mask)
+    tl.store(out + offs, downcast(mixed, out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -129,7 +130,7 @@ def _combine_kernel(a, b, out, table, stats, n_segments, FLOOR: tl.constexpr,
             _mix(a, b, out, offs, mask, ca, cb, tl.float64)
 
 
-def _segment_table(boundaries, device, unit):
+def segment_table(boundaries: Sequence[int], device: torch.device, unit: int):
     """The launch table (one program per ``unit`` elements of each segment) and
     the program count.
 
@@ -139,16 +140,16 @@ def _segment_table(boundaries, device, unit):
     only read them, and the copy that made them completed before they were
     first used, so any stream may read them.
     """
-    return _cached_segment_table(tuple(boundaries), device, unit)
+    return _kept_segment_table(tuple(boundaries), device, unit)
 
 
 TABLES_KEPT = 64
 
 
 @functools.lru_cache(maxsize=TABLES_KEPT)
-def _cached_segment_table(boundaries, device, unit):
-    bounds = np.asarray(boundaries, dtype=np.int64)
-    starts, lengths = bounds[:-1], np.diff(bounds)
+def _kept_segment_table(boundaries, device, unit):
+    edges = np.asarray(boundaries, dtype=np.int64)
+    starts, lengths = edges[:-1], np.diff(edges)
     n = len(starts)
     pieces = -(-lengths // unit)
     programs = int(pieces.sum())
@@ -167,15 +168,16 @@ def _first_chunks(counts, device):
     return torch.from_numpy(first.astype(np.int64)).to(device)
 
 
-def chunk_stats(a, b, boundaries, out):
+def chunk_stats(a: torch.Tensor, b: torch.Tensor, boundaries: Sequence[int],
+                out: torch.Tensor) -> None:
     """Fill ``out`` (float64 ``[n_chunks, 3]``) with every chunk's partial sums, in order."""
-    table, programs = _segment_table(boundaries, a.device, CHUNK)
+    table, programs = segment_table(boundaries, a.device, ADASUM_CHUNK)
     if programs:
-        _chunk_stats_kernel[(programs,)](a, b, table, out, len(boundaries) - 1, CHUNK=CHUNK,
-                                         BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _chunk_stats_kernel[(programs,)](a, b, table, out, len(boundaries) - 1,
+                                         CHUNK=ADASUM_CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
-def reduce_chunks(partials, counts, out):
+def reduce_chunks(partials: torch.Tensor, counts: Sequence[int], out: torch.Tensor) -> None:
     """``out[i]`` (float64 ``[n, 3]``): segment ``i``'s ``counts[i]`` chunk partials
     added in chunk order."""
     if len(counts):
@@ -183,10 +185,11 @@ def reduce_chunks(partials, counts, out):
         _reduce_chunks_kernel[(len(counts),)](partials, first, out, num_warps=1)
 
 
-def combine(a, b, boundaries, segment_stats, out):
+def combine(a: torch.Tensor, b: torch.Tensor, boundaries: Sequence[int],
+            segment_stats: torch.Tensor, out: torch.Tensor) -> None:
     """``out = ca·a + cb·b`` per segment (``out`` may be ``a`` or ``b``)."""
-    table, programs = _segment_table(boundaries, a.device, BLOCK)
+    table, programs = segment_table(boundaries, a.device, BLOCK)
     if programs:
         _combine_kernel[(programs,)](a, b, out, table, segment_stats, len(boundaries) - 1,
-                                     FLOOR=NORM_FLOOR, LIMIT=FP32_LIMIT, BLOCK=BLOCK,
-                                     num_warps=NUM_WARPS)
+                                     FLOOR=ADASUM_NORM_FLOOR, LIMIT=ADASUM_FP32_LIMIT,
+                                     BLOCK=BLOCK, num_warps=NUM_WARPS)

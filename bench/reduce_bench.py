@@ -25,7 +25,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fusedreduce import DistributedGradReducer
 
-from . import common
+from . import common, timing
 from .models import resnet50_gradients
 
 NAME = "reduce"
@@ -70,7 +70,7 @@ def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
             dist.all_reduce(g)
             g.div_(world_size)
 
-    samples = common.time_across_ranks(
+    samples = timing.time_across_ranks(
         {"per_tensor": per_tensor, "torch_buckets": lambda: _torch_buckets(grads, world_size),
          "fused_reducer": lambda: reducer(grads)}, config["repeats"], device)
     return {"samples": samples, "n_tensors": len(grads),

@@ -1,4 +1,4 @@
-"""Triton kernels: gather many tensors into one flat buffer and scatter it back.
+"""The flatten family on Triton: gather many tensors into one flat buffer and back.
 
 One launch serves any number of tensors. The host builds one int64 table per
 call (:func:`build_table`)::
@@ -24,17 +24,27 @@ everything else takes the masked path, which adds the remainders back.
 
 Element math is in fp32, or fp64 when either side of the copy is fp64; 16-bit
 results are rounded from an fp32 value (as torch's own casts do).
+
+``flatten`` and ``unflatten`` are this backend's side of the kernels' backend
+protocol (``kernels/_backends.py``): the same arguments as the torch
+fallback's, already validated by the façade. Their Triton-only staging (a
+contiguous copy of a strided tensor, a pseudo-segment that zeroes the
+buffer's leading gap, the uint8 flag) happens here.
 """
 from __future__ import annotations
+
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from .._common import ALIGN_BYTES
+from .._triton_common import downcast, upcast
+
 BLOCK = 2048
 NUM_WARPS = 4
-ALIGN_BYTES = 16
 
 # dtype codes in the table's ``kind`` column
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -53,38 +63,6 @@ def _dtype_of(code):
 @triton.constexpr_function
 def _compute_dtype(a, b):
     return tl.float64 if tl.float64 in (a, b) else tl.float32
-
-
-@triton.jit
-def _upcast(x, COMPUTE: tl.constexpr):
-    # bf16 is the top half of an fp32: widen it on the bits, which is exact on
-    # the GPU and in the interpreter alike (whose bf16 -> fp32 cast mangles
-    # subnormals)
-    if x.dtype == tl.bfloat16:
-        bits = x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
-        return bits.to(tl.float32, bitcast=True).to(COMPUTE)
-    return x.to(COMPUTE)
-
-
-@triton.jit
-def _round_to_bf16(y):
-    # fp32 -> bf16, round to nearest even, done on the bits: Triton's interpreter
-    # truncates in ``.to(tl.bfloat16)``, the GPU rounds; this is exact on both.
-    bits = y.to(tl.uint32, bitcast=True)
-    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-    rounded = tl.where(y != y, bits | 0x400000, rounded)  # NaN stays a (quiet) NaN
-    return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _downcast(y, DST: tl.constexpr):
-    # 16-bit results are always rounded from an fp32 value (fp64 goes via fp32),
-    # as torch's own fp64 -> fp16/bf16 casts do, so both backends agree.
-    if DST == tl.bfloat16:
-        return _round_to_bf16(y.to(tl.float32))
-    if DST == tl.float16:
-        return y.to(tl.float32).to(DST)
-    return y.to(DST)
 
 
 @triton.jit
@@ -128,17 +106,17 @@ def _gather(base, src_bytes, out, flat_start, start, numel, extent, kind, scale_
     # load's layout would cost the fast one its vectorization.
     if ((kind >> 8) == 0) & (start + BLOCK <= numel):
         src = (base + src_bytes).to(tl.pointer_type(SRC), bitcast=True) + start
-        x = _upcast(tl.load(src + lanes), COMPUTE)
-        tl.store(out + flat_start + start + lanes, _downcast(x * scale, OUT))
+        x = upcast(tl.load(src + lanes), COMPUTE)
+        tl.store(out + flat_start + start + lanes, downcast(x * scale, OUT))
         _flag_nonfinite(x, flag, CHECK_FINITE)
     else:
         src = (base + src_bytes + src_rem).to(tl.pointer_type(SRC), bitcast=True)
         offs = start + lanes
-        x = _upcast(tl.load(src + offs, mask=offs < numel, other=0.0), COMPUTE)
+        x = upcast(tl.load(src + offs, mask=offs < numel, other=0.0), COMPUTE)
         # elements in [numel, extent) are layout padding: written as +0 (not
         # 0 * scale, which is -0 for a negative scale)
         tl.store(out + flat_start + flat_rem + offs,
-                 _downcast(tl.where(offs < numel, x * scale, 0.0), OUT), mask=offs < extent)
+                 downcast(tl.where(offs < numel, x * scale, 0.0), OUT), mask=offs < extent)
         _flag_nonfinite(x, flag, CHECK_FINITE)
 
 
@@ -169,19 +147,19 @@ def _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale_bits,
     flat_rem = (kind >> 16) & 255
     if ((kind >> 8) == 0) & (start + BLOCK <= numel):
         dst = (base + dst_bytes).to(tl.pointer_type(DST), bitcast=True) + start
-        y = _upcast(tl.load(flat + flat_start + start + lanes), COMPUTE) * scale
+        y = upcast(tl.load(flat + flat_start + start + lanes), COMPUTE) * scale
         if ACCUMULATE:
-            y += _upcast(tl.load(dst + lanes), COMPUTE)
-        tl.store(dst + lanes, _downcast(y, DST))
+            y += upcast(tl.load(dst + lanes), COMPUTE)
+        tl.store(dst + lanes, downcast(y, DST))
     else:
         dst = (base + dst_bytes + dst_rem).to(tl.pointer_type(DST), bitcast=True)
         offs = start + lanes
         mask = offs < numel
-        y = _upcast(tl.load(flat + flat_start + flat_rem + offs, mask=mask, other=0.0),
+        y = upcast(tl.load(flat + flat_start + flat_rem + offs, mask=mask, other=0.0),
                     COMPUTE) * scale
         if ACCUMULATE:
-            y += _upcast(tl.load(dst + offs, mask=mask, other=0.0), COMPUTE)
-        tl.store(dst + offs, _downcast(y, DST), mask=mask)
+            y += upcast(tl.load(dst + offs, mask=mask, other=0.0), COMPUTE)
+        tl.store(dst + offs, downcast(y, DST), mask=mask)
 
 
 @triton.jit
@@ -253,26 +231,45 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def flatten(tensors, starts, extents, out, scale, flag):
-    """Gather contiguous ``tensors`` into ``out``; ``flag``: zeroed uint8[1] or None."""
-    base = _pick_base(tensors, out)
-    table, programs = build_table(tensors, starts, extents, out, base, scale)
-    if programs == 0:
-        return
-    _flatten_kernel[(programs,)](
-        table, _byte_view(base), out, flag if flag is not None else table, len(tensors),
-        KINDS=kinds_mask(t.dtype for t in tensors), CHECK_FINITE=flag is not None,
-        BLOCK=BLOCK, OUT_VEC=ALIGN_BYTES // out.element_size(), num_warps=NUM_WARPS)
+def _contiguous(tensors) -> list:
+    """The kernels read and write through one address per tensor."""
+    return [t if t.is_contiguous() else t.contiguous() for t in tensors]
 
 
-def unflatten(flat, tensors, starts, scale, accumulate):
-    """Write (or add) each segment of ``flat`` into its contiguous tensor."""
-    base = _pick_base(tensors, flat)
-    table, programs = build_table(tensors, starts, [t.numel() for t in tensors], flat, base,
-                                  scale)
-    if programs == 0:
-        return
-    _unflatten_kernel[(programs,)](
-        table, _byte_view(base), flat, len(tensors),
-        KINDS=kinds_mask(t.dtype for t in tensors), ACCUMULATE=accumulate,
-        BLOCK=BLOCK, FLAT_VEC=ALIGN_BYTES // flat.element_size(), num_warps=NUM_WARPS)
+def flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int], extents: Sequence[int],
+            out: torch.Tensor, scale: float, check_finite: bool) -> Optional[torch.Tensor]:
+    """Fill ``out``: segment ``i`` at ``starts[i]``, ``extents[i]`` elements long
+    (the part past the tensor zeroed), every other element zeroed; the 0-d bool
+    non-finite flag, or None without ``check_finite``."""
+    flag = torch.zeros(1, dtype=torch.uint8, device=out.device) if check_finite else None
+    staged, starts, extents = _contiguous(tensors), list(starts), list(extents)
+    lead = starts[0] if staged else out.numel()
+    if lead > 0:
+        # an empty pseudo-segment whose programs zero the buffer's leading gap
+        staged, starts, extents = [out[:0]] + staged, [0] + starts, [lead] + extents
+    base = _pick_base(staged, out)
+    table, programs = build_table(staged, starts, extents, out, base, scale)
+    if programs:
+        _flatten_kernel[(programs,)](
+            table, _byte_view(base), out, flag if flag is not None else table, len(staged),
+            KINDS=kinds_mask(t.dtype for t in staged), CHECK_FINITE=flag is not None,
+            BLOCK=BLOCK, OUT_VEC=ALIGN_BYTES // out.element_size(), num_warps=NUM_WARPS)
+    return flag.view(torch.bool)[0] if flag is not None else None
+
+
+def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor], starts: Sequence[int],
+              scale: float, accumulate: bool) -> None:
+    """Write (or add) each segment of ``flat`` into its tensor, in place."""
+    with torch.no_grad():
+        staged = _contiguous(tensors)
+        base = _pick_base(staged, flat)
+        table, programs = build_table(staged, starts, [t.numel() for t in staged], flat, base,
+                                      scale)
+        if programs:
+            _unflatten_kernel[(programs,)](
+                table, _byte_view(base), flat, len(staged),
+                KINDS=kinds_mask(t.dtype for t in staged), ACCUMULATE=accumulate,
+                BLOCK=BLOCK, FLAT_VEC=ALIGN_BYTES // flat.element_size(), num_warps=NUM_WARPS)
+        for t, s in zip(tensors, staged):
+            if s is not t:
+                t.copy_(s)

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fusedreduce import DistributedGradReducer, hooks
 
-from . import common
+from . import common, timing
 from .models import resnet50_for_size
 
 NAME = "step"
@@ -91,7 +91,7 @@ def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
     fns = {method: step(net) for method, net in models.items()}
     for fn in fns.values():  # the one-bucket first iteration; the timer warms up again
         fn()
-    samples = common.time_across_ranks(fns, config["repeats"], device)
+    samples = timing.time_across_ranks(fns, config["repeats"], device)
     params = list(models[COMPUTE_ONLY].parameters())
     return {"samples": samples, "n_tensors": len(params),
             "n_elements": sum(p.numel() for p in params)}
@@ -102,7 +102,7 @@ def records(outcome: Dict[int, dict], case: dict, config: dict) -> List[dict]:
     record = outcome[0]  # every rank holds the same (slowest-rank) times
     samples, world_size, image = record["samples"], len(outcome), config["image"]
     label = f"resnet50 step, {config['batch']}x3x{image}x{image} per rank, {world_size} ranks"
-    compute_ms = common.timing(samples[COMPUTE_ONLY])["time_ms"]
+    compute_ms = timing.summary_ms(samples[COMPUTE_ONLY])["time_ms"]
     return [common.result(NAME, label, case["size"], method, ROLES[method], BASELINE,
                           world_size, record["n_tensors"], record["n_elements"],
                           record["n_elements"] * 4, samples, dtype=FIXED_DTYPE,

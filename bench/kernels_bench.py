@@ -48,7 +48,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fusedreduce.kernels import flatten_cast_scale, unflatten_cast_scale
 
-from . import common
+from . import common, timing
 from .models import TENSOR_LISTS, Shape
 
 FLAT_DTYPE = torch.float32
@@ -189,11 +189,11 @@ def measure(w: Workload, size: int, scale: float, direction: str, repeats: int) 
     fns = METHODS[direction](w, scale, foreach=w.device.type == "cuda")
     for name, fn in fns.items():
         check(w, scale, direction, name, fn())  # doubles as the warm-up
-    common.synchronize(w.device)
+    timing.synchronize(w.device)
     if w.device.type == "cuda":
-        samples = common.time_do_bench(fns)
+        samples = timing.time_do_bench(fns)
     else:
-        samples = common.time_interleaved(fns, repeats, w.device)
+        samples = timing.time_interleaved(fns, repeats, w.device)
     dtype_in, dtype_out = ((w.dtype, FLAT_DTYPE) if direction == "flatten"
                            else (FLAT_DTYPE, w.dtype))
     return [common.result(

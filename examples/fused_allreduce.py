@@ -1,6 +1,6 @@
-"""Demo: two local gloo workers reduce a model's gradients through the fused path.
+"""Two local gloo workers reduce a model's gradients through the fused path.
 
-Run ``python -m fusedreduce.demo``. Each worker computes the gradients of a small
+Run ``python examples/fused_allreduce.py`` (``--help`` for the options). Each worker computes the gradients of a small
 convolutional network on its own shard of a batch, averages them across workers
 with ``all_reduce_plan`` (fused flatten/cast/scale kernels, one collective per
 bucket), and checks the result against a float64 per-tensor reference. It prints
@@ -11,17 +11,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
+import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from .buckets import BucketPlan
-from .collectives import all_reduce_plan
+from fusedreduce import BucketPlan, all_reduce_plan
+from fusedreduce.local_ranks import run_on_local_ranks
 
 
 def make_model(width: int) -> nn.Module:
@@ -44,11 +42,7 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _worker(rank: int, world_size: int, init_file: str, width: int, repeats: int) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=120))
-    # the workers share this machine's cores: don't oversubscribe them
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+def _worker(rank: int, world_size: int, width: int, repeats: int) -> dict:
     torch.manual_seed(0)  # the same model on every rank
     model = make_model(width)
     torch.manual_seed(1 + rank)  # a different shard of data on each
@@ -87,32 +81,33 @@ def _worker(rank: int, world_size: int, init_file: str, width: int, repeats: int
     gathered = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat)
     identical = all(torch.equal(gathered[0], other) for other in gathered[1:])
-    if rank == 0:
-        n = sum(g.numel() for g in grads)
-        print(f"fusedreduce demo: {world_size} gloo workers, {len(grads)} gradient tensors, "
-              f"{n / 1e6:.2f}M elements, {len(plan)} bucket(s), kernels backend: "
-              f"{'triton' if grads[0].is_cuda else 'torch (CPU)'}")
-        print(f"  fused mean all-reduce  : {fused_ms:8.2f} ms (median of {repeats})")
-        print(f"  per-tensor all_reduce  : {per_tensor_ms:8.2f} ms "
-              f"({per_tensor_ms / fused_ms:.2f}x the fused time)")
-        verdict = "EQUAL" if worst <= tolerance and identical else "DIFFERENT"
-        print(f"  vs float64 reference   : {verdict} (max relative error {worst:.2e}, "
-              f"tolerance {tolerance:.1e}; bitwise identical on all ranks: {identical})")
-    dist.destroy_process_group()
-    if worst > tolerance or not identical:
-        raise SystemExit(1)
+    return {"n_tensors": len(grads), "n_elements": sum(g.numel() for g in grads),
+            "buckets": len(plan), "fused_ms": fused_ms, "per_tensor_ms": per_tensor_ms,
+            "worst": worst, "tolerance": tolerance, "identical": identical}
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--width", type=int, default=64, help="channels of the first conv")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(args.world_size, os.path.join(tmp, "rendezvous"), args.width,
-                                args.repeats), nprocs=args.world_size)
+    # the workers share this machine's cores: don't oversubscribe them
+    threads = max(1, (os.cpu_count() or 2) // args.world_size)
+    result = run_on_local_ranks(_worker, args.world_size, args.width, args.repeats,
+                                threads=threads)[0]
+    print(f"fused all-reduce: {args.world_size} gloo workers, {result['n_tensors']} gradient "
+          f"tensors, {result['n_elements'] / 1e6:.2f}M elements, {result['buckets']} bucket(s), "
+          f"kernels backend: torch (CPU)")
+    print(f"  fused mean all-reduce  : {result['fused_ms']:8.2f} ms (median of {args.repeats})")
+    print(f"  per-tensor all_reduce  : {result['per_tensor_ms']:8.2f} ms "
+          f"({result['per_tensor_ms'] / result['fused_ms']:.2f}x the fused time)")
+    ok = result["worst"] <= result["tolerance"] and result["identical"]
+    print(f"  vs float64 reference   : {'EQUAL' if ok else 'DIFFERENT'} (max relative error "
+          f"{result['worst']:.2e}, tolerance {result['tolerance']:.1e}; bitwise identical on "
+          f"all ranks: {result['identical']})")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

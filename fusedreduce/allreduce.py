@@ -1,0 +1,154 @@
+"""The fused all-reduce pipeline over a BucketPlan: flatten → one collective → unflatten.
+
+Each bucket is flattened into its flat buffer (cast to the communication dtype
+and prescaled in the same pass), all-reduced with one asynchronous collective,
+and scattered back (cast and postscaled in the same pass). Buckets are started
+one after the other and finished afterwards, so the flatten of bucket k+1
+overlaps bucket k's communication. ``DistributedGradReducer``,
+``DistributedOptimizer`` and ``all_reduce_plan`` all reduce through
+``start_bucket_all_reduce`` / ``finish_bucket``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import kernels
+from .buckets import Bucket, BucketPlan
+from .process_group import require_process_group
+
+
+@dataclass
+class PendingBucket:
+    """A bucket whose collective is in flight: finish it with ``finish_bucket``.
+
+    Attributes:
+        bucket: the plan's bucket.
+        flat: the bucket's elements of the flat buffer (reduced once finished).
+        work: the collective's handle, or None on a world of one rank.
+        nonfinite_ranks: with ``count_nonfinite``, a 0-d view of the spare
+            element: once finished, how many ranks' inputs held an inf or NaN.
+    """
+
+    bucket: Bucket
+    flat: torch.Tensor
+    work: Optional[Any]
+    nonfinite_ranks: Optional[torch.Tensor] = None
+
+
+def bucket_buffer(bucket: Bucket, count_nonfinite: bool = False) -> torch.Tensor:
+    """An uninitialised flat buffer for ``bucket``, with one spare element to
+    count non-finite ranks in when ``count_nonfinite``."""
+    return torch.empty(bucket.size + int(count_nonfinite), dtype=bucket.dtype,
+                       device=bucket.device)
+
+
+def start_bucket_all_reduce(plan: BucketPlan, bucket: Bucket, tensors: Sequence[torch.Tensor],
+                            buffer: torch.Tensor, *, group, world_size: int,
+                            prescale: float = 1.0, backend: str = "auto",
+                            count_nonfinite: bool = False) -> PendingBucket:
+    """Flatten ``bucket`` into ``buffer`` (times ``prescale``) and start its all-reduce.
+
+    With ``count_nonfinite``, ``buffer`` (``bucket_buffer(bucket, True)``) has
+    one element more than the bucket: it carries 1 where this rank's inputs
+    held an inf/NaN (else 0), so after the sum it counts the ranks that did, at
+    no extra collective. ``world_size`` is the group's: a world of one rank
+    starts no collective.
+    """
+    if count_nonfinite:
+        flat, spare = buffer[:bucket.size], buffer[bucket.size]
+        _, flag = plan.flatten(bucket, tensors, out=flat, scale=prescale, check_finite=True,
+                               backend=backend)
+        spare.copy_(flag)
+    else:
+        flat, spare = plan.flatten(bucket, tensors, out=buffer, scale=prescale,
+                                   backend=backend), None
+    work = dist.all_reduce(buffer, group=group, async_op=True) if world_size > 1 else None
+    return PendingBucket(bucket, flat, work, spare)
+
+
+def finish_bucket(plan: BucketPlan, pending: PendingBucket, outputs: Sequence[torch.Tensor], *,
+                  postscale: float = 1.0, backend: str = "auto") -> None:
+    """Wait for ``pending``'s collective and write its buffer into ``outputs``."""
+    wait_for(pending)
+    plan.unflatten(pending.bucket, pending.flat, outputs, scale=postscale, backend=backend)
+
+
+def wait_for(pending: PendingBucket) -> None:
+    """Wait for ``pending``'s collective, if it started one."""
+    if pending.work is not None:
+        pending.work.wait()
+
+
+def check_buffers(plan: BucketPlan, buffers: Sequence[torch.Tensor]) -> None:
+    """Raise ValueError unless ``buffers`` fit the plan's buckets one by one."""
+    if len(buffers) != len(plan.buckets):
+        raise ValueError(f"buffers has {len(buffers)} entries for {len(plan.buckets)} buckets")
+    for bucket, buffer in zip(plan.buckets, buffers):
+        if not isinstance(buffer, torch.Tensor) or buffer.dtype != bucket.dtype \
+                or buffer.device != bucket.device or buffer.shape != (bucket.size,) \
+                or not buffer.is_contiguous():
+            raise ValueError(
+                f"buffers[{bucket.index}] must be a contiguous {bucket.dtype} tensor of shape "
+                f"({bucket.size},) on {bucket.device}")
+
+
+def all_reduce_plan(
+    plan: BucketPlan,
+    tensors: Sequence[torch.Tensor],
+    *,
+    outputs: Optional[Sequence[torch.Tensor]] = None,
+    group=None,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    buffers: Optional[Sequence[torch.Tensor]] = None,
+    backend: str = "auto",
+) -> List[torch.Tensor]:
+    """Sum ``tensors`` over ``group`` through the plan's fused buckets.
+
+    Each bucket is flattened (cast to its communication dtype, times
+    ``prescale``), summed with one ``all_reduce``, and written into
+    ``outputs`` (cast back, times ``postscale``). A mean is
+    ``postscale=1/world_size``; ``prescale`` guards low-precision overflow.
+
+    Args:
+        plan: a plan made from tensors shaped like ``tensors``, the same on
+            every rank.
+        tensors: this rank's tensors, in plan order; not modified unless they
+            are also the ``outputs``.
+        outputs: where the sums go (default: ``tensors``, in place).
+        group: the process group (default: the world).
+        prescale, postscale: finite factors applied before and after the sum.
+        buffers: persistent flat buffers, one per bucket (default: fresh ones).
+        backend: the kernels' backend (``"auto"``, ``"triton"``, ``"torch"``).
+
+    Returns:
+        The flat buffers holding the reduced (not yet postscaled) buckets.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        TypeError, ValueError: tensors, outputs or buffers do not match the
+            plan, or a bad scale; raised before any collective starts.
+
+    Example:
+        >>> plan = BucketPlan(grads, comm_dtype=torch.float32)      # doctest: +SKIP
+        >>> all_reduce_plan(plan, grads, postscale=1 / dist.get_world_size())  # doctest: +SKIP
+    """
+    world_size = require_process_group(group)
+    plan.check(tensors, "tensors")
+    outputs = tensors if outputs is None else outputs
+    plan.check(outputs, "outputs")
+    for name, value in (("prescale", prescale), ("postscale", postscale)):
+        kernels.check_scale(value, name)
+    buffers = [bucket_buffer(b) for b in plan.buckets] if buffers is None else list(buffers)
+    check_buffers(plan, buffers)
+    pending = [start_bucket_all_reduce(plan, bucket, tensors, buffer, group=group,
+                                       world_size=world_size, prescale=prescale,
+                                       backend=backend)
+               for bucket, buffer in zip(plan.buckets, buffers)]
+    for p in pending:
+        finish_bucket(plan, p, outputs, postscale=postscale, backend=backend)
+    return buffers

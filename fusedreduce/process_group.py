@@ -1,0 +1,115 @@
+"""What the library asks torch.distributed about the process group, in one place.
+
+Who we are (``require_process_group``, ``global_rank``), where tensors must
+live for the group's backend (``comm_device``), whether every rank holds the
+same thing (``verify_same_on_all_ranks``), and the blocks of consecutive ranks
+AdaSum's ``local_size`` averages within (``consecutive_block``).
+"""
+from __future__ import annotations
+
+import hashlib
+import pickle
+from typing import Any, Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def require_process_group(group=None) -> int:
+    """The world size of ``group``; a clear error if torch.distributed is not up.
+
+    Raises:
+        RuntimeError: no default process group has been initialised, or this
+            process is not a member of ``group``.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group('nccl' or 'gloo') first (torchrun sets "
+            "the environment it reads)")
+    if group is not None and dist.get_rank(group) < 0:
+        raise RuntimeError("this process is not a member of the given process group")
+    return dist.get_world_size(group)
+
+
+def comm_device(group=None) -> torch.device:
+    """Where tensors must live to go through ``group``'s backend."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def global_rank(group, group_rank: int) -> int:
+    """The global rank of ``group``'s rank ``group_rank`` (the same for the world)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def global_ranks(group) -> List[int]:
+    """The global ranks of ``group``'s members, in group order."""
+    return [global_rank(group, r) for r in range(dist.get_world_size(group))]
+
+
+def check_rank(value, name: str, world_size: int) -> int:
+    """``value`` if it is a rank of a group of ``world_size``.
+
+    Raises:
+        ValueError: anything else, naming ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < world_size:
+        raise ValueError(f"{name}={value!r} is not a rank of the group (0..{world_size - 1})")
+    return value
+
+
+def verify_same_on_all_ranks(description: Sequence[Any], names: Sequence[str], group=None,
+                             what: str = "parameter", bucket_layout: Any = None,
+                             bucket_layout_hint: str = "") -> None:
+    """Raise on every rank unless all ranks hold the same ``description`` and ``bucket_layout``.
+
+    ``description`` has one entry per tensor (``names[i]`` names entry ``i`` in
+    the error); ``bucket_layout`` (``BucketPlan.layout()``) is compared after
+    it, so a differing tensor is always reported as such, not as a layout
+    change. Costs one all-reduce of two int64s when the ranks agree; only on a
+    mismatch are the descriptions gathered, to name the first entry that differs.
+
+    Raises:
+        RuntimeError: the ranks disagree; names the first differing ``what``
+            (``names[i]``) and what each rank has there, or, when every entry
+            agrees, says the bucket layouts differ (with ``bucket_layout_hint``).
+    """
+    mine = (list(description), bucket_layout)
+    digest = hashlib.sha256(pickle.dumps(mine)).digest()
+    value = int.from_bytes(digest[:7], "little")  # 56 bits: exact in int64 arithmetic
+    extremes = torch.tensor([value, -value], dtype=torch.int64, device=comm_device(group))
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    if int(extremes[0]) == -int(extremes[1]):
+        return
+    everyone: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (mine, list(names)), group=group)
+    longest = max(len(d) for (d, _), _ in everyone)
+    for i in range(longest):
+        entries = [d[i] if i < len(d) else "<missing>" for (d, _), _ in everyone]
+        if any(e != entries[0] for e in entries):
+            name = next(n[i] for (d, _), n in everyone if i < len(n))
+            per_rank = "; ".join(f"rank {r}: {e}" for r, e in enumerate(entries))
+            raise RuntimeError(f"ranks disagree on {what} {i} ({name}): {per_rank}. Every "
+                               f"rank must pass the same {what}s in the same order")
+    per_rank = "; ".join(f"rank {r}: {lay}" for r, ((_, lay), _) in enumerate(everyone))
+    hint = f" ({bucket_layout_hint})" if bucket_layout_hint else ""
+    raise RuntimeError(f"ranks agree on every {what} but not on the bucket layout{hint}: "
+                       f"{per_rank}")
+
+
+_blocks: Dict[tuple, list] = {}
+
+
+def consecutive_block(group, size: int):
+    """This rank's block of ``size`` consecutive ranks of ``group``, as a process group.
+
+    ``new_group`` is collective over the whole world, so every rank creates
+    every block, once per (group, size), in the same order.
+    """
+    key = (group, size)
+    if key not in _blocks:
+        ranks = global_ranks(group)
+        _blocks[key] = [dist.new_group(ranks[i:i + size]) for i in range(0, len(ranks), size)]
+    return _blocks[key][dist.get_rank(group) // size]

@@ -1,0 +1,141 @@
+"""The backend protocol, and which backend a call runs on.
+
+A backend is one implementation of every kernel, with arguments the façade
+(``kernels/__init__.py``) has already validated and normalised:
+
+=================  ===========================================================
+``flatten``        ``(tensors, starts, extents, out, scale, check_finite)``:
+                   fill ``out``; return the 0-d bool non-finite flag or None
+``unflatten``      ``(flat, tensors, starts, scale, accumulate)``: write (or add)
+                   each segment of ``flat`` into its tensor, in place
+``chunk_stats``    ``(a, b, boundaries, out)``: every AdaSum chunk's partial sums
+                   into float64 ``out[n_chunks, 3]``
+``reduce_chunks``  ``(partials, counts, out)``: each segment's ``counts[i]`` rows
+                   added in chunk order into float64 ``out[n, 3]``
+``combine``        ``(a, b, boundaries, stats, out)``: ``out = ca·a + cb·b`` per
+                   segment (``out`` may be ``a`` or ``b``)
+=================  ===========================================================
+
+Both op families (``flatten/``, ``adasum/``) have a ``torch_backend`` and a
+``triton_backend`` module with exactly these functions; a ``Backend`` gathers
+one of each. Triton is optional: its modules are imported on first use.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .adasum import torch_backend as _adasum_torch
+from .flatten import torch_backend as _flatten_torch
+
+BACKEND_NAMES = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The five kernels of one implementation (see the module docstring)."""
+
+    name: str
+    flatten: Callable
+    unflatten: Callable
+    chunk_stats: Callable
+    reduce_chunks: Callable
+    combine: Callable
+
+    @classmethod
+    def of(cls, name: str, flatten_ops, adasum_ops) -> "Backend":
+        """The backend made of an op family module each."""
+        return cls(name, flatten_ops.flatten, flatten_ops.unflatten, adasum_ops.chunk_stats,
+                   adasum_ops.reduce_chunks, adasum_ops.combine)
+
+
+TORCH = Backend.of("torch", _flatten_torch, _adasum_torch)
+
+_triton: Optional[Backend] = None
+_triton_error: Optional[BaseException] = None
+
+
+def triton_backend() -> Optional[Backend]:
+    """The Triton backend, imported on first use; None when Triton cannot be imported."""
+    global _triton, _triton_error
+    if _triton is None and _triton_error is None:
+        # Triton 3.9 warns once unless this is set explicitly
+        os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+        try:
+            from .adasum import triton_backend as adasum_ops
+            from .flatten import triton_backend as flatten_ops
+        except ImportError as exc:  # Triton missing or broken
+            _triton_error = exc
+        else:
+            _triton = Backend.of("triton", flatten_ops, adasum_ops)
+    return _triton
+
+
+def triton_available() -> bool:
+    """Whether the Triton backend can be imported here.
+
+    Example:
+        >>> isinstance(triton_available(), bool)
+        True
+    """
+    return triton_backend() is not None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_backend(backend) -> str:
+    """``backend`` itself if it names a backend (``"auto"``, ``"triton"`` or
+    ``"torch"``); whether it can run is decided per device by ``resolve_backend``.
+
+    Raises:
+        ValueError: any other value.
+
+    Example:
+        >>> check_backend("auto")
+        'auto'
+    """
+    if not isinstance(backend, str) or backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+    return backend
+
+
+def backend_for(backend: str, device: torch.device) -> Backend:
+    """The backend a call on ``device`` runs with (see ``resolve_backend``)."""
+    check_backend(backend)
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return TORCH
+    chosen = triton_backend()
+    if chosen is None:
+        raise RuntimeError(
+            f"the Triton backend is needed for tensors on {device} but Triton cannot be "
+            f"imported ({_triton_error}); install it with `pip install triton`, or pass "
+            f"backend='torch' to use the slower torch fallback")
+    if device.type == "cpu" and not _interpreting():
+        raise RuntimeError(
+            "backend='triton' on CPU tensors needs Triton's interpreter: set "
+            "TRITON_INTERPRET=1 before importing triton, or use backend='torch'")
+    return chosen
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend a call on ``device`` runs with: ``"triton"`` or ``"torch"``.
+
+    ``"auto"`` picks Triton on CUDA and the torch fallback elsewhere. Triton on
+    CPU tensors works only under its interpreter (``TRITON_INTERPRET=1``).
+
+    Raises:
+        ValueError: ``backend`` is not one of ``"auto"``, ``"triton"``, ``"torch"``.
+        RuntimeError: Triton is needed (CUDA with ``"auto"``, or ``"triton"``)
+            but cannot be imported, or ``"triton"`` was asked for on a CPU
+            without the interpreter.
+
+    Example:
+        >>> resolve_backend("auto", torch.device("cpu"))
+        'torch'
+    """
+    return backend_for(backend, device).name

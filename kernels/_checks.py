@@ -1,0 +1,164 @@
+"""Argument checks of the public kernel API, shared by its functions.
+
+Every check runs before anything is written, and names the offending argument
+(and index) in its error.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from ._common import SUPPORTED_DTYPES, packed_boundaries
+
+_SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
+_STRIDED = frozenset([torch.strided])
+
+
+def check_scale(scale, name: str = "scale") -> float:
+    """``scale`` as a float.
+
+    Raises:
+        TypeError: not a Python int or float (bools included), naming ``name``.
+        ValueError: not finite.
+
+    Example:
+        >>> check_scale(1)
+        1.0
+    """
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name} must be a Python int or float, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"{name} must be finite, got {scale}")
+    return float(scale)
+
+
+def check_dtype(dtype, name: str) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be one of float16, bfloat16, float32, float64; got {dtype}")
+
+
+def check_tensors(tensors, name: str) -> Tuple[torch.Tensor, ...]:
+    """The tensors as a tuple: dense floating tensors of one device."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
+    tensors = tuple(tensors)
+    # the common, valid case in a few C-level passes (this runs every step, for
+    # every gradient); only a failure walks the list to name the culprit
+    if all(isinstance(t, torch.Tensor) for t in tensors) and \
+            {t.layout for t in tensors} <= _STRIDED and \
+            {t.dtype for t in tensors} <= _SUPPORTED_SET and \
+            len({t.device for t in tensors}) <= 1:
+        return tensors
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name}[{i}] has layout {t.layout}; only dense (strided) tensors "
+                            f"can be fused, densify sparse gradients first")
+        check_dtype(t.dtype, f"{name}[{i}].dtype")
+        if t.device != tensors[0].device:
+            raise ValueError(f"{name}[{i}] is on {t.device} but {name}[0] is on "
+                             f"{tensors[0].device}; one call fuses tensors of one device")
+    return tensors
+
+
+def check_flat(t, name: str) -> None:
+    """``t`` must be a 1-D contiguous tensor of a supported dtype."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} has layout {t.layout}; it must be a dense tensor")
+    check_dtype(t.dtype, f"{name}.dtype")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a 1-D contiguous tensor, got shape {tuple(t.shape)}")
+
+
+def check_out(out, tensors, size: int, exact: bool) -> None:
+    """``out`` must be a 1-D contiguous buffer of a supported dtype on the
+    tensors' device, of ``size`` elements (``exact``) or at least that many."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    check_dtype(out.dtype, "out.dtype")
+    if tensors and out.device != tensors[0].device:
+        raise ValueError(f"out is on {out.device} but the tensors are on {tensors[0].device}")
+    if out.dim() != 1 or not out.is_contiguous():
+        raise ValueError(f"out must be a 1-D contiguous tensor, got shape {tuple(out.shape)} "
+                         f"with strides {out.stride()}")
+    if (exact and out.numel() != size) or out.numel() < size:
+        need = f"{size}" if exact else f"at least {size}"
+        raise ValueError(f"out has {out.numel()} elements but the tensors need {need}")
+
+
+def as_index(value, name: str) -> int:
+    """``value`` as an int (numpy and torch integers included); TypeError otherwise."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+
+
+def segment_starts(tensors, offsets, name: str) -> Tuple[List[int], int]:
+    """Where each tensor's segment starts in the flat buffer, and the size the
+    segments need: packed densely without ``offsets``, else ``offsets`` checked
+    (ints, non-negative, increasing, disjoint)."""
+    numels = [t.numel() for t in tensors]
+    if offsets is None:
+        boundaries = packed_boundaries(numels)
+        return boundaries[:-1], boundaries[-1]
+    if not all(type(o) is int for o in offsets):
+        offsets = [as_index(o, f"offsets[{i}]") for i, o in enumerate(offsets)]
+    offsets = list(offsets)
+    if len(offsets) != len(tensors):
+        raise ValueError(f"offsets has {len(offsets)} entries but {name} has {len(tensors)}")
+    end = 0
+    for i, (o, n) in enumerate(zip(offsets, numels)):
+        if o < 0:
+            raise ValueError(f"offsets[{i}]={o} is negative")
+        if o < end:
+            raise ValueError(f"offsets[{i}]={o} overlaps the previous segment (which ends at "
+                             f"{end}); offsets must be increasing and segments disjoint")
+        end = o + n
+    return offsets, end
+
+
+def extents(starts: Sequence[int], total: int) -> List[int]:
+    """How far each segment's writes reach: up to the next segment (or the
+    buffer's end), so padding after a segment is zeroed in the same pass."""
+    return [end - start for start, end in zip(starts, list(starts[1:]) + [total])]
+
+
+def check_pair(a, b) -> None:
+    """``a`` and ``b`` must be flat buffers of one dtype, device and size."""
+    check_flat(a, "a")
+    check_flat(b, "b")
+    if a.dtype != b.dtype or a.device != b.device or a.numel() != b.numel():
+        raise ValueError(f"a and b must match in dtype, device and size: a is {a.numel()} "
+                         f"{a.dtype} on {a.device}, b is {b.numel()} {b.dtype} on {b.device}")
+
+
+def boundary_list(segments) -> List[int]:
+    """``segments`` (a sequence or a tensor of boundaries) as a list of ints, each checked."""
+    if isinstance(segments, torch.Tensor):
+        segments = segments.tolist()
+    return [as_index(s, f"segments[{i}]") for i, s in enumerate(segments)]
+
+
+def check_boundaries(segments, size: Optional[int] = None) -> List[int]:
+    """The segments' boundaries as ints: from 0 to ``size`` (default: the last
+    one), never decreasing."""
+    boundaries = boundary_list(segments)
+    if size is None:
+        size = boundaries[-1] if boundaries else 0
+    if len(boundaries) < 1 or boundaries[0] != 0 or boundaries[-1] != size:
+        raise ValueError(f"segments must be the boundaries [0, ..., {size}] of the buffer, "
+                         f"got {boundaries[:3]}...{boundaries[-2:]}")
+    for i in range(1, len(boundaries)):
+        if boundaries[i] < boundaries[i - 1]:
+            raise ValueError(f"segments must not decrease: segments[{i}]={boundaries[i]} < "
+                             f"segments[{i - 1}]={boundaries[i - 1]}")
+    return boundaries

@@ -1,0 +1,91 @@
+"""What both op families and both backends share: dtypes, constants, the
+element rule, AdaSum's chunking, and a kept CPU scratch buffer.
+
+Torch only (no Triton import): the fallback and the façade read it on
+machines without Triton. The Triton kernels' own element helpers live in
+``_triton_common.py``.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from typing import List, Sequence
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SIXTEEN_BIT_DTYPES = (torch.float16, torch.bfloat16)
+
+#: flat buffers align segment starts to this many bytes: the widest (128-bit)
+#: vector access the Triton kernels make
+ALIGN_BYTES = 16
+
+#: AdaSum statistics are sums over chunks of this many elements counted from a
+#: segment's start (a power of two, a multiple of every vector width)
+ADASUM_CHUNK = 1 << 14
+#: fp32 and 16-bit buffers are combined in fp32 while both AdaSum coefficients
+#: are at most this in magnitude, in fp64 otherwise (fp32 cannot hold them)
+ADASUM_FP32_LIMIT = 2.0 ** 64
+#: an AdaSum coefficient is 1 where its squared norm is below this: sqrt(fp64 tiny)
+ADASUM_NORM_FLOOR = math.sqrt(2.2250738585072014e-308)
+
+
+def compute_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The dtype a copy between ``a`` and ``b`` computes in: fp64 when either is
+    fp64, else fp32 (16-bit values are widened, never computed in 16 bits)."""
+    return torch.float64 if torch.float64 in (a, b) else torch.float32
+
+
+def round_into(dst: torch.Tensor, value: torch.Tensor) -> None:
+    """``dst.copy_(value)`` with the kernels' rounding: fp64 reaches 16 bits via fp32."""
+    if dst.element_size() == 2 and value.dtype == torch.float64:
+        value = value.to(torch.float32)
+    dst.copy_(value)
+
+
+def packed_boundaries(numels: Sequence[int]) -> List[int]:
+    """The ``n + 1`` boundaries of segments of these sizes packed densely:
+    ``[0, n0, n0 + n1, ...]``.
+
+    Example:
+        >>> packed_boundaries([3, 0, 2])
+        [0, 3, 3, 5]
+    """
+    boundaries = [0]
+    for n in numels:
+        boundaries.append(boundaries[-1] + n)
+    return boundaries
+
+
+def adasum_chunk_counts(boundaries: Sequence[int]) -> List[int]:
+    """How many AdaSum chunks each segment has: ``ceil(length / ADASUM_CHUNK)``."""
+    return [-(-(hi - lo) // ADASUM_CHUNK) for lo, hi in zip(boundaries[:-1], boundaries[1:])]
+
+
+_scratch = threading.local()
+
+
+def scratch_buffer(name: str, shape: Sequence[int], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    """A scratch tensor of ``shape`` kept between calls on the CPU; a new one elsewhere.
+
+    On the CPU a fresh multi-MiB allocation costs page faults every time (a
+    fresh 25 MiB buffer filled took 6x as long as a reused one), so one buffer
+    per thread, ``name`` and dtype is kept and grows as needed; on GPUs the
+    caching allocator already reuses memory. Two users of one ``name`` in the
+    same thread share the memory, so a name belongs to one use at a time.
+
+    Example:
+        >>> scratch_buffer("example", (2, 3), torch.float64, torch.device("cpu")).shape
+        torch.Size([2, 3])
+    """
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    kept = getattr(_scratch, "buffers", None)
+    if kept is None:
+        kept = _scratch.buffers = {}
+    numel = math.prod(shape)
+    buffer = kept.get((name, dtype))
+    if buffer is None or buffer.numel() < numel:
+        buffer = kept[name, dtype] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel].view(shape)

@@ -1,0 +1,42 @@
+"""Element helpers every Triton kernel shares: widening on load, rounding on store.
+
+Imported only where Triton is (the Triton backends). Element math is in fp32,
+or fp64 when fp64 is involved; 16-bit results are always rounded from an fp32
+value, as torch's own casts do, so the two backends agree.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def upcast(x, COMPUTE: tl.constexpr):
+    # bf16 is the top half of an fp32: widen it on the bits, which is exact on
+    # the GPU and in the interpreter alike (whose bf16 -> fp32 cast mangles
+    # subnormals)
+    if x.dtype == tl.bfloat16:
+        bits = x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+        return bits.to(tl.float32, bitcast=True).to(COMPUTE)
+    return x.to(COMPUTE)
+
+
+@triton.jit
+def round_to_bf16(y):
+    # fp32 -> bf16, round to nearest even, done on the bits: Triton's interpreter
+    # truncates in ``.to(tl.bfloat16)``, the GPU rounds; this is exact on both.
+    bits = y.to(tl.uint32, bitcast=True)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    rounded = tl.where(y != y, bits | 0x400000, rounded)  # NaN stays a (quiet) NaN
+    return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def downcast(y, DST: tl.constexpr):
+    # 16-bit results are always rounded from an fp32 value (fp64 goes via fp32),
+    # as torch's own fp64 -> fp16/bf16 casts do, so both backends agree.
+    if DST == tl.bfloat16:
+        return round_to_bf16(y.to(tl.float32))
+    if DST == tl.float16:
+        return y.to(tl.float32).to(DST)
+    return y.to(DST)
