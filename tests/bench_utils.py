@@ -5,14 +5,14 @@ results, never that one method is faster than another: no timing is asserted.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
+
+from harness import once_per_session, shared_directory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,30 +46,19 @@ def run_bench(args: Sequence[str], json_path: Path,
 
 def run_bench_once(tmp_path_factory, name: str, args: Sequence[str]
                    ) -> Tuple[subprocess.CompletedProcess, Optional[dict], Path]:
-    """``run_bench(args)`` once per test session, shared by pytest-xdist's workers.
+    """``run_bench(args)`` once per test session, shared by pytest-xdist's workers
+    (``harness.once_per_session``: a benchmark costs a minute of a small CPU).
 
-    xdist hands out a module's tests to every worker, so a module-scoped
-    fixture would run the benchmark (a minute of a small CPU) once per
-    worker; the first worker runs it under a file lock and the others read
-    its output. ``{dir}`` in ``args`` stands for the run's own directory
-    (for other files it writes). Returns (process, record, that directory).
+    ``{dir}`` in ``args`` stands for the run's own directory (for other files
+    it writes). Returns (process, record, that directory).
     """
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # this session's directory, shared by its workers
-    directory = base / f"bench-{name}"
-    directory.mkdir(exist_ok=True)
-    with open(directory / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        outcome = directory / "process.json"
-        if not outcome.exists():
-            process, _ = run_bench([arg.format(dir=directory) for arg in args],
-                                   directory / "result.json")
-            outcome.write_text(json.dumps([process.args, process.returncode, process.stdout,
-                                           process.stderr]))
-    process = subprocess.CompletedProcess(*json.loads(outcome.read_text()))
-    result = directory / "result.json"
-    return process, json.loads(result.read_text()) if result.exists() else None, directory
+    def run(directory: Path):
+        process, record = run_bench([arg.format(dir=directory) for arg in args],
+                                    directory / "result.json")
+        return process, record
+
+    process, record = once_per_session(tmp_path_factory, f"bench-{name}", run)
+    return process, record, shared_directory(tmp_path_factory, f"bench-{name}")
 
 
 def check_record(record: Optional[dict], benchmarks: Sequence[str]) -> List[dict]:

@@ -1,8 +1,11 @@
-"""Slow, obviously-correct float64 references for the flatten kernels.
+"""Slow, obviously-correct float64 references: every test's expected values come from here.
 
 They follow the documented semantics step by step and share no code with
-``fusedreduce``: every value is worked out in float64 and each rounding the
-semantics name is done explicitly, once:
+``fusedreduce``. Two families:
+
+Flatten (``reference_flatten``, ``reference_unflatten``): every value is
+worked out in float64 and each rounding the semantics name is done
+explicitly, once:
 
 - the compute dtype is fp64 when the source or the destination is fp64, else
   fp32; in fp32 the scale is first rounded to fp32 ("x and scale in fp32");
@@ -11,15 +14,37 @@ semantics name is done explicitly, once:
   rounding it to fp32 gives exactly the fp32 product;
 - the result is rounded to the destination dtype, 16-bit ones via fp32.
 
+AdaSum (``adasum_stats``, ``adasum_pair``, ``adasum_tree``,
+``adasum_of_blocks``): statistics as exactly rounded sums of float64 products
+(``math.fsum``), coefficients and combines in float64, along the documented
+tree of ranks.
+
 Nothing here mutates its arguments; results are new tensors.
 """
 from __future__ import annotations
 
 import math
+import sys
+from typing import Callable, List, Sequence, Tuple, TypeVar
 
 import torch
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+def communication_dtype(grad_dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.dtype:
+    """The documented communication dtype: a 16-bit ``reduce_dtype`` compresses
+    every gradient; otherwise fp64 gradients stay fp64 and the rest travel in
+    ``reduce_dtype``."""
+    if reduce_dtype in SIXTEEN_BIT:
+        return reduce_dtype
+    return torch.float64 if grad_dtype == torch.float64 else reduce_dtype
+
+
+def subnormal_spacing(dtype: torch.dtype) -> float:
+    """The spacing of ``dtype``'s subnormals: the absolute error of rounding near 0."""
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps
 
 
 def compute_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
@@ -89,3 +114,72 @@ def reference_nonfinite(tensors) -> bool:
     """Whether any element of any tensor is inf or NaN."""
     return any(not math.isfinite(v)
                for t in tensors for v in t.to(torch.float64).reshape(-1).tolist())
+
+
+# ------------------------------------------------------------------ AdaSum
+
+#: below this squared norm an AdaSum coefficient is 1: sqrt(float64 tiny),
+#: written out here rather than read from the library
+NORM_FLOOR = math.sqrt(sys.float_info.min)
+
+
+def adasum_coefficient(dot: float, norm2: float) -> float:
+    """``1 - dot / (2 norm2)``, or 1 where ``norm2`` is below the floor."""
+    return 1.0 if norm2 < NORM_FLOOR else 1.0 - dot / (2.0 * norm2)
+
+
+def adasum_stats(a: torch.Tensor, b: torch.Tensor, boundaries: Sequence[int]) -> torch.Tensor:
+    """Per segment ``(a·b, ‖a‖², ‖b‖²)``, each an exactly rounded sum of float64
+    products, as a float64 ``[n, 3]`` tensor."""
+    x, y = a.double().reshape(-1).tolist(), b.double().reshape(-1).tolist()
+    rows = []
+    for lo, hi in zip(boundaries[:-1], boundaries[1:]):
+        xs, ys = x[lo:hi], y[lo:hi]
+        rows.append([math.fsum(p * q for p, q in zip(xs, ys)), math.fsum(p * p for p in xs),
+                     math.fsum(q * q for q in ys)])
+    return torch.tensor(rows, dtype=torch.float64).reshape(-1, 3)
+
+
+def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """AdaSum of two tensors as one segment, in float64: ``ca·a + cb·b``."""
+    dot, norm_a, norm_b = adasum_stats(a, b, [0, a.numel()])[0].tolist()
+    return adasum_coefficient(dot, norm_a) * a.double() \
+        + adasum_coefficient(dot, norm_b) * b.double()
+
+
+Leaf = TypeVar("Leaf")
+
+
+def adasum_tree_order(n: int) -> List[Tuple[int, int]]:
+    """The pairs ``(left, right)`` of ranks 0..n-1 that the documented tree
+    combines, in order; each result replaces ``left``.
+
+    With P the largest power of two <= n, rank r >= P is first combined into
+    r - P (r - P on the left); then at distance d = 1, 2, 4, ... < P, rank r
+    (a multiple of 2d) takes ``AdaSum(v[r], v[r + d])``. The result is rank 0's.
+    """
+    top = 1 << (n.bit_length() - 1)
+    order = [(r - top, r) for r in range(top, n)]
+    distance = 1
+    while distance < top:
+        order += [(r, r + distance) for r in range(0, top, 2 * distance)]
+        distance *= 2
+    return order
+
+
+def adasum_tree(leaves: Sequence[Leaf],
+                pair: Callable[[Leaf, Leaf], Leaf] = adasum_pair) -> Leaf:
+    """The documented tree (``adasum_tree_order``) over one leaf per rank;
+    ``pair`` combines two leaves (default: float64 ``adasum_pair``)."""
+    v = list(leaves)
+    for left, right in adasum_tree_order(len(v)):
+        v[left] = pair(v[left], v[right])
+    return v[0]
+
+
+def adasum_of_blocks(per_rank: Sequence[torch.Tensor], local_size: int) -> torch.Tensor:
+    """AdaSum over the means of blocks of ``local_size`` consecutive ranks, in float64."""
+    vectors = [t.double() for t in per_rank]
+    blocks = [sum(vectors[i:i + local_size]) / local_size
+              for i in range(0, len(vectors), local_size)]
+    return adasum_tree(blocks)

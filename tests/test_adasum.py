@@ -30,7 +30,7 @@ import torch.distributed as dist
 from filelock import FileLock
 from torch import nn
 
-from dist_utils import run_ranks
+from harness import run_ranks
 from fusedreduce import AdaSumByDeltaWeight, adasum_allreduce
 from fusedreduce.kernels import ADASUM_CHUNK, adasum_combine, adasum_stats
 

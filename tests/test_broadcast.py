@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_utils import (TIMEOUT, assert_raised_before_any_collective, outcomes_and_collectives,
+from harness import (TIMEOUT, assert_raised_before_any_collective, outcomes_and_collectives,
                         run_ranks)
 from fusedreduce import broadcast_optimizer_state, parameter_broadcast
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fusedreduce import BucketPlan, all_reduce_plan
-from dist_utils import rank_errors, run_ranks
+from harness import rank_errors, run_ranks
 
 SHAPES = [(3, 5), (0,), (1,), (257,), (4, 4, 3), (1000,), (7,)]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64,

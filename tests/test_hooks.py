@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fusedreduce import adasum_allreduce, hooks
 from fusedreduce.hooks import HookState
-from dist_utils import run_ranks
+from harness import run_ranks
 
 HOOKS = {"allreduce": hooks.allreduce_hook, "fp16": hooks.fp16_compress_hook,
          "bf16": hooks.bf16_compress_hook, "adasum": hooks.adasum_hook}

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_utils import (CRASH_TIMEOUT, TIMEOUT, assert_raised_before_any_collective,
+from harness import (CRASH_TIMEOUT, TIMEOUT, assert_raised_before_any_collective,
                         outcomes_and_collectives, rank_errors, record_collectives, run_ranks)
 from fusedreduce import DistributedOptimizer
 

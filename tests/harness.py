@@ -1,0 +1,125 @@
+"""What the tests share to run code on gloo ranks, and to run costly setups once.
+
+``run_ranks`` runs a function on N local ranks through the library's own
+spawner (``fusedreduce.local_ranks``, which the examples and benchmarks use
+too), with a timeout, so a rank that hangs fails a test instead of the suite.
+``once_per_session`` runs a costly computation (starting ranks, a benchmark)
+once per test session and shares its pickled result with every pytest-xdist
+worker. The rest are helpers for rank functions that check errors.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+from filelock import FileLock  # a dependency of torch
+
+from fusedreduce.local_ranks import run_on_local_ranks
+
+# seconds a run_ranks call may take: far above the few seconds one takes on an
+# idle machine, so that a shared, loaded one does not fail a correct test
+TIMEOUT = 300
+# where a bug makes gloo abort one rank, the call can only end by this timeout
+CRASH_TIMEOUT = 30
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0):
+    """``[fn(rank, world_size, *args) for each rank]``, each in its own process.
+
+    ``fn`` must be a module-level function (it is pickled by reference) and its
+    results picklable. Raises ``fusedreduce.local_ranks.RankFailure`` with
+    every failing rank's traceback, or ``TimeoutError`` naming the ranks that
+    never finished.
+    """
+    return run_on_local_ranks(fn, world_size, *args, timeout=timeout)
+
+
+def rank_errors(fn, world_size: int, *args, timeout: float = 120.0):
+    """Like ``run_ranks`` but ``fn`` is expected to raise on every rank; returns
+    ``[(exception type name, message)]`` per rank (a rank that returned gives None)."""
+    return run_ranks(_expect_error, world_size, fn, *args, timeout=timeout)
+
+
+def _expect_error(rank, world_size, fn, *args):
+    try:
+        fn(rank, world_size, *args)
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, str(exc))
+    return None
+
+
+def shared_directory(tmp_path_factory, name: str) -> Path:
+    """The directory ``name`` that every pytest-xdist worker of this session shares."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's directory, above each worker's own
+    directory = base / name
+    directory.mkdir(exist_ok=True)
+    return directory
+
+
+def once_per_session(tmp_path_factory, name: str, compute: Callable[[Path], Any]) -> Any:
+    """``compute(directory)`` once per test session; its (pickled) result.
+
+    pytest-xdist runs a session fixture once per worker; the first worker to
+    take the lock computes and leaves the result in the session's shared
+    directory (xdist's documented pattern), the others wait and read it.
+    ``directory`` is ``name``'s own, for any files ``compute`` writes.
+    """
+    directory = shared_directory(tmp_path_factory, name)
+    result = directory / "result.pickle"
+    with FileLock(str(directory / "lock")):
+        if not result.exists():
+            result.write_bytes(pickle.dumps(compute(directory)))
+    return pickle.loads(result.read_bytes())
+
+
+# ------------------------------------------------- helpers for rank functions
+
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather_object", "broadcast_object_list")
+
+
+def record_collectives(events):
+    """From now on, append the name of every torch.distributed collective this
+    process issues to ``events`` (the rank process exits afterwards)."""
+    for name in COLLECTIVES:
+        def recording(*args, _real=getattr(dist, name), _name=name, **kwargs):
+            events.append(_name)
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, recording)
+
+
+def outcomes(cases):
+    """Run each of ``cases`` ({name: callable}); per name, None if it returned,
+    else (exception type name, message). A rank that lets an exception out
+    would leave the others waiting in a collective."""
+    seen = {}
+    for name, case in cases.items():
+        try:
+            case()
+            seen[name] = None
+        except Exception as exc:  # noqa: BLE001
+            seen[name] = (type(exc).__name__, str(exc))
+    return seen
+
+
+def outcomes_and_collectives(cases):
+    """``outcomes(cases)`` and the collectives they issued."""
+    events = []
+    record_collectives(events)
+    return outcomes(cases), events
+
+
+def assert_raised_before_any_collective(results, expected):
+    """``results``: per rank, ``outcomes_and_collectives``; ``expected``:
+    {case: (exception type name, a fragment of its message)}."""
+    for rank, (seen, collectives) in enumerate(results):
+        assert not collectives, f"rank {rank} communicated before raising: {collectives}"
+        for name, (kind, fragment) in expected.items():
+            got = seen[name]
+            assert got is not None, f"rank {rank}: {name} did not raise"
+            assert got[0] == kind and fragment in got[1], f"rank {rank}: {name}: {got}"
