@@ -94,7 +94,7 @@ def parameter_broadcast(
         layout: a dict keyed by parameter name (values are ignored): only these
             parameters are broadcast (MindSpore's parallel layout dict).
             Default: all parameters.
-        cur_rank: this process's rank in ``group``, as a check (the seed's
+        cur_rank: this process's rank in ``group``, as a check (MindSpore's
             argument); default: not checked.
         initial_rank: the first rank of the (pipeline) group, the default source.
         src: the source rank within ``group``; default ``initial_rank``.

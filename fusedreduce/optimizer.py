@@ -173,7 +173,7 @@ class AdaSumByDeltaWeight(torch.optim.Optimizer):
 
     Raises:
         RuntimeError: torch.distributed is not initialised (AdaSum needs a
-            distributed run, as the seed).
+            distributed run, as MindSpore's does).
         ValueError: ``local_size`` does not divide the world size.
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
 

@@ -56,7 +56,7 @@ class DistributedGradReducer:
         RuntimeError: torch.distributed is not initialised.
         TypeError: a parameter is not a dense floating tensor, or a bad
             ``reduce_dtype``/``fusion_type`` type.
-        ValueError: ``degree`` is not a positive int (as the seed), a bad
+        ValueError: ``degree`` is not a positive int (as in MindSpore), a bad
             ``fusion_type`` length, ``bucket_cap_mb`` or ``prescale``.
 
     Example:

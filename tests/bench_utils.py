@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+import pytest
+
 from harness import once_per_session, shared_directory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +61,26 @@ def run_bench_once(tmp_path_factory, name: str, args: Sequence[str]
 
     process, record = once_per_session(tmp_path_factory, f"bench-{name}", run)
     return process, record, shared_directory(tmp_path_factory, f"bench-{name}")
+
+
+def quick_run_fixture(name: str, args: Sequence[str], what: str):
+    """A module fixture: ``(process, JSON record)`` of one benchmark run with
+    ``args`` (``what`` describes it), once per test session."""
+    @pytest.fixture(scope="module")
+    def quick_run(tmp_path_factory):
+        process, record, _ = run_bench_once(tmp_path_factory, name, args)
+        return process, record
+
+    quick_run.__doc__ = f"One {what}: (process, JSON record)."
+    return quick_run
+
+
+def assert_exits_cleanly_and_prints(process: subprocess.CompletedProcess,
+                                    methods: Sequence[str]) -> None:
+    """The benchmark exited with 0 and its tables name every method."""
+    assert process.returncode == 0, process.stderr
+    for method in methods:
+        assert method in process.stdout
 
 
 def check_record(record: Optional[dict], benchmarks: Sequence[str]) -> List[dict]:

@@ -9,7 +9,7 @@ Starting ranks costs seconds each (a fresh interpreter imports torch, and the
 first optimizer a process builds imports torch._dynamo), so each world size is
 run once per session (``ranks_once``): one ``run_ranks`` call computes
 everything the tests below judge for that world size, and the result is shared
-by the tests, across pytest-xdist workers too. Rank functions never
+by the tests, across pytest-xdist workers too (``harness.once_per_session``). Rank functions never
 assert (a rank that raised would leave the others waiting in a collective):
 they return what they saw and the parent judges it.
 
@@ -20,19 +20,18 @@ outside the tolerances.
 from __future__ import annotations
 
 import math
-import pickle
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.distributed as dist
-from filelock import FileLock
 from torch import nn
 
-from harness import run_ranks
-from fusedreduce import AdaSumByDeltaWeight, adasum_allreduce
-from fusedreduce.kernels import ADASUM_CHUNK, adasum_combine, adasum_stats
+from fusedreduce import AdaSumByDeltaWeight, adasum_allreduce, adasum_allreduce_flat
+from fusedreduce.kernels import ADASUM_CHUNK, adasum_combine, adasum_stats, packed_boundaries
+from fusedreduce.local_ranks import RankFailure
+from harness import once_per_session, run_ranks
+from reference import adasum_of_blocks, adasum_tree
 
 SHAPES = [(3, 5), (0,), (1,), (257,), (4, 4, 3), (1001,), (7,), (2,)]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float32,
@@ -48,7 +47,6 @@ def _world_sizes(sizes):
 WORLD_SIZES = _world_sizes([1, 2, 3, 4, 5, 8])
 POWERS_OF_TWO = _world_sizes([1, 2, 4, 8])
 TIMEOUT = 400.0
-NORM_FLOOR = math.sqrt(sys.float_info.min)  # below it a coefficient is 1
 STEPS = 10
 
 
@@ -188,6 +186,18 @@ def _bad_calls(rank, world_size):
     return {name: _error(call) for name, call in calls.items()}
 
 
+#: an fp32 buffer of whole and partial AdaSum chunks, and element i of rank r's
+#: copy holds i + RANK_MARK * r: a result element tells which rank's input it is
+EXCHANGED_SEGMENTS = packed_boundaries([5, 2 * ADASUM_CHUNK + 3, 0, 700])
+RANK_MARK = 2 ** 20
+
+
+def _exchanges_only(rank):
+    buffer = torch.arange(EXCHANGED_SEGMENTS[-1], dtype=torch.float32) + RANK_MARK * rank
+    adasum_allreduce_flat(buffer, EXCHANGED_SEGMENTS, exchanges_only=True)
+    return buffer
+
+
 def _on_rank(rank, world_size):
     """Everything the tests judge for one world size, computed in one start of the ranks."""
     grads = _gradients(rank)
@@ -216,6 +226,8 @@ def _on_rank(rank, world_size):
         if rank in (1, 2):
             results["subgroup"] = {k: adasum_allreduce(grads, subgroup, local_size=k)
                                    for k in (1, 2)}
+    if world_size in (2, 4):
+        results["exchanges_only"] = _exchanges_only(rank)
     if world_size in (2, 3):
         results["errors"] = _bad_calls(rank, world_size)
         # the ranks are still in step after every refusal
@@ -229,7 +241,7 @@ def _run(world_size):
     """Each rank's results, or the error of the run as text (kept like a result)."""
     try:
         return run_ranks(_on_rank, world_size, timeout=TIMEOUT)
-    except (AssertionError, TimeoutError) as exc:  # RankError is an AssertionError
+    except (RankFailure, TimeoutError) as exc:
         return f"{type(exc).__name__}: {exc}"
 
 
@@ -240,31 +252,25 @@ def _world_sizes_selected(session):
             getattr(getattr(item, "callspec", None), "params", {})}
 
 
+def _run_all(world_sizes):
+    """``_run`` of every world size, three at a time, largest first (starting
+    ranks is mostly waiting and importing, so runs overlap well even on two cores)."""
+    largest_first = sorted(world_sizes, reverse=True)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        return dict(zip(largest_first, pool.map(_run, largest_first)))
+
+
 @pytest.fixture(scope="session")
-def ranks_once(request, tmp_path_factory, worker_id):
+def ranks_once(request, tmp_path_factory):
     """``ranks_once(world_size)``: ``_on_rank``'s results on every rank.
 
-    The first test to ask runs every world size the session selected, three at a
-    time, largest first (starting ranks is mostly waiting and importing, so runs
-    overlap well even on two cores), and keeps the results in files; under
-    pytest-xdist the other worker waits on the lock and reads them, instead of
-    starting the same ranks again.
+    The first test to ask runs every world size the session selected, once for
+    the whole session and all its pytest-xdist workers.
     """
-    shared = tmp_path_factory.getbasetemp()
-    if worker_id != "master":
-        shared = shared.parent  # the session's directory, common to the workers
-    path = lambda n: shared / f"adasum-world-{n}.pickle"  # noqa: E731
-    with FileLock(str(shared / "adasum-ranks.lock")):
-        missing = sorted((n for n in _world_sizes_selected(request.session)
-                          if not path(n).exists()), reverse=True)
-        with ThreadPoolExecutor(max_workers=3) as pool:
-            for n, outcome in zip(missing, pool.map(_run, missing)):
-                path(n).write_bytes(pickle.dumps(outcome))
-    runs = {}
+    selected = _world_sizes_selected(request.session)
+    runs = once_per_session(tmp_path_factory, "adasum-ranks", lambda _: _run_all(selected))
 
     def get(world_size):
-        if world_size not in runs:
-            runs[world_size] = pickle.loads(path(world_size).read_bytes())
         if isinstance(runs[world_size], str):
             pytest.fail(f"the {world_size} ranks failed:\n{runs[world_size]}")
         return runs[world_size]
@@ -272,37 +278,7 @@ def ranks_once(request, tmp_path_factory, worker_id):
     return get
 
 
-# ---------------------------------------------------------------- float64 reference
-
-def adasum_pair(a, b):
-    """AdaSum of two float64 tensors, one coefficient each, 1 below the norm floor."""
-    dot, na, nb = float((a * b).sum()), float((a * a).sum()), float((b * b).sum())
-    ca = 1.0 if na < NORM_FLOOR else 1.0 - dot / (2 * na)
-    cb = 1.0 if nb < NORM_FLOOR else 1.0 - dot / (2 * nb)
-    return ca * a + cb * b
-
-
-def adasum_tree(vectors):
-    """The documented fixed tree over the vectors of ranks 0..n-1."""
-    v, n = list(vectors), len(vectors)
-    top = 1 << (n.bit_length() - 1)
-    for r in range(top, n):
-        v[r - top] = adasum_pair(v[r - top], v[r])
-    distance = 1
-    while distance < top:
-        for r in range(0, top, 2 * distance):
-            v[r] = adasum_pair(v[r], v[r + distance])
-        distance *= 2
-    return v[0]
-
-
-def reference(per_rank_tensors, local_size):
-    """AdaSum over blocks of ``local_size`` ranks, each block averaged first, float64."""
-    vectors = [t.double() for t in per_rank_tensors]
-    blocks = [sum(vectors[i:i + local_size]) / local_size
-              for i in range(0, len(vectors), local_size)]
-    return adasum_tree(blocks)
-
+# ---------------------------------------------------------------- tolerances
 
 def _tree_depth(n):
     return (n.bit_length() - 1) + (n & (n - 1) != 0)
@@ -339,7 +315,7 @@ def test_adasum_allreduce_matches_the_float64_tree(ranks_once, world_size):
         got = results[0]["adasum"][local_size, 25.0]
         for i, dtype in enumerate(DTYPES):
             per_rank = [grads[r][i] for r in range(world_size)]
-            expected = reference(per_rank, local_size)
+            expected = adasum_of_blocks(per_rank, local_size)
             assert got[i].dtype == dtype and got[i].shape == per_rank[0].shape
             error = (got[i].double() - expected).abs()
             tolerance = _tolerance(expected, per_rank, local_size, dtype)
@@ -404,17 +380,8 @@ def kernel_tree(per_rank, local_size):
     dtype = per_rank[0].dtype
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     flat = [t.reshape(-1).to(wide) * (1.0 / local_size) for t in per_rank]
-    v = [sum(flat[i + 1:i + local_size], flat[i]) for i in range(0, len(flat), local_size)]
-    n = len(v)
-    top = 1 << (n.bit_length() - 1)
-    for r in range(top, n):
-        v[r - top] = _kernel_adasum(v[r - top], v[r])
-    distance = 1
-    while distance < top:
-        for r in range(0, top, 2 * distance):
-            v[r] = _kernel_adasum(v[r], v[r + distance])
-        distance *= 2
-    return v[0].to(dtype).view(per_rank[0].shape)
+    blocks = [sum(flat[i + 1:i + local_size], flat[i]) for i in range(0, len(flat), local_size)]
+    return adasum_tree(blocks, pair=_kernel_adasum).to(dtype).view(per_rank[0].shape)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -473,10 +440,26 @@ def test_a_subgroup_combines_its_own_ranks_only(ranks_once):
         for i, dtype in enumerate(DTYPES):
             assert _same_bits(got[i], results[2]["subgroup"][local_size][i])
             per_rank = [g[i] for g in grads]
-            expected = reference(per_rank, local_size)
+            expected = adasum_of_blocks(per_rank, local_size)
             tolerance = _tolerance(expected, per_rank, local_size, dtype)
             assert bool(((got[i].double() - expected).abs() <= tolerance).all()), \
                 f"local_size {local_size}, tensor {i} {dtype}"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_exchanges_only_moves_the_tree_s_slices_without_combining_them(ranks_once, world_size):
+    # each rank keeps one slice of the halving and the all-gather hands every
+    # slice to every rank: with the math off, the result is the ranks' own
+    # inputs, one contiguous slice from each rank, the same on every rank
+    results = ranks_once(world_size)
+    got = results[0]["exchanges_only"]
+    for rank in range(1, world_size):
+        assert _same_bits(results[rank]["exchanges_only"], got), f"rank {rank} differs"
+    offset = got.double() - torch.arange(got.numel(), dtype=torch.float64)
+    source = (offset / RANK_MARK).round()
+    assert torch.equal(offset, source * RANK_MARK), "an element is no rank's input"
+    runs = torch.unique_consecutive(source).tolist()
+    assert sorted(runs) == list(range(world_size)), f"slices come from ranks {runs}"
 
 
 # ---------------------------------------------------------------- AdaSumByDeltaWeight
@@ -495,7 +478,8 @@ def _reference_training(world_size, local_size):
             nn.functional.mse_loss(model(x.double()), y.double()).backward()
             optimizer.step()
             deltas.append([p.detach() - s for p, s in zip(model.parameters(), saved)])
-        new = [s + reference([d[i] for d in deltas], local_size) for i, s in enumerate(saved)]
+        new = [s + adasum_of_blocks([d[i] for d in deltas], local_size)
+               for i, s in enumerate(saved)]
         with torch.no_grad():
             for model in models:
                 for p, value in zip(model.parameters(), new):

@@ -3,10 +3,9 @@
 No timing is asserted: these tests prove the benchmark works, never that one
 method is faster than another.
 """
-import pytest
 import torch
 
-from bench_utils import check_record, run_bench_once
+from bench_utils import assert_exits_cleanly_and_prints, check_record, quick_run_fixture
 from fusedreduce import BucketPlan, communication_dtype
 from fusedreduce.bench.adasum_bench import ROLES
 from fusedreduce.bench.models import resnet50_shapes_for_size
@@ -15,20 +14,14 @@ METHODS = ["all_reduce", "grad_reducer", "adasum", "adasum_in_place", "tree_exch
 SIZE = 30_000
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    """One ``adasum --quick`` run on 2 gloo ranks: (process, JSON record)."""
-    process, record, _ = run_bench_once(
-        tmp_path_factory, "adasum", ["adasum", "--quick", "--world-size", "2", "--sizes",
-                                     str(SIZE), "--repeats", "2", "--no-progress"])
-    return process, record
+quick_run = quick_run_fixture(
+    "adasum", ["adasum", "--quick", "--world-size", "2", "--sizes", str(SIZE), "--repeats", "2",
+               "--no-progress"], "``adasum --quick`` run on 2 gloo ranks")
 
 
 def test_quick_adasum_benchmark_exits_cleanly_and_prints_a_table(quick_run):
     process, _ = quick_run
-    assert process.returncode == 0, process.stderr
-    for method in METHODS:
-        assert method in process.stdout
+    assert_exits_cleanly_and_prints(process, METHODS)
 
 
 def test_quick_adasum_benchmark_results_are_complete_and_positive(quick_run):

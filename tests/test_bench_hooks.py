@@ -3,29 +3,22 @@
 No timing is asserted: these tests prove the benchmark works, never that one
 method is faster than another.
 """
-import pytest
 import torch
 
-from bench_utils import check_record, run_bench_once
+from bench_utils import assert_exits_cleanly_and_prints, check_record, quick_run_fixture
 
 METHODS = ["ddp", "torch_fp16_compress_hook", "fused_overlap", "allreduce_hook",
            "fp16_compress_hook", "bf16_compress_hook", "adasum_hook"]
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    """One ``hooks --quick`` run on 2 gloo ranks with a tiny ResNet-50: (process, JSON record)."""
-    process, record, _ = run_bench_once(
-        tmp_path_factory, "hooks", ["hooks", "--quick", "--world-size", "2", "--sizes", "30K",
-                                    "--repeats", "2", "--no-progress"])
-    return process, record
+quick_run = quick_run_fixture(
+    "hooks", ["hooks", "--quick", "--world-size", "2", "--sizes", "30K", "--repeats", "2",
+              "--no-progress"], "``hooks --quick`` run on 2 gloo ranks with a tiny ResNet-50")
 
 
 def test_quick_hook_benchmark_exits_cleanly_and_prints_every_method(quick_run):
     process, _ = quick_run
-    assert process.returncode == 0, process.stderr
-    for method in METHODS:
-        assert method in process.stdout
+    assert_exits_cleanly_and_prints(process, METHODS)
 
 
 def test_quick_hook_benchmark_writes_the_documented_json(quick_run):

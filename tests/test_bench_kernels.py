@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from bench_utils import check_record, run_bench_once
+from bench_utils import assert_exits_cleanly_and_prints, check_record, quick_run_fixture
 from fusedreduce.bench.kernels_bench import DIRECTIONS, METHODS, ROLES, Workload, check
 from fusedreduce.bench.models import (n_elements, resnet50_classes, resnet50_shapes,
                                       resnet50_shapes_for_size, resnet50_width_for_size,
@@ -15,21 +15,14 @@ CPU_METHODS = {"flatten": {"copy", "naive", "views_then_scale", "fusedreduce",
                "unflatten": {"copy", "naive", "scale_then_views", "fusedreduce"}}
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    """One ``kernels --quick`` run on the CPU at two tiny sizes: (process, JSON record)."""
-    process, record, _ = run_bench_once(
-        tmp_path_factory, "kernels", ["kernels", "--quick", "--sizes", "20K,50K", "--repeats",
-                                      "2", "--device", "cpu", "--no-progress"])
-    return process, record
+quick_run = quick_run_fixture(
+    "kernels", ["kernels", "--quick", "--sizes", "20K,50K", "--repeats", "2", "--device", "cpu",
+                "--no-progress"], "``kernels --quick`` run on the CPU at two tiny sizes")
 
 
 def test_quick_kernel_benchmark_exits_cleanly_and_prints_every_method(quick_run):
     process, _ = quick_run
-    assert process.returncode == 0, process.stderr
-    for methods in CPU_METHODS.values():
-        for method in methods:
-            assert method in process.stdout
+    assert_exits_cleanly_and_prints(process, set().union(*CPU_METHODS.values()))
 
 
 def test_quick_kernel_benchmark_records_the_machine_and_every_case(quick_run):

@@ -5,224 +5,34 @@ torch._dynamo in every process) and a DDP step of these models milliseconds,
 so all the two-rank work runs in one spawn and all the four-rank work in
 another, each once per session (shared by xdist workers through a file); every
 test then checks its own entry. Each entry runs DDP without a hook (which
-validates the harness itself) and every hook.
+validates the harness itself) and every hook. What the ranks run (models,
+data, the jobs) is in hook_runs.py.
 
 Each step the workers also compute every rank's *local* gradient with a plain
 copy of the model at the same parameters (the same ops, so bitwise what DDP put
 in its buckets). The parent process checks the hooked gradients against a
-float64 reference built from those local gradients, with error bounds derived
-from the precision each hook computes in, and checks that all ranks hold
-bitwise the same gradients and parameters.
+float64 reference built from those local gradients (reference.py), with error
+bounds derived from the precision each hook computes in, and checks that all
+ranks hold bitwise the same gradients and parameters.
 """
-import contextlib
-import copy
 import functools
 import inspect
 import math
-import os
-import pickle
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fusedreduce import adasum_allreduce, hooks
+from fusedreduce import hooks
 from fusedreduce.hooks import HookState
-from harness import run_ranks
-
-HOOKS = {"allreduce": hooks.allreduce_hook, "fp16": hooks.fp16_compress_hook,
-         "bf16": hooks.bf16_compress_hook, "adasum": hooks.adasum_hook}
-#: (label, hook name or None for DDP's own all-reduce, HookState kwargs or None[,
-#: a model replacing the test's])
-EVERY_HOOK = [("ddp", None, None)] + [(name, name, None) for name in HOOKS]
-LR = 0.05
-SIXTEEN_BIT = (torch.float16, torch.bfloat16)
-#: the reference's AdaSum floor: a coefficient is 1 below sqrt(float64 tiny)
-NORM_FLOOR = math.sqrt(torch.finfo(torch.float64).tiny)
-#: seconds, generous for a loaded machine: a hung collective fails a test, not the suite
-TIMEOUT = 300
-
-
-# ------------------------------------------------------------------ models and data
-
-
-class Net(nn.Module):
-    """A tanh MLP whose layers may each have their own dtype, plus an optional
-    side branch that ``forward`` uses only when asked (for find_unused_parameters)."""
-
-    def __init__(self, widths, dtypes=None, branch=False):
-        super().__init__()
-        torch.manual_seed(0)
-        dtypes = dtypes or [torch.float32] * (len(widths) - 1)
-        self.layers = nn.ModuleList(nn.Linear(i, o).to(d)
-                                    for i, o, d in zip(widths, widths[1:], dtypes))
-        self.branch = nn.Linear(widths[0], widths[-1]) if branch else None
-
-    def forward(self, x, use_branch=False):
-        y = x
-        for k, layer in enumerate(self.layers):
-            y = layer(y.to(layer.weight.dtype))
-            if k < len(self.layers) - 1:
-                y = torch.tanh(y)
-        y = y.float()
-        return y + self.branch(x) if use_branch else y
-
-
-SMALL = {"widths": [6, 32, 16, 2]}
-#: > 1 MiB: DDP's rebuilt buckets start with a 1 MiB one, so a small cap only
-#: splits a model larger than that
-LARGE = {"widths": [32, 512, 512, 256, 4]}
-#: fp16, bf16 and fp32 as asked, and an fp64 layer for the hooks' fp64 paths
-MIXED = {"widths": [6, 40, 24, 16, 12, 2],
-         "dtypes": [torch.float16, torch.bfloat16, torch.float16, torch.float64, torch.float32]}
-
-
-def _batch(rank, step, micro, widths):
-    gen = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
-    return torch.randn(8, widths[0], generator=gen), torch.randn(8, widths[-1], generator=gen)
-
-
-def _uses_branch(cfg, rank, step):
-    """The side branch: used by every rank, by rank 0 only, or by nobody."""
-    if not cfg["model"].get("branch"):
-        return False
-    return step % 3 == 1 or (step % 3 == 2 and rank == 0)
-
-
-def _loss(model, rank, step, micro, cfg):
-    x, y = _batch(rank, step, micro, cfg["model"]["widths"])
-    return ((model(x, _uses_branch(cfg, rank, step)) - y) ** 2).mean()
-
-
-def _local_grads(model, rank, step, cfg):
-    """What rank ``rank`` contributes to DDP's buckets this step (accumulated over
-    micro-batches; zeros for parameters it did not use)."""
-    model.zero_grad(set_to_none=True)
-    for micro in range(cfg["micro"]):
-        _loss(model, rank, step, micro, cfg).backward()
-    return [torch.zeros_like(p) if p.grad is None else p.grad.clone()
-            for p in model.parameters()]
-
-
-# ------------------------------------------------------------------ the worker
-
-
-def _recording(hook, log):
-    """``hook`` plus a record of each bucket and of the future it returns.
-
-    functools.wraps keeps the name and annotations, so DDP's checks still see
-    the real hook's.
-    """
-    @functools.wraps(hook)
-    def recorded(state, bucket):
-        buffer = bucket.buffer()
-        future = hook(state, bucket)
-        entry = {"index": bucket.index(), "numel": buffer.numel(), "dtype": buffer.dtype,
-                 # torch.futures.Future or the C++ future it wraps (what
-                 # Work.get_future().then returns, as in torch's own hooks)
-                 "is_future": isinstance(future, torch._C.Future),
-                 "done_at_return": future.done()}
-        log.append(entry)
-        pointer = buffer.data_ptr()
-
-        def inspect_result(fut):
-            result = fut.value()
-            entry.update(shape=tuple(result.shape), result_dtype=result.dtype,
-                         in_place=result.data_ptr() == pointer)
-            return result
-
-        return future.then(inspect_result)
-    return recorded
-
-
-def _train(rank, world_size, runs, cfg):
-    """Train one DDP model per run for ``cfg["steps"]`` SGD steps; per step, its
-    gradients (and on the group's first rank every member's local gradients).
-
-    With ``cfg["group_ranks"]`` DDP and the hooks use a process group of those
-    ranks; the others only join its creation.
-    """
-    torch.set_num_threads(1)
-    members = cfg.get("group_ranks") or list(range(world_size))
-    group = dist.new_group(members) if cfg.get("group_ranks") else None
-    if rank not in members:
-        return None
-    out = {}
-    for label, hook_name, state_kwargs, *model_spec in runs:
-        run_cfg = dict(cfg, model=model_spec[0]) if model_spec else cfg
-        model = Net(**run_cfg["model"])
-        local = copy.deepcopy(model)
-        ddp = DDP(model, process_group=group, **cfg.get("ddp", {}))
-        log = []
-        if hook_name is not None:
-            state = None if state_kwargs is None and group is None else \
-                HookState(group, **(state_kwargs or {}))
-            hook = HOOKS[hook_name]
-            ddp.register_comm_hook(state, _recording(hook, log) if cfg.get("record") else hook)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
-        steps = []
-        for step in range(cfg["steps"]):
-            with torch.no_grad():
-                for copied, p in zip(local.parameters(), model.parameters()):
-                    copied.copy_(p)
-            local_grads = [_local_grads(local, r, step, run_cfg) for r in members]
-            log.append("step")
-            optimizer.zero_grad(set_to_none=True)
-            for micro in range(cfg["micro"]):
-                synced = micro == cfg["micro"] - 1
-                with contextlib.nullcontext() if synced else ddp.no_sync():
-                    _loss(ddp, rank, step, micro, run_cfg).backward()
-            record = {"grads": [None if p.grad is None else p.grad.detach().clone()
-                                for p in model.parameters()],
-                      "local": local_grads if rank == members[0] else None,
-                      "grad_storages": len({p.grad.untyped_storage().data_ptr()
-                                            for p in model.parameters() if p.grad is not None})}
-            if hook_name == "adasum":
-                # the same per-parameter gradients through the collective API,
-                # on the same kernels' backend (the backends' statistics may
-                # differ in the last bits, which fp64 coefficients keep)
-                record["adasum_allreduce"] = adasum_allreduce(
-                    local_grads[members.index(rank)], group,
-                    local_size=(state_kwargs or {}).get("local_size", 1),
-                    backend=(state_kwargs or {}).get("backend", "auto"))
-            steps.append(record)
-            optimizer.step()
-        out[label] = {"steps": steps, "params": [p.detach().clone() for p in model.parameters()],
-                      "log": log}
-    return out
-
-
-def _run_each(rank, world_size, jobs):
-    """``fn(rank, world_size, *args)`` for each named ``(fn, args)`` in one spawn;
-    a job that raises gives its traceback, so one failure hides no other."""
-    out = {}
-    for name, (fn, args) in jobs.items():
-        try:
-            out[name] = fn(rank, world_size, *args)
-        except Exception:  # noqa: BLE001 - reported by the test that reads it
-            out[name] = traceback.format_exc()
-    return out
-
-
-def _results_of(results, name, members=None):
-    """The member ranks' results of config ``name``; fails with a rank's traceback."""
-    per_rank = [results[r][name] for r in (members or range(len(results)))]
-    for rank, result in enumerate(per_rank):
-        if isinstance(result, str):
-            pytest.fail(f"config {name!r} raised on rank {rank}:\n{result}", pytrace=False)
-    return per_rank
+from harness import TIMEOUT, once_per_session, run_ranks
+from hook_runs import (BAD_STATE_KWARGS, EVERY_HOOK, FOUR_RANK_JOBS, FOUR_RANK_RUNS, HOOKS,
+                       MIXED_RUNS, SUBGROUP, TWO_RANK_JOBS, run_each)
+from reference import (NORM_FLOOR, SIXTEEN_BIT, adasum_coefficient, adasum_pair, adasum_stats,
+                       adasum_tree, subnormal_spacing)
 
 
 # ------------------------------------------------------------------ float64 references
-
-
-def _subnormal(dtype):
-    """The spacing of ``dtype``'s subnormals: the absolute error of rounding near 0."""
-    info = torch.finfo(dtype)
-    return info.smallest_normal * info.eps
 
 
 def _mean_reference(per_rank, wire, before):
@@ -241,55 +51,34 @@ def _mean_reference(per_rank, wire, before):
     after = 1.0 / (world_size * before)
     eps32 = torch.finfo(torch.float32).eps
     bound = (world_size * torch.finfo(wire).eps + 2 * eps32) * magnitude \
-        + world_size * _subnormal(wire) * abs(after) \
-        + torch.finfo(dtype).eps * reference.abs() + _subnormal(dtype)
+        + world_size * subnormal_spacing(wire) * abs(after) \
+        + torch.finfo(dtype).eps * reference.abs() + subnormal_spacing(dtype)
     return reference, bound
 
 
-def _adasum_pair(a, b, error_a, error_b, eps):
-    """AdaSum(a, b) in float64 and a first-order bound on the hook's error.
+def _adasum_pair_with_bound(left, right, eps):
+    """AdaSum of two ``(value, error bound)`` leaves: the float64 reference's
+    value and a first-order bound on the hook's error.
 
     The hook combines in fp32 (``eps``) with fp64 statistics: the propagated
     input errors, the coefficients' sensitivity to them, and the rounding of
     the coefficients and of ``ca·a + cb·b``.
     """
-    dot, a2, b2 = float(a @ b), float(a @ a), float(b @ b)
+    (a, error_a), (b, error_b) = left, right
+    dot, a2, b2 = adasum_stats(a, b, [0, a.numel()])[0].tolist()
     norm_a, norm_b = math.sqrt(a2), math.sqrt(b2)
     err_a, err_b = float(error_a.norm()), float(error_b.norm())
 
-    def coefficient(norm2, norm, err):
-        if norm2 < NORM_FLOOR:
-            return 1.0, 0.0
-        sensitivity = (err_a * norm_b + norm_a * err_b) / (2 * norm2) \
-            + abs(dot) * err / (norm2 * norm)
-        return 1.0 - dot / (2 * norm2), sensitivity
+    def sensitivity(norm2, norm, err):
+        if norm2 < NORM_FLOOR:  # the coefficient is exactly 1
+            return 0.0
+        return (err_a * norm_b + norm_a * err_b) / (2 * norm2) + abs(dot) * err / (norm2 * norm)
 
-    ca, dca = coefficient(a2, norm_a, err_a)
-    cb, dcb = coefficient(b2, norm_b, err_b)
-    combined = ca * a + cb * b
+    ca, cb = adasum_coefficient(dot, a2), adasum_coefficient(dot, b2)
+    dca, dcb = sensitivity(a2, norm_a, err_a), sensitivity(b2, norm_b, err_b)
     error = abs(ca) * error_a + abs(cb) * error_b + dca * a.abs() + dcb * b.abs() \
         + 3 * eps * (abs(ca) * a.abs() + abs(cb) * b.abs())
-    return combined, error
-
-
-def adasum_reference(vectors, errors, eps):
-    """The AdaSum tree over ``vectors`` (float64, one per rank), with error bounds.
-
-    P is the largest power of two <= n; rank r >= P is combined into r - P
-    (r - P on the left); then at d = 1, 2, 4, ...: v[r] = AdaSum(v[r], v[r + d])
-    for every r that is a multiple of 2d.
-    """
-    v, e = list(vectors), list(errors)
-    n = len(v)
-    top = 1 << (n.bit_length() - 1)
-    for r in range(top, n):
-        v[r - top], e[r - top] = _adasum_pair(v[r - top], v[r], e[r - top], e[r], eps)
-    distance = 1
-    while distance < top:
-        for r in range(0, top, 2 * distance):
-            v[r], e[r] = _adasum_pair(v[r], v[r + distance], e[r], e[r + distance], eps)
-        distance *= 2
-    return v[0], e[0]
+    return adasum_pair(a, b), error
 
 
 def _adasum_expected(per_rank, local_size):
@@ -298,15 +87,16 @@ def _adasum_expected(per_rank, local_size):
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     eps = torch.finfo(compute).eps
     flat = [g.double().reshape(-1) for g in per_rank]
-    leaves, errors = [], []
+    leaves = []
     for start in range(0, len(flat), local_size):
         block = flat[start:start + local_size]
-        leaves.append(sum(block) / local_size)
         # the block mean is an fp32 sum of exactly scaled values (power-of-two sizes)
-        errors.append((local_size - 1) * eps * sum(b.abs() for b in block) / local_size)
-    reference, error = adasum_reference(leaves, errors, eps)
+        leaves.append((sum(block) / local_size,
+                       (local_size - 1) * eps * sum(b.abs() for b in block) / local_size))
+    pair = functools.partial(_adasum_pair_with_bound, eps=eps)
+    reference, error = adasum_tree(leaves, pair=pair)
     # factor 2: the error model is first-order
-    bound = 2 * error + torch.finfo(dtype).eps * reference.abs() + _subnormal(dtype)
+    bound = 2 * error + torch.finfo(dtype).eps * reference.abs() + subnormal_spacing(dtype)
     return reference.view(per_rank[0].shape), bound.view(per_rank[0].shape)
 
 
@@ -389,155 +179,28 @@ def _check_all(results, runs):
             _check_adasum_is_adasum_allreduce(results, label)
 
 
-def _config(model, steps=3, micro=1, **extra):
-    return dict(model=model, steps=steps, micro=micro, **extra)
+def _results_of(results, name, members=None):
+    """The member ranks' results of config ``name``; fails with a rank's traceback."""
+    per_rank = [results[r][name] for r in (members or range(len(results)))]
+    for rank, result in enumerate(per_rank):
+        if isinstance(result, str):
+            pytest.fail(f"config {name!r} raised on rank {rank}:\n{result}", pytrace=False)
+    return per_rank
 
 
-#: The Triton runs of the async hooks use one-bucket models: Triton's
-#: interpreter patches triton.language globally for the duration of a launch,
-#: so it cannot run a bucket's callback (gloo's thread) while backward flattens
-#: the next bucket. Compiled Triton on a GPU has no such limit. Each model makes
-#: the hook's kernels cast: fp16 <-> fp32 (allreduce), fp32 <-> fp16 (fp16),
-#: fp16 <-> bf16 (bf16); adasum_hook is synchronous and takes the mixed model.
-FP16 = {"widths": [6, 40, 24, 2], "dtypes": [torch.float16] * 3}
-TRITON_MODELS = {"allreduce": FP16, "fp16": SMALL, "bf16": FP16, "adasum": MIXED}
-MIXED_RUNS = EVERY_HOOK + [(f"{name}_triton", name, {"backend": "triton"}, model)
-                           for name, model in TRITON_MODELS.items()]
-PARITY_STEPS = 10
-
-
-#: HookState arguments it must refuse at construction: (kwargs, (error, a word of its message))
-BAD_STATE_KWARGS = {
-    "prescale_zero": ({"prescale": 0.0}, ("ValueError", "prescale")),
-    "prescale_nan": ({"prescale": float("nan")}, ("ValueError", "prescale")),
-    "prescale_inf": ({"prescale": float("inf")}, ("ValueError", "prescale")),
-    "prescale_str": ({"prescale": "0.5"}, ("TypeError", "prescale")),
-    "prescale_bool": ({"prescale": True}, ("TypeError", "prescale")),
-    "local_size_zero": ({"local_size": 0}, ("ValueError", "local_size")),
-    "local_size_not_dividing": ({"local_size": 3}, ("ValueError", "local_size")),
-    "local_size_float": ({"local_size": 2.0}, ("ValueError", "local_size")),
-    "backend_unknown": ({"backend": "cuda"}, ("ValueError", "backend")),
-}
-
-
-def _invalid_states(rank, world_size):
-    """Each bad HookState's construction error, and each bad ``state``'s error
-    in the first bucket (raised on every rank, before any collective)."""
-    outcome = {"construction": {}, "first_bucket": {}}
-    for name, (kwargs, _) in BAD_STATE_KWARGS.items():
-        try:
-            HookState(**kwargs)
-            outcome["construction"][name] = None
-        except Exception as exc:  # noqa: BLE001 - the type is the point
-            outcome["construction"][name] = (type(exc).__name__, str(exc))
-    subgroup = dist.new_group([0])  # collective: every rank creates it
-    try:
-        outcome["subgroup"] = ("ok", HookState(subgroup).world_size)
-    except Exception as exc:  # noqa: BLE001
-        outcome["subgroup"] = (type(exc).__name__, str(exc))
-    for name, state in {"dict": {"group": None}, "int": 3, "string": "world"}.items():
-        model = DDP(Net(**SMALL))
-        model.register_comm_hook(state, hooks.allreduce_hook)
-        try:
-            _loss(model, rank, 0, 0, _config(SMALL)).backward()
-            outcome["first_bucket"][name] = None
-        except Exception as exc:  # noqa: BLE001
-            outcome["first_bucket"][name] = (type(exc).__name__, str(exc))
-    return outcome
-
-
-def _adasum_hook_and_adasum_allreduce(rank, world_size, dtype, seeds=range(4)):
-    """Per seed and parameter: is adasum_hook's gradient bitwise
-    adasum_allreduce's of the same local gradients? On DDP's second iteration,
-    once it has rebuilt its bucket in gradient-ready order (last layer first)."""
-    torch.set_num_threads(1)
-    same = []
-    for seed in seeds:
-        torch.manual_seed(seed)
-        model = nn.Sequential(nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 3)).to(dtype)
-        ddp = DDP(model)
-        ddp.register_comm_hook(None, hooks.adasum_hook)
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank + 10 * seed),
-                        dtype=dtype)
-        for _ in range(2):
-            ddp.zero_grad()
-            ddp(x).pow(2).sum().backward()
-        hooked = [p.grad.clone() for p in model.parameters()]
-        ddp.zero_grad()
-        model(x).pow(2).sum().backward()  # the module itself: local gradients, no DDP
-        direct = adasum_allreduce([p.grad for p in model.parameters()])
-        same.append([torch.equal(a, b) for a, b in zip(hooked, direct)])
-    return same
-
-
-#: everything on 2 ranks, in one spawn (DDP's first construction alone imports
-#: torch._dynamo, seconds per process); each test below reads its own entry.
-#: The invalid states go last: they leave failed backward passes behind.
-TWO_RANK_JOBS = {
-    "parity": (_train, (EVERY_HOOK, _config(SMALL, steps=PARITY_STEPS))),
-    "bucket_view": (_train, (EVERY_HOOK, _config(SMALL, ddp={"gradient_as_bucket_view": True}))),
-    "static_graph": (_train, (EVERY_HOOK, _config(SMALL, steps=4, ddp={"static_graph": True}))),
-    # two micro-batches under no_sync(), the third synced: the hooks reduce the
-    # sum of the three local gradients
-    "no_sync": (_train, (EVERY_HOOK, _config(SMALL, micro=3))),
-    "buckets": (_train, (EVERY_HOOK, _config(LARGE, ddp={"bucket_cap_mb": 0.25}, record=True))),
-    # the side branch is used by every rank (step 1), by rank 0 only (step 2:
-    # rank 1 contributes zeros) and by nobody (steps 0 and 3)
-    "find_unused": (_train, (EVERY_HOOK, _config(dict(SMALL, branch=True), steps=4,
-                                                  ddp={"find_unused_parameters": True}))),
-    # DDP puts each dtype in buckets of its own; the Triton kernels run in
-    # Triton's interpreter on the CPU (TRITON_INTERPRET=1, inherited from conftest)
-    "mixed": (_train, (MIXED_RUNS, _config(MIXED))),
-    "fp64_adasum": (_adasum_hook_and_adasum_allreduce, (torch.float64,)),
-    "fp32_adasum": (_adasum_hook_and_adasum_allreduce, (torch.float32,)),
-    "invalid": (_invalid_states, ()),
-}
-
-FOUR_RANK_RUNS = EVERY_HOOK + [
-    ("adasum_local2", "adasum", {"local_size": 2}),
-    ("allreduce_prescaled", "allreduce", {"prescale": 0.5}),
-    ("fp16_prescaled", "fp16", {"prescale": 1 / 16}),
-]
-SUBGROUP = [0, 1, 2]
-FOUR_RANK_JOBS = {
-    # DDP makes a bucket per dtype. With 4 ranks an fp16 all-reduce would round
-    # 3 times in fp16: the allreduce_hook's bound (one fp16 rounding after an
-    # fp32 sum) tells them apart
-    "mixed": (_train, (FOUR_RANK_RUNS, _config(MIXED))),
-    # a 3-rank process group: HookState(group), and AdaSum's tree for a world
-    # that is not a power of two (rank 2 joins rank 0 first)
-    "subgroup": (_train, (EVERY_HOOK, _config(SMALL, group_ranks=SUBGROUP))),
-}
-
-
-def _spawn_once(tmp_path_factory, name, world_size, jobs):
-    """``run_ranks(_run_each, world_size, jobs)``, once per test session.
-
-    pytest-xdist runs a session fixture once per worker; the first worker to
-    take the lock spawns the ranks and leaves the results in the session's
-    shared temporary directory for the others (xdist's documented pattern).
-    """
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        return run_ranks(_run_each, world_size, jobs, timeout=TIMEOUT)
-    from filelock import FileLock  # a dependency of torch
-
-    shared = tmp_path_factory.getbasetemp().parent / f"test_hooks_{name}.pickle"
-    with FileLock(f"{shared}.lock"):
-        if shared.is_file():
-            return pickle.loads(shared.read_bytes())
-        results = run_ranks(_run_each, world_size, jobs, timeout=TIMEOUT)
-        shared.write_bytes(pickle.dumps(results))
-        return results
+# ------------------------------------------------------------------ the spawns
 
 
 @pytest.fixture(scope="session")
 def two_ranks(tmp_path_factory):
-    return _spawn_once(tmp_path_factory, "two_ranks", 2, TWO_RANK_JOBS)
+    return once_per_session(tmp_path_factory, "test_hooks-two-ranks",
+                            lambda _: run_ranks(run_each, 2, TWO_RANK_JOBS, timeout=TIMEOUT))
 
 
 @pytest.fixture(scope="session")
 def four_ranks(tmp_path_factory):
-    return _spawn_once(tmp_path_factory, "four_ranks", 4, FOUR_RANK_JOBS)
+    return once_per_session(tmp_path_factory, "test_hooks-four-ranks",
+                            lambda _: run_ranks(run_each, 4, FOUR_RANK_JOBS, timeout=TIMEOUT))
 
 
 # ------------------------------------------------------------------ four ranks
@@ -678,16 +341,3 @@ def test_the_bf16_hook_avoids_the_name_ddp_reserves_for_nccl():
     assert hooks.bf16_compress_hook is hooks.bfloat16_compress_hook
     assert hooks.bf16_compress_hook.__name__ not in ("bf16_compress_hook",
                                                       "bf16_compress_wrapper_hook")
-
-
-def test_the_adasum_reference_tree_combines_in_the_documented_order():
-    # the reference itself: orthogonal vectors add, equal ones average, and
-    # with 3 ranks the third joins rank 0 first
-    e1, e2 = torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([0.0, 1.0],
-                                                                         dtype=torch.float64)
-    zero = torch.zeros(2, dtype=torch.float64)
-    assert torch.equal(adasum_reference([e1, e2], [zero, zero], 0.0)[0], e1 + e2)
-    assert torch.equal(adasum_reference([e1, e1], [zero, zero], 0.0)[0], e1)
-    # AdaSum(AdaSum(e1, e1), e2) = e1 + e2, but AdaSum(AdaSum(e1, e2), e1) is not
-    assert torch.equal(adasum_reference([e1, e2, e1], [zero] * 3, 0.0)[0], e1 + e2)
-    assert torch.equal(adasum_reference([e1, zero], [zero, zero], 0.0)[0], e1)

@@ -19,10 +19,10 @@ from torch import nn
 from harness import (CRASH_TIMEOUT, TIMEOUT, assert_raised_before_any_collective, outcomes,
                         outcomes_and_collectives, rank_errors, record_collectives, run_ranks)
 from fusedreduce import DistributedGradReducer
+from reference import SIXTEEN_BIT, communication_dtype, subnormal_spacing
 
 ONE_BYTE = 1 / 2 ** 20  # a bucket cap smaller than any gradient: one bucket per tensor
 HUGE = 1e3  # MiB: everything that may share a bucket does
-SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 BATCH = 12  # rows; divisible by every world size used here
 
 # (in_features, out_features, bias, dtype): one reducer over mixed precisions,
@@ -72,19 +72,6 @@ def _whole_batch_reference():
     return reference
 
 
-def _comm_dtype(dtype, reduce_dtype):
-    """The documented communication dtype: a 16-bit reduce_dtype compresses every
-    gradient; otherwise fp64 gradients stay fp64 and the rest travel in reduce_dtype."""
-    if reduce_dtype in SIXTEEN_BIT:
-        return reduce_dtype
-    return torch.float64 if dtype == torch.float64 else reduce_dtype
-
-
-def _subnormal(dtype):
-    info = torch.finfo(dtype)
-    return info.smallest_normal * info.eps
-
-
 def _bound(expected, magnitude, dtype, comm, world_size, scale, postscale):
     """Worst-case error of the reduced gradient against the float64 reference.
 
@@ -104,7 +91,7 @@ def _bound(expected, magnitude, dtype, comm, world_size, scale, postscale):
     rows = BATCH // world_size
     accumulate = eps(torch.float64) if dtype == torch.float64 else eps(torch.float32)
     relative = eps(dtype) + 2 * (rows + 1) * accumulate + (world_size + 1) * eps(comm)
-    absolute = (world_size + 2) * (_subnormal(dtype) + _subnormal(comm) * max(1.0, postscale))
+    absolute = (world_size + 2) * (subnormal_spacing(dtype) + subnormal_spacing(comm) * max(1.0, postscale))
     return scale * magnitude * relative + eps(dtype) * expected.abs() + absolute
 
 
@@ -172,7 +159,7 @@ def test_reduced_shard_gradients_equal_the_whole_batch_gradient_on_every_rank(wo
                 f"{where}: rank {r} differs from rank 0"
         assert all(flag for key, flag in seen.items() if key != "buckets"), f"{where}: {seen}"
         reduce_dtype = kwargs.get("reduce_dtype", torch.float32)
-        comms = [_comm_dtype(d, reduce_dtype) for d in PARAM_DTYPES]
+        comms = [communication_dtype(d, reduce_dtype) for d in PARAM_DTYPES]
         fusion = kwargs.get("fusion_type", 1)
         fusion_ids = [fusion] * n if isinstance(fusion, int) else fusion
         cap = kwargs.get("bucket_cap_mb", 25.0)
