@@ -32,12 +32,13 @@ over the time.
 Bytes sent per rank are counted, not modelled, for AdaSum: during one extra
 ``adasum_allreduce`` call (and one ``adasum_allreduce_flat`` call for the
 in-place rows; ``tree_exchanges`` sends what ``adasum_in_place`` does) every
-rank wraps ``torch.distributed.send`` and ``batch_isend_irecv`` (the tree's point-to-point traffic: halves, statistics,
-the all-gather, a non-power-of-two rank's whole buffer) and adds up the bytes
-of the tensors it sends. The two all-reduces it also issues (a 16-byte check
-that the ranks agree on the tensors and, with ``local_size`` > 1, the block
-mean) cannot be seen inside gloo, so each is charged what a ring all-reduce
-sends, ``2(k-1)/k`` of its bytes over its k ranks. ``bytes_sent_per_rank``
+rank wraps ``torch.distributed.send`` and ``batch_isend_irecv`` (the tree's
+point-to-point traffic: halves, statistics, the all-gather, a non-power-of-two
+rank's whole buffer) and adds up the bytes of the tensors it sends. The two
+all-reduces it also issues (a 16-byte check that the ranks agree on the
+tensors and, with ``local_size`` > 1, the block mean) cannot be seen inside
+gloo, so each is charged what a ring all-reduce sends, ``2(k-1)/k`` of its
+bytes over its k ranks. ``bytes_sent_per_rank``
 is the largest count over the ranks; ``ratio_to_ring_bytes`` compares it with a
 ring all-reduce of the flat buffer, ``2(n-1)/n`` of its bytes. The baselines'
 rows give the ring figure of what they reduce (``bytes_sent_source``: ``ring

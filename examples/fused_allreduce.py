@@ -1,10 +1,12 @@
 """Two local gloo workers reduce a model's gradients through the fused path.
 
-Run ``python examples/fused_allreduce.py`` (``--help`` for the options). Each worker computes the gradients of a small
-convolutional network on its own shard of a batch, averages them across workers
-with ``all_reduce_plan`` (fused flatten/cast/scale kernels, one collective per
-bucket), and checks the result against a float64 per-tensor reference. It prints
-the check and the time of the fused reduction next to per-tensor ``all_reduce``.
+Run ``python examples/fused_allreduce.py`` (``--help`` for the options). Each
+worker computes the gradients of a small convolutional network on its own
+shard of a batch, averages them across workers with ``all_reduce_plan`` (fused
+flatten/cast/scale kernels, one collective per bucket), and checks the result
+against a float64 per-tensor reference. It prints the check and the time of
+the fused reduction next to per-tensor ``all_reduce``. The workers are started
+by ``fusedreduce.local_ranks.run_on_local_ranks``.
 """
 from __future__ import annotations
 

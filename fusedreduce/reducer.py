@@ -220,8 +220,8 @@ class DistributedGradReducer:
                 already registered.
 
         Example:
-            >>> reducer = DistributedGradReducer(model.parameters()).register_hooks()  # doctest: +SKIP
-            >>> loss.backward()   # .grad now holds the mean over the ranks      # doctest: +SKIP
+            >>> reducer = DistributedGradReducer(params).register_hooks()  # doctest: +SKIP
+            >>> loss.backward()  # .grad now holds the mean over the ranks  # doctest: +SKIP
         """
         if self._overlap.attached:
             raise ValueError("hooks are already registered on this reducer")

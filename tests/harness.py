@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import os
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Dict, Iterable, Union
 
 import torch.distributed as dist
 from filelock import FileLock  # a dependency of torch
 
-from fusedreduce.local_ranks import run_on_local_ranks
+from fusedreduce.local_ranks import RankFailure, run_on_local_ranks
 
+#: a bucket cap of one byte, in MiB: every tensor in a bucket of its own
+ONE_BYTE_MB = 1 / 2 ** 20
 # seconds a run_ranks call may take: far above the few seconds one takes on an
 # idle machine, so that a shared, loaded one does not fail a correct test
 TIMEOUT = 300
@@ -75,6 +78,36 @@ def once_per_session(tmp_path_factory, name: str, compute: Callable[[Path], Any]
         if not result.exists():
             result.write_bytes(pickle.dumps(compute(directory)))
     return pickle.loads(result.read_bytes())
+
+
+def world_sizes_selected(session, module_name: str) -> set:
+    """The ``world_size`` parameters of ``module_name``'s tests that this
+    session runs (``-k`` and ``-m`` respected)."""
+    return {item.callspec.params["world_size"] for item in session.items
+            if item.module.__name__ == module_name and "world_size" in
+            getattr(getattr(item, "callspec", None), "params", {})}
+
+
+def runs_per_world_size(tmp_path_factory, name: str, fn, world_sizes: Iterable[int],
+                        timeout: float) -> Dict[int, Union[list, str]]:
+    """``{n: run_ranks(fn, n)}`` for every world size, once per test session;
+    a run that failed gives its error as text (for the tests that read it).
+
+    Runs go three at a time, largest first: starting ranks is mostly waiting
+    and importing, so they overlap well even on two cores.
+    """
+    def run(world_size):
+        try:
+            return run_ranks(fn, world_size, timeout=timeout)
+        except (RankFailure, TimeoutError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    def run_all(_directory):
+        largest_first = sorted(world_sizes, reverse=True)
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            return dict(zip(largest_first, pool.map(run, largest_first)))
+
+    return once_per_session(tmp_path_factory, name, run_all)
 
 
 # ------------------------------------------------- helpers for rank functions

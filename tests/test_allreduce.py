@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fusedreduce import BucketPlan, all_reduce_plan
-from harness import rank_errors, run_ranks
+from harness import ONE_BYTE_MB, rank_errors, run_ranks
 
 SHAPES = [(3, 5), (0,), (1,), (257,), (4, 4, 3), (1000,), (7,)]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -27,7 +27,7 @@ def _reduce_on_rank(rank, world_size, cap_mb, prescale, postscale):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("cap_mb", [1 / 2 ** 20, 25.0])
+@pytest.mark.parametrize("cap_mb", [ONE_BYTE_MB, 25.0])
 def test_fused_mean_matches_float64_reference_and_is_identical_on_all_ranks(world_size, cap_mb):
     prescale, postscale = 0.5, 2.0 / world_size
     results = run_ranks(_reduce_on_rank, world_size, cap_mb, prescale, postscale)

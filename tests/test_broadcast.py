@@ -6,18 +6,18 @@ source rank's exact bits, compared as integers so that NaN == NaN and
 -0.0 != +0.0.
 
 Rank functions never assert (a rank that raised would leave the others waiting
-in a collective): they return what they saw and the parent judges it.
+in a collective): they return what they saw and the parent judges it. A little
+over 300 lines: each behaviour's rank function sits beside its test.
 """
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness import (TIMEOUT, assert_raised_before_any_collective, outcomes_and_collectives,
-                        run_ranks)
+from harness import (ONE_BYTE_MB, TIMEOUT, assert_raised_before_any_collective,
+                     outcomes_and_collectives, run_ranks)
 from fusedreduce import broadcast_optimizer_state, parameter_broadcast
 
-ONE_BYTE = 1 / 2 ** 20  # a bucket cap smaller than any tensor: one bucket per tensor
 
 _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
          torch.float32: torch.int32, torch.float64: torch.int64, torch.bool: torch.uint8}
@@ -107,7 +107,7 @@ def _assert_bitwise(got, want, what):
 
 
 @pytest.mark.parametrize("world_size, calls", [
-    (2, [{}, {"bucket_cap_mb": ONE_BYTE, "cur_rank": "this rank"}]),
+    (2, [{}, {"bucket_cap_mb": ONE_BYTE_MB, "cur_rank": "this rank"}]),
     (3, [{"initial_rank": 1}, {"src": 2, "cur_rank": "this rank"},
          {"group": [0, 2], "src": 1}]),
 ], ids=["2ranks-from-rank-0", "3ranks-from-ranks-1-and-2-and-a-subgroup"])
@@ -209,7 +209,7 @@ def _mismatched_modules(rank, world_size):
     # the same modules but different bucket caps: the buckets would not match
     module = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
     try:
-        parameter_broadcast(module, bucket_cap_mb=25.0 if rank == 0 else 1 / 2 ** 20)
+        parameter_broadcast(module, bucket_cap_mb=25.0 if rank == 0 else ONE_BYTE_MB)
         seen["different bucket caps"] = None
     except RuntimeError as exc:
         seen["different bucket caps"] = (str(exc), True)

@@ -8,10 +8,10 @@ from hypothesis import given, strategies as st
 from fusedreduce import BucketPlan
 from fusedreduce.buckets import TensorSpec
 from fusedreduce.kernels import ALIGN_BYTES
+from harness import ONE_BYTE_MB
 from fusedreduce.kernels import flatten_cast_scale, unflatten_cast_scale
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-ONE_BYTE_MB = 1 / 2 ** 20
 
 
 def _specs(shapes, dtype=torch.float32):

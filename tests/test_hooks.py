@@ -13,7 +13,9 @@ copy of the model at the same parameters (the same ops, so bitwise what DDP put
 in its buckets). The parent process checks the hooked gradients against a
 float64 reference built from those local gradients (reference.py), with error
 bounds derived from the precision each hook computes in, and checks that all
-ranks hold bitwise the same gradients and parameters.
+ranks hold bitwise the same gradients and parameters. Over 300 lines: the
+hooks' error-bound models (one per way a hook rounds) live with the checks
+that use them.
 """
 import functools
 import inspect

@@ -4,7 +4,9 @@ torch integrations (isinstance, state_dict, lr_scheduler, GradScaler) and the
 errors it raises on every rank.
 
 Rank functions never assert (a rank that raised would leave the others waiting
-in a collective): they return what they saw and the parent judges it.
+in a collective): they return what they saw and the parent judges it. Over 300
+lines because each of the six behaviours keeps its rank function beside the
+test that judges it.
 """
 import copy
 import warnings
@@ -15,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness import (CRASH_TIMEOUT, TIMEOUT, assert_raised_before_any_collective,
-                        outcomes_and_collectives, rank_errors, record_collectives, run_ranks)
+                     outcomes_and_collectives, rank_errors, record_collectives, run_ranks)
 from fusedreduce import DistributedOptimizer
 
 BATCH = 12  # rows per step; divisible by every world size used here

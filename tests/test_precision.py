@@ -1,4 +1,4 @@
-"""fusedreduce.precision: the one rule for the dtype gradients travel in, and the split of a mean."""
+"""fusedreduce.precision: the rule for the dtype gradients travel in, and the split of a mean."""
 import pytest
 import torch
 

@@ -1,10 +1,15 @@
-"""DistributedGradReducer on local gloo ranks.
+"""DistributedGradReducer's call API on local gloo ranks.
 
 The reduced shard gradients are checked against a float64 whole-batch
 reference (called directly and through backward hooks, for every dtype, bucket
-cap and fusion grouping), then overlap with backward, parameters without a
-gradient, gradient accumulation, non-finite detection and the errors raised on
-every rank instead of a hang.
+cap and fusion grouping), then the structures a call returns, the 16-bit
+overflow guard, a world of one, a subgroup, non-finite detection, and the
+errors raised on every rank instead of a hang (bad arguments, including those
+of register_hooks, and ranks that disagree on their parameters). What the
+overlap engine behind register_hooks does during backward is test_overlap.py's.
+It stays above 300 lines because the whole-batch check, with the heads,
+reference, rounding bound and configurations only it uses, takes about 160 of
+them, and the rest is one rank function and test per aspect of the same API.
 
 Each ``run_ranks`` call spawns fresh processes (seconds each), so one call
 checks many configurations and returns everything for the parent to judge.
@@ -16,12 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness import (CRASH_TIMEOUT, TIMEOUT, assert_raised_before_any_collective, outcomes,
-                        outcomes_and_collectives, rank_errors, record_collectives, run_ranks)
+from harness import (CRASH_TIMEOUT, ONE_BYTE_MB, TIMEOUT, assert_raised_before_any_collective,
+                     outcomes, outcomes_and_collectives, rank_errors, run_ranks)
 from fusedreduce import DistributedGradReducer
 from reference import SIXTEEN_BIT, communication_dtype, subnormal_spacing
 
-ONE_BYTE = 1 / 2 ** 20  # a bucket cap smaller than any gradient: one bucket per tensor
 HUGE = 1e3  # MiB: everything that may share a bucket does
 BATCH = 12  # rows; divisible by every world size used here
 
@@ -91,7 +95,8 @@ def _bound(expected, magnitude, dtype, comm, world_size, scale, postscale):
     rows = BATCH // world_size
     accumulate = eps(torch.float64) if dtype == torch.float64 else eps(torch.float32)
     relative = eps(dtype) + 2 * (rows + 1) * accumulate + (world_size + 1) * eps(comm)
-    absolute = (world_size + 2) * (subnormal_spacing(dtype) + subnormal_spacing(comm) * max(1.0, postscale))
+    absolute = (world_size + 2) * (subnormal_spacing(dtype)
+                                   + subnormal_spacing(comm) * max(1.0, postscale))
     return scale * magnitude * relative + eps(dtype) * expected.abs() + absolute
 
 
@@ -100,7 +105,7 @@ def _configs():
     n = len(PARAM_DTYPES)
     configs = []
     for hooks in (False, True):
-        for cap in (ONE_BYTE, 1e-3, HUGE):
+        for cap in (ONE_BYTE_MB, 1e-3, HUGE):
             for fusion in (1, [k % 2 for k in range(n)]):
                 for mean in (True, False):
                     for reduce_dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -114,7 +119,7 @@ def _configs():
         configs.append(dict(hooks=hooks, kwargs=dict(mean=True, prescale=0.25,
                                                      reduce_dtype=torch.float16)))
         configs.append(dict(hooks=hooks, kwargs=dict(mean=False, prescale=0.5,
-                                                     bucket_cap_mb=ONE_BYTE)))
+                                                     bucket_cap_mb=ONE_BYTE_MB)))
     return configs
 
 
@@ -163,7 +168,7 @@ def test_reduced_shard_gradients_equal_the_whole_batch_gradient_on_every_rank(wo
         fusion = kwargs.get("fusion_type", 1)
         fusion_ids = [fusion] * n if isinstance(fusion, int) else fusion
         cap = kwargs.get("bucket_cap_mb", 25.0)
-        if cap == ONE_BYTE:
+        if cap == ONE_BYTE_MB:
             assert seen["buckets"] == n, where
         elif cap == HUGE:
             # different communication dtypes or fusion ids never share a bucket
@@ -294,7 +299,7 @@ def _nonfinite(rank, world_size):
     for name, (who, index, value) in {"inf on rank 1": (1, 2, float("inf")),
                                       "nan on rank 0": (0, 0, float("nan")),
                                       "finite": (None, 0, 0.0)}.items():
-        reducer = DistributedGradReducer(weights, check_finite=True, bucket_cap_mb=ONE_BYTE)
+        reducer = DistributedGradReducer(weights, check_finite=True, bucket_cap_mb=ONE_BYTE_MB)
         grads = [torch.ones(4, dtype=w.dtype) for w in weights]
         if rank == who:
             grads[index][1] = value
@@ -321,212 +326,6 @@ def test_check_finite_flags_an_inf_or_nan_on_any_rank_on_every_rank():
             assert isinstance(flag, torch.Tensor) and flag.dtype == torch.bool \
                 and flag.dim() == 0, f"rank {rank}, {name}: {flag!r}"
             assert bool(flag) is want, f"rank {rank}, {name}"
-
-
-# --------------------------------------------------------- overlap and hooks
-def _mlp():
-    gen = torch.Generator().manual_seed(3)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
-                          nn.Linear(16, 4)).double()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5)
-    return model
-
-
-def _mlp_batch(rank, step):
-    gen = torch.Generator().manual_seed(100 * rank + step)
-    return (torch.randn(6, 8, generator=gen, dtype=torch.float64),
-            torch.randn(6, 4, generator=gen, dtype=torch.float64))
-
-
-def _overlap(rank, world_size, cap):
-    model = _mlp()
-    DistributedGradReducer(model.parameters(), bucket_cap_mb=cap).register_hooks()
-    events = []
-    record_collectives(events)
-    for step in range(2):  # the first iteration also verifies the plan across ranks
-        events.clear()
-        model.zero_grad()
-        x, y = _mlp_batch(rank, step)
-        hidden = model[0](x)
-        hidden.register_hook(lambda grad: events.append("backward reached the first layer"))
-        ((model[1:](hidden) - y) ** 2).sum().backward()
-        events.append("backward returned")
-    return events, [p.grad for p in model.parameters()]
-
-
-def _local_mlp_grads(rank, steps):
-    model = _mlp()
-    for s in steps:
-        x, y = _mlp_batch(rank, s)
-        ((model(x) - y) ** 2).sum().backward()
-    return [p.grad for p in model.parameters()]
-
-
-def test_buckets_start_their_all_reduce_during_backward():
-    events, grads = zip(*run_ranks(_overlap, 2, ONE_BYTE, timeout=TIMEOUT))
-    for rank_events in events:
-        first_layer = rank_events.index("backward reached the first layer")
-        # one bucket per tensor, last layer first: its buckets go out before
-        # backward has even reached the first layer
-        assert rank_events[:first_layer].count("all_reduce") >= 2, rank_events
-        assert rank_events.count("all_reduce") == 6, rank_events
-        assert rank_events[-1] == "backward returned"
-    expected = [(a + b) / 2 for a, b in zip(_local_mlp_grads(0, steps=(1,)),
-                                            _local_mlp_grads(1, steps=(1,)))]
-    for rank_grads in grads:
-        for got, want in zip(rank_grads, expected):
-            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
-
-
-def _four_layers_and_input(rank):
-    """Four linear layers; layer 1 is used only on rank 0, layer 2 on no rank."""
-    gen = torch.Generator().manual_seed(11)
-    layers = nn.ModuleList(nn.Linear(4, 3).double() for _ in range(4))
-    with torch.no_grad():
-        for p in layers.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
-    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
-    used = [0, 1, 3] if rank == 0 else [0, 3]
-    return layers, lambda: sum((layers[k](x) ** 2).sum() for k in used)
-
-
-def _partly_used(rank, world_size):
-    """Per bucket cap, two iterations' gradients."""
-    grads = {}
-    for cap in (ONE_BYTE, 25.0):  # a late bucket in the middle of the order; one bucket
-        layers, loss = _four_layers_and_input(rank)
-        DistributedGradReducer(layers.parameters(), bucket_cap_mb=cap).register_hooks()
-        for step in range(2):
-            layers.zero_grad()
-            loss().backward()
-            grads[cap, step] = [p.grad for p in layers.parameters()]
-    return grads
-
-
-def _partly_used_local(rank):
-    layers, loss = _four_layers_and_input(rank)
-    loss().backward()
-    return [torch.zeros_like(p) if p.grad is None else p.grad for p in layers.parameters()]
-
-
-def test_a_parameter_without_gradient_contributes_zeros_and_receives_the_others_mean():
-    results = run_ranks(_partly_used, 2, timeout=TIMEOUT)
-    expected = [(a + b) / 2 for a, b in zip(_partly_used_local(0), _partly_used_local(1))]
-    for rank, seen in enumerate(results):
-        for key, grads in seen.items():
-            assert all(g is not None for g in grads), f"rank {rank}, cap and step {key}"
-            for i, (got, want) in enumerate(zip(grads, expected)):
-                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12,
-                                           msg=f"rank {rank}, cap and step {key}, "
-                                               f"parameters[{i}]")
-            # layer 2 is used by no rank: zeros, not None
-            assert torch.equal(grads[4], torch.zeros(3, 4, dtype=torch.float64))
-            assert torch.equal(grads[5], torch.zeros(3, dtype=torch.float64))
-    for key in results[0]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0][key], results[1][key]))
-
-
-def _accumulate(rank, world_size):
-    events = []
-    record_collectives(events)
-    seen = {}
-    # no_sync(): two local passes, then one that reduces the accumulated sum
-    model = _mlp()
-    reducer = DistributedGradReducer(model.parameters()).register_hooks()
-    for step in range(3):
-        x, y = _mlp_batch(rank, step)
-        events.clear()
-        if step < 2:
-            with reducer.no_sync():
-                ((model(x) - y) ** 2).sum().backward()
-        else:
-            ((model(x) - y) ** 2).sum().backward()
-        seen[f"no_sync pass {step}"] = (len(events), reducer.reduced,
-                                        [p.grad.clone() for p in model.parameters()])
-    # passes_per_sync=3, over two rounds: the count restarts after each reduction
-    model = _mlp()
-    reducer = DistributedGradReducer(model.parameters()).register_hooks(passes_per_sync=3)
-    for round_ in range(2):
-        model.zero_grad()
-        for step in range(3):
-            x, y = _mlp_batch(rank, 3 * round_ + step)
-            events.clear()
-            ((model(x) - y) ** 2).sum().backward()
-            seen[f"round {round_} pass {step}"] = (len(events), reducer.reduced,
-                                                  [p.grad.clone() for p in model.parameters()])
-    return seen
-
-
-def test_no_sync_and_passes_per_sync_accumulate_locally_then_reduce_the_sum():
-    results = run_ranks(_accumulate, 2, timeout=TIMEOUT)
-    mean = lambda grads: [(a + b) / 2 for a, b in zip(*grads)]  # noqa: E731
-    checks = {"no_sync pass": (0, range(3)), "round 0 pass": (0, range(3)),
-              "round 1 pass": (3, range(3, 6))}
-    for prefix, (first, steps) in checks.items():
-        for k in range(3):
-            name = f"{prefix} {k}"
-            local = [_local_mlp_grads(r, steps=steps[:k + 1]) for r in range(2)]
-            for rank, seen in enumerate(results):
-                communicated, reduced, grads = seen[name]
-                if k < 2:
-                    assert communicated == 0 and not reduced, f"rank {rank}, {name}"
-                    want = local[rank]
-                else:
-                    assert communicated >= 1 and reduced, f"rank {rank}, {name}"
-                    want = mean(local)
-                for got, w in zip(grads, want):
-                    torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12,
-                                               msg=f"rank {rank}, {name}")
-
-
-class _FailingBackward(torch.autograd.Function):
-    """Identity forward; its backward raises, as a user's custom op might."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("a backward error")
-
-
-def _after_a_failed_backward(rank, world_size):
-    first, last = nn.Linear(3, 3).double(), nn.Linear(3, 1).double()
-    with torch.no_grad():
-        for p in list(first.parameters()) + list(last.parameters()):
-            p.fill_(0.5)
-    params = list(first.parameters()) + list(last.parameters())
-    reducer = DistributedGradReducer(params, bucket_cap_mb=ONE_BYTE).register_hooks()
-    x = torch.full((2, 3), float(rank + 1), dtype=torch.float64)
-    # the last layer's hooks fire (its buckets start), then backward raises
-    failed = outcomes({"failing": lambda: last(_FailingBackward.apply(first(x))).sum().backward()})
-    first.zero_grad()
-    last.zero_grad()
-    last(first(x)).sum().backward()
-    return failed["failing"], reducer.reduced, [p.grad for p in params]
-
-
-def _local_two_layer_grads(rank):
-    first, last = nn.Linear(3, 3).double(), nn.Linear(3, 1).double()
-    with torch.no_grad():
-        for p in list(first.parameters()) + list(last.parameters()):
-            p.fill_(0.5)
-    last(first(torch.full((2, 3), float(rank + 1), dtype=torch.float64))).sum().backward()
-    return [p.grad for p in list(first.parameters()) + list(last.parameters())]
-
-
-def test_a_backward_that_raised_does_not_stop_the_next_one_from_reducing():
-    results = run_ranks(_after_a_failed_backward, 2, timeout=TIMEOUT)
-    expected = [(a + b) / 2 for a, b in zip(_local_two_layer_grads(0), _local_two_layer_grads(1))]
-    for rank, (failed, reduced, grads) in enumerate(results):
-        assert failed is not None and "a backward error" in failed[1]
-        assert reduced, f"rank {rank}: the gradients were not reduced"
-        for got, want in zip(grads, expected):
-            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 # ------------------------------------------------------------------ errors
@@ -658,7 +457,7 @@ def test_the_mismatch_error_names_the_first_mismatching_parameter_in_parameter_o
 
 def _different_caps(rank, world_size):
     weights = [torch.zeros(s, requires_grad=True) for s in [(4, 3), (3,), (5,), (2, 2)]]
-    reducer = DistributedGradReducer(weights, bucket_cap_mb=25.0 if rank == 0 else ONE_BYTE)
+    reducer = DistributedGradReducer(weights, bucket_cap_mb=25.0 if rank == 0 else ONE_BYTE_MB)
     reducer([torch.ones_like(w) for w in weights])
 
 
