@@ -14,9 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import pytest
 
-from harness import once_per_session, shared_directory
-
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, once_per_session, shared_directory
 
 # the JSON's documented keys (README, "Benchmarks")
 MACHINE_KEYS = {"cpu_model", "cores", "torch_threads", "loadavg_1min", "gpu", "gpu_count",

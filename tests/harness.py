@@ -20,6 +20,8 @@ from filelock import FileLock  # a dependency of torch
 
 from fusedreduce.local_ranks import RankFailure, run_on_local_ranks
 
+#: the checkout the tests run from
+ROOT = Path(__file__).resolve().parents[1]
 #: a bucket cap of one byte, in MiB: every tensor in a bucket of its own
 ONE_BYTE_MB = 1 / 2 ** 20
 # seconds a run_ranks call may take: far above the few seconds one takes on an

@@ -12,7 +12,8 @@ from importlib import metadata
 
 import pytest
 
-from bench_utils import ROOT, check_record, run_bench_once
+from bench_utils import check_record, run_bench_once
+from harness import ROOT
 from fusedreduce.bench import cli, collectives_bench, common, kernels_bench
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
