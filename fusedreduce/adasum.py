@@ -135,8 +135,8 @@ def _combined_buckets(plan: BucketPlan, tensors: Sequence[torch.Tensor], group,
     holding the bucket's AdaSum across the ranks."""
     for bucket in plan.buckets:
         buffer = plan.flatten(bucket, tensors, scale=1.0 / local_size, backend=backend)
-        _adasum_flat(buffer, adasum_bucket_boundaries(bucket), group, local_size, backend,
-                     prescaled=True, exchanges_only=False)
+        adasum_flat_unchecked(buffer, adasum_bucket_boundaries(bucket), group, local_size,
+                              backend, prescaled=True, exchanges_only=False)
         yield bucket, buffer
 
 
@@ -193,12 +193,15 @@ def adasum_allreduce_flat(buffer: torch.Tensor, segments: Sequence[int], *, grou
         raise ValueError(f"buffer must be a 1-D contiguous tensor, got shape "
                          f"{tuple(buffer.shape)}")
     boundaries = kernels.check_segments(segments, buffer.numel())
-    _adasum_flat(buffer, boundaries, group, local_size, backend, prescaled, exchanges_only)
+    adasum_flat_unchecked(buffer, boundaries, group, local_size, backend, prescaled,
+                          exchanges_only)
 
 
-def _adasum_flat(buffer: torch.Tensor, boundaries: Sequence[int], group, local_size: int,
-                 backend: str, prescaled: bool, exchanges_only: bool) -> None:
-    """``adasum_allreduce_flat`` on arguments already checked."""
+def adasum_flat_unchecked(buffer: torch.Tensor, boundaries: Sequence[int], group,
+                          local_size: int, backend: str, prescaled: bool,
+                          exchanges_only: bool) -> None:
+    """``adasum_allreduce_flat`` on arguments its caller has checked or built
+    (the plan's buckets, ``adasum_hook``'s DDP buckets)."""
     rank = dist.get_rank(group)
     if local_size > 1:
         if not prescaled:

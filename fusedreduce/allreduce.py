@@ -39,20 +39,13 @@ class PendingBucket:
     nonfinite_ranks: Optional[torch.Tensor] = None
 
 
-def bucket_buffer(bucket: Bucket, count_nonfinite: bool = False) -> torch.Tensor:
-    """An uninitialised flat buffer for ``bucket``, with one spare element to
-    count non-finite ranks in when ``count_nonfinite``."""
-    return torch.empty(bucket.size + int(count_nonfinite), dtype=bucket.dtype,
-                       device=bucket.device)
-
-
 def start_bucket_all_reduce(plan: BucketPlan, bucket: Bucket, tensors: Sequence[torch.Tensor],
                             buffer: torch.Tensor, *, group, world_size: int,
                             prescale: float = 1.0, backend: str = "auto",
                             count_nonfinite: bool = False) -> PendingBucket:
     """Flatten ``bucket`` into ``buffer`` (times ``prescale``) and start its all-reduce.
 
-    With ``count_nonfinite``, ``buffer`` (``bucket_buffer(bucket, True)``) has
+    With ``count_nonfinite``, ``buffer`` (``plan.new_buffer(bucket, spare=1)``) has
     one element more than the bucket: it carries 1 where this rank's inputs
     held an inf/NaN (else 0), so after the sum it counts the ranks that did, at
     no extra collective. ``world_size`` is the group's: a world of one rank
@@ -143,7 +136,7 @@ def all_reduce_plan(
     plan.check(outputs, "outputs")
     for name, value in (("prescale", prescale), ("postscale", postscale)):
         kernels.check_scale(value, name)
-    buffers = [bucket_buffer(b) for b in plan.buckets] if buffers is None else list(buffers)
+    buffers = [plan.new_buffer(b) for b in plan.buckets] if buffers is None else list(buffers)
     check_buffers(plan, buffers)
     pending = [start_bucket_all_reduce(plan, bucket, tensors, buffer, group=group,
                                        world_size=world_size, prescale=prescale,

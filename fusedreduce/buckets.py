@@ -219,9 +219,10 @@ class BucketPlan:
                     f"{name}[{i}] is {tuple(t.shape)} {t.dtype} on {t.device} but the plan "
                     f"expects {spec.shape} {spec.dtype} on {spec.device}")
 
-    def new_buffer(self, bucket: Bucket) -> torch.Tensor:
-        """An uninitialised flat buffer for ``bucket``."""
-        return torch.empty(bucket.size, dtype=bucket.dtype, device=bucket.device)
+    def new_buffer(self, bucket: Bucket, spare: int = 0) -> torch.Tensor:
+        """An uninitialised flat buffer for ``bucket``, with ``spare`` elements
+        after the bucket's for whatever travels with it."""
+        return torch.empty(bucket.size + spare, dtype=bucket.dtype, device=bucket.device)
 
     def flatten(self, bucket: Bucket, tensors: Sequence[torch.Tensor], *,
                 out: Optional[torch.Tensor] = None, scale: float = 1.0,

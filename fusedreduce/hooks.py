@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import kernels
 from ._checks import check_prescale
-from .adasum import adasum_allreduce_flat, adasum_allreduce_plan, check_local_size
+from .adasum import adasum_allreduce_plan, adasum_flat_unchecked, check_local_size
 from .buckets import BucketPlan, TensorSpec
 from .precision import communication_dtype, split_scale
 from .process_group import require_process_group
@@ -200,9 +200,12 @@ def adasum_hook(state: Optional[HookState],
     boundaries = kernels.packed_boundaries([g.numel() for g in grads])
     if buffer.dtype == communication_dtype(buffer.dtype):
         # an fp32/fp64 bucket is combined where it is: a tensor's statistics do
-        # not depend on where it sits, so this is still bitwise adasum_allreduce's
-        adasum_allreduce_flat(buffer, boundaries + [buffer.numel()], group=state.group,
-                              local_size=state.local_size, backend=state.backend)
+        # not depend on where it sits, so this is still bitwise adasum_allreduce's.
+        # The state was checked when it was made and the boundaries are built
+        # here, so the per-bucket path skips adasum_allreduce_flat's checks
+        adasum_flat_unchecked(buffer, boundaries + [buffer.numel()], state.group,
+                              state.local_size, state.backend, prescaled=False,
+                              exchanges_only=False)
         return _future_of(buffer)
     outputs = [buffer[lo:hi].view(g.shape)
                for g, lo, hi in zip(grads, boundaries[:-1], boundaries[1:])]

@@ -17,7 +17,7 @@ import torch
 
 from . import kernels
 from ._checks import check_int, check_prescale
-from .allreduce import PendingBucket, bucket_buffer, finish_bucket, start_bucket_all_reduce
+from .allreduce import PendingBucket, finish_bucket, start_bucket_all_reduce
 from .buckets import BucketPlan
 from .overlap import BackwardOverlap
 from .precision import communication_dtype, split_scale
@@ -153,7 +153,7 @@ class DistributedGradReducer:
     # ---------------------------------------------------------- one reduction
     def _start(self, index: int, tensors: Sequence[Optional[torch.Tensor]]) -> PendingBucket:
         if self._buffers is None:
-            self._buffers = [bucket_buffer(b, count_nonfinite=self.check_finite)
+            self._buffers = [self.plan.new_buffer(b, spare=int(self.check_finite))
                              for b in self.plan.buckets]
         prescale, _ = self._scales[index]
         return start_bucket_all_reduce(
