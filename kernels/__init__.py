@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _checks
+from . import _checks, _prepared
 from ._backends import backend_for, check_backend, resolve_backend, triton_available
 from ._checks import check_scale
 from ._common import (ADASUM_CHUNK, ADASUM_FP32_LIMIT, ADASUM_NORM_FLOOR, ALIGN_BYTES,
@@ -106,20 +106,27 @@ def flatten_cast_scale(
         >>> flatten_cast_scale(grads, scale=0.5)
         tensor([0.5000, 0.5000, 0.5000, 0.5000, 0.5000, 0.5000, 1.0000, 1.0000, 1.0000, 1.0000])
     """
-    tensors = _checks.check_tensors(tensors, "tensors")
     scale = check_scale(scale)
-    starts, size = _checks.segment_starts(tensors, offsets, "tensors")
-    if out is None:
-        _checks.check_dtype(dtype, "dtype")
-        device = tensors[0].device if tensors else torch.device("cpu")
-    else:
-        _checks.check_out(out, tensors, size, exact=offsets is None)
-        dtype, device = out.dtype, out.device
-    chosen = backend_for(backend, device)
-    if out is None:
-        out = torch.empty(size, dtype=dtype, device=device)
-    flag = chosen.flatten(tensors, starts, _checks.extents(starts, out.numel()), out, scale,
-                          check_finite)
+    launch = _kept_launch("flatten", backend, out, tensors, offsets)
+    if launch is None:
+        tensors = _checks.check_tensors(tensors, "tensors")
+        starts, size = _checks.segment_starts(tensors, offsets, "tensors")
+        if out is None:
+            _checks.check_dtype(dtype, "dtype")
+            device = tensors[0].device if tensors else torch.device("cpu")
+        else:
+            _checks.check_out(out, tensors, size, exact=offsets is None)
+            _checks.check_disjoint(out, "out", tensors, "tensors")
+            dtype, device = out.dtype, out.device
+        chosen = backend_for(backend, device)
+        kept = out is not None
+        if out is None:
+            out = torch.empty(size, dtype=dtype, device=device)
+        launch = chosen.prepare_flatten(tensors, starts, _checks.extents(starts, out.numel()),
+                                        out)
+        if kept:  # a buffer made here is never passed again: nothing to keep
+            _keep("flatten", backend, chosen, out, tensors, offsets, starts, launch)
+    flag = launch(tensors, out, scale, check_finite)
     return (out, flag) if check_finite else out
 
 
@@ -157,15 +164,36 @@ def unflatten_cast_scale(
         >>> grads[1]
         tensor([ 8., 10., 12.])
     """
-    _checks.check_flat(flat, "flat")
-    tensors = _checks.check_tensors(tensors, "tensors")
     scale = check_scale(scale)
-    if tensors and tensors[0].device != flat.device:
-        raise ValueError(f"tensors are on {tensors[0].device} but flat is on {flat.device}")
-    starts, size = _checks.segment_starts(tensors, offsets, "tensors")
-    if flat.numel() < size:
-        raise ValueError(f"flat has {flat.numel()} elements but the segments need {size}")
-    backend_for(backend, flat.device).unflatten(flat, tensors, starts, scale, accumulate)
+    launch = _kept_launch("unflatten", backend, flat, tensors, offsets)
+    if launch is None:
+        _checks.check_flat(flat, "flat")
+        tensors = _checks.check_tensors(tensors, "tensors")
+        if tensors and tensors[0].device != flat.device:
+            raise ValueError(f"tensors are on {tensors[0].device} but flat is on {flat.device}")
+        starts, size = _checks.segment_starts(tensors, offsets, "tensors")
+        if flat.numel() < size:
+            raise ValueError(f"flat has {flat.numel()} elements but the segments need {size}")
+        _checks.check_disjoint(flat, "flat", tensors, "tensors")
+        _checks.check_outputs_disjoint(tensors, "tensors")
+        chosen = backend_for(backend, flat.device)
+        launch = chosen.prepare_unflatten(flat, tensors, starts)
+        _keep("unflatten", backend, chosen, flat, tensors, offsets, starts, launch)
+    launch(flat, tensors, scale, bool(accumulate))
+
+
+def _kept_launch(op: str, backend, buffer, tensors, offsets):
+    """The launch prepared for exactly this call's layout, or None (see ``_prepared``)."""
+    # anything but a list or tuple goes through validation, which names it
+    if buffer is None or type(backend) is not str or type(tensors) not in (list, tuple):
+        return None
+    return _prepared.LAUNCHES.lookup(op, backend, buffer, tensors, offsets)
+
+
+def _keep(op: str, backend: str, chosen, buffer, tensors, offsets, starts, launch) -> None:
+    entry = _prepared.Prepared(buffer, offsets, starts, tensors, launch,
+                               by_shape=chosen.name == "torch")
+    _prepared.LAUNCHES.store(op, backend, buffer, entry)
 
 
 def adasum_chunk_counts(segments: Sequence[int]) -> List[int]:

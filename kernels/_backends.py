@@ -3,22 +3,29 @@
 A backend is one implementation of every kernel, with arguments the façade
 (``kernels/__init__.py``) has already validated and normalised:
 
-=================  ===========================================================
-``flatten``        ``(tensors, starts, extents, out, scale, check_finite)``:
-                   fill ``out``; return the 0-d bool non-finite flag or None
-``unflatten``      ``(flat, tensors, starts, scale, accumulate)``: write (or add)
-                   each segment of ``flat`` into its tensor, in place
-``chunk_stats``    ``(a, b, boundaries, out)``: every AdaSum chunk's partial sums
-                   into float64 ``out[n_chunks, 3]``
-``reduce_chunks``  ``(partials, counts, out)``: each segment's ``counts[i]`` rows
-                   added in chunk order into float64 ``out[n, 3]``
-``combine``        ``(a, b, boundaries, stats, out)``: ``out = ca·a + cb·b`` per
-                   segment (``out`` may be ``a`` or ``b``)
-=================  ===========================================================
+=====================  =======================================================
+``prepare_flatten``    ``(tensors, starts, extents, out)``: the launch
+                       ``(tensors, out, scale, check_finite) -> flag or None``
+                       that fills ``out`` (segment ``i`` at ``starts[i]``,
+                       ``extents[i]`` long, the rest zeroed) and returns the
+                       0-d bool non-finite flag with ``check_finite``
+``prepare_unflatten``  ``(flat, tensors, starts)``: the launch
+                       ``(flat, tensors, scale, accumulate) -> None`` that
+                       writes (or adds) each segment into its tensor, in place
+``chunk_stats``        ``(a, b, boundaries, out)``: every AdaSum chunk's partial
+                       sums into float64 ``out[n_chunks, 3]``
+``reduce_chunks``      ``(partials, counts, out)``: each segment's ``counts[i]``
+                       rows added in chunk order into float64 ``out[n, 3]``
+``combine``            ``(a, b, boundaries, stats, out)``: ``out = ca·a + cb·b``
+                       per segment (``out`` may be ``a`` or ``b``)
+=====================  =======================================================
 
 Both op families (``flatten/``, ``adasum/``) have a ``torch_backend`` and a
 ``triton_backend`` module with exactly these functions; a ``Backend`` gathers
-one of each. Triton is optional: its modules are imported on first use.
+one of each. The flatten family's launches are prepared once per layout and
+kept by the façade (``_prepared.py``): a launch takes tensors and a buffer of
+the layout it was prepared for. Triton is optional: its modules are imported
+on first use.
 """
 from __future__ import annotations
 
@@ -39,8 +46,8 @@ class Backend:
     """The five kernels of one implementation (see the module docstring)."""
 
     name: str
-    flatten: Callable
-    unflatten: Callable
+    prepare_flatten: Callable
+    prepare_unflatten: Callable
     chunk_stats: Callable
     reduce_chunks: Callable
     combine: Callable
@@ -48,7 +55,8 @@ class Backend:
     @classmethod
     def of(cls, name: str, flatten_ops, adasum_ops) -> "Backend":
         """The backend made of an op family module each."""
-        return cls(name, flatten_ops.flatten, flatten_ops.unflatten, adasum_ops.chunk_stats,
+        return cls(name, flatten_ops.prepare_flatten, flatten_ops.prepare_unflatten,
+                   adasum_ops.chunk_stats,
                    adasum_ops.reduce_chunks, adasum_ops.combine)
 
 

@@ -162,3 +162,75 @@ def check_boundaries(segments, size: Optional[int] = None) -> List[int]:
             raise ValueError(f"segments must not decrease: segments[{i}]={boundaries[i]} < "
                              f"segments[{i - 1}]={boundaries[i - 1]}")
     return boundaries
+
+
+def _byte_span(t: torch.Tensor) -> Tuple[int, int]:
+    """The bytes ``[start, end)`` a dense tensor's elements lie in (empty: ``(0, 0)``)."""
+    if t.numel() == 0:
+        return 0, 0
+    reach = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (reach + 1) * t.element_size()
+
+
+def _element_starts(t: torch.Tensor) -> torch.Tensor:
+    """The first byte of every element of ``t``, sorted (int64, on the CPU)."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return (t.data_ptr() + offsets.reshape(-1) * t.element_size()).sort().values
+
+
+def _share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether any byte of an element of ``a`` is a byte of an element of ``b``."""
+    (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
+    if a_start >= b_end or b_start >= a_end or a_start == a_end or b_start == b_end:
+        return False
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    # strided tensors can interleave within overlapping spans (``x[:, 0]`` and
+    # ``x[:, 1]``): compare element by element. For each element of b, the
+    # element of a with the last start before b's element ends is the only
+    # candidate, as all of a's elements have one length.
+    starts_a, starts_b = _element_starts(a), _element_starts(b)
+    after = torch.searchsorted(starts_a, starts_b + b.element_size())
+    candidates = after > 0
+    if not bool(candidates.any()):
+        return False
+    last = starts_a[(after - 1).clamp(min=0)][candidates]
+    return bool((last + a.element_size() > starts_b[candidates]).any())
+
+
+def check_disjoint(buffer: torch.Tensor, buffer_name: str, tensors, name: str) -> None:
+    """``buffer`` shares no memory with any of ``tensors``.
+
+    Raises:
+        ValueError: naming the first tensor that overlaps the buffer.
+    """
+    for i, t in enumerate(tensors):
+        if _share_bytes(buffer, t):
+            raise ValueError(f"{name}[{i}] overlaps {buffer_name}: the fused copy would read "
+                             f"values it has already overwritten; pass tensors that do not "
+                             f"share memory with {buffer_name}")
+
+
+def check_outputs_disjoint(tensors, name: str) -> None:
+    """No two of ``tensors`` (written in place) share memory, and none writes one
+    memory location twice.
+
+    Raises:
+        ValueError: naming the overlapping tensors.
+    """
+    spans = sorted((_byte_span(t), i) for i, t in enumerate(tensors) if t.numel() > 0)
+    active = []  # (end, index) of the spans that reach past the current start
+    for (start, end), i in spans:
+        active = [(e, j) for e, j in active if e > start]
+        for _, j in active:
+            if _share_bytes(tensors[j], tensors[i]):
+                first, second = sorted((j, i))
+                raise ValueError(f"{name}[{first}] and {name}[{second}] share memory; each "
+                                 f"output must be written by one segment only")
+        active.append((end, i))
+    for i, t in enumerate(tensors):
+        if t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:
+            raise ValueError(f"{name}[{i}] has elements that share memory (an expanded or "
+                             f"overlapping view); it cannot be written in place")

@@ -52,6 +52,7 @@ def variants(kernel: str):
                     # without check_finite the launcher passes the table as the flag
                     signature = {"table": "*i64", "base": "*u8", "out": f"*{buffer}",
                                  "flag": "*u8" if flag else "*i64", "n_segments": "i32",
+                                 "scale_high": "i32", "scale_low": "i32",
                                  "KINDS": "constexpr", "CHECK_FINITE": "constexpr",
                                  "BLOCK": "constexpr", "OUT_VEC": "constexpr"}
                     constexprs = {"KINDS": kinds, "CHECK_FINITE": flag, "BLOCK": kernels.BLOCK,
@@ -59,7 +60,8 @@ def variants(kernel: str):
                     pointers = 4
                 else:
                     signature = {"table": "*i64", "base": "*u8", "flat": f"*{buffer}",
-                                 "n_segments": "i32", "KINDS": "constexpr",
+                                 "n_segments": "i32", "scale_high": "i32",
+                                 "scale_low": "i32", "KINDS": "constexpr",
                                  "ACCUMULATE": "constexpr", "BLOCK": "constexpr",
                                  "FLAT_VEC": "constexpr"}
                     constexprs = {"KINDS": kinds, "ACCUMULATE": flag, "BLOCK": kernels.BLOCK,

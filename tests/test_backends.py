@@ -17,7 +17,7 @@ import torch
 from fusedreduce import kernels
 
 #: the protocol: each op family's functions, in both backend modules
-PROTOCOL = {"flatten": ("flatten", "unflatten"),
+PROTOCOL = {"flatten": ("prepare_flatten", "prepare_unflatten"),
             "adasum": ("chunk_stats", "reduce_chunks", "combine")}
 
 

@@ -91,6 +91,15 @@ FLATTEN_CASES = [
      lambda: ([torch.ones(2), torch.ones(2)], sentinel(4)), {"offsets": [0]}),
     ("too many offsets", ValueError, r"offsets has 3 entries but tensors has 2",
      lambda: ([torch.ones(2), torch.ones(2)], sentinel(4)), {"offsets": [0, 2, 4]}),
+    # out may not share memory with an input (helpers at the end of the file)
+    ("input is a view of out", ValueError, r"tensors\[1\] overlaps out",
+     lambda: _tensors_over_out(5, lambda out: [torch.ones(2), out[2:5]]), {}),
+    ("out is an input", ValueError, r"tensors\[0\] overlaps out",
+     lambda: _tensors_over_out(2, lambda out: [out]), {}),
+    ("strided input over out", ValueError, r"tensors\[1\] overlaps out",
+     lambda: _tensors_over_out(6, lambda out: [torch.ones(3), out[1::2]]), {}),
+    ("input over a gap of out", ValueError, r"tensors\[1\] overlaps out",
+     lambda: _tensors_over_out(8, lambda out: [torch.ones(2), out[2:4]]), {"offsets": [0, 5]}),
 ]
 
 UNFLATTEN_CASES = [
@@ -129,6 +138,20 @@ UNFLATTEN_CASES = [
      lambda: (torch.ones(4), [sentinel(2), sentinel(2)]), {"offsets": [0, 1]}),
     ("too few offsets", ValueError, r"offsets has 1 entries but tensors has 2",
      lambda: (torch.ones(4), [sentinel(2), sentinel(2)]), {"offsets": [0]}),
+    # destinations may not share memory with flat, nor with each other
+    ("flat overlaps a destination", ValueError, r"tensors\[1\] overlaps flat",
+     lambda: _destinations_over_flat(5, lambda flat: [sentinel(2), flat[2:5]]), {}),
+    ("strided destination over flat", ValueError, r"tensors\[0\] overlaps flat",
+     lambda: _destinations_over_flat(6, lambda flat: [flat[1::2]]), {}),
+    ("destinations share memory", ValueError, r"tensors\[0\] and tensors\[1\] share memory",
+     lambda: (torch.ones(5), _views_of(sentinel(4), lambda d: [d[0:3], d[2:4]])), {}),
+    ("a destination passed twice", ValueError, r"tensors\[0\] and tensors\[2\] share memory",
+     lambda: (torch.ones(6), _views_of(sentinel(2), lambda d: [d, sentinel(2), d])), {}),
+    ("strided destinations share an element", ValueError,
+     r"tensors\[0\] and tensors\[1\] share memory",
+     lambda: (torch.ones(6), _views_of(sentinel(8).view(4, 2), lambda x: [x[:, 0], x[1]])), {}),
+    ("expanded destination", ValueError, r"tensors\[1\] has elements that share memory",
+     lambda: (torch.ones(5), [sentinel(2), torch.zeros(1).expand(3)]), {}),
 ]
 
 
@@ -220,3 +243,76 @@ def test_triton_backend_on_cpu_without_the_interpreter_says_how_to_fix_it(interp
         assert kind == "RuntimeError" and "TRITON_INTERPRET" in message, report[name]
     assert report["untouched"]
     assert report["auto"] == [2.0, 2.0, 2.0], "backend='auto' must fall back to torch on CPU"
+
+
+# ------------------------------------------------ overlapping memory (helpers and cases)
+
+def _tensors_over_out(size, views):
+    """``(tensors, out)``: a sentinel ``out`` and tensors of which some are views of it."""
+    out = sentinel(size)
+    return views(out), out
+
+
+def _destinations_over_flat(size, views):
+    """``(flat, tensors)``: a ``flat`` of distinct values and destinations of which some
+    are views of it."""
+    flat = torch.arange(float(size))
+    return flat, views(flat)
+
+
+def _views_of(tensor, views):
+    return views(tensor)
+
+
+def test_interleaved_strided_destinations_are_accepted(backend):
+    """``x[:, 0]`` and ``x[:, 1]`` share a byte span but not an element."""
+    x = torch.full((4, 2), SENTINEL)
+    for scale in (2.0, -0.5):  # the second call runs the kept launch
+        flat = torch.arange(8.0) * scale + 1
+        unflatten_cast_scale(flat, [x[:, 0], x[:, 1]], scale=scale, backend=backend)
+        assert torch.equal(x[:, 0], flat[:4] * scale) and torch.equal(x[:, 1], flat[4:] * scale)
+    # the same interleaved views as inputs, and an input beside out in one storage
+    storage = torch.arange(16.0)
+    out = storage[8:]
+    flatten_cast_scale([storage[:8].view(4, 2)[:, 1], storage[:8].view(4, 2)[:, 0]], out,
+                       scale=0.5, backend=backend)
+    assert out.tolist() == [0.5, 1.5, 2.5, 3.5, 0.0, 1.0, 2.0, 3.0]
+    assert storage[:8].tolist() == [float(i) for i in range(8)]
+
+
+def test_overlap_is_checked_when_a_kept_layout_changes(backend):
+    """A valid call keeps its launch; a later call with an overlapping tensor has a
+    new signature (another address), so it is validated, refused, and writes nothing."""
+    a, b = torch.ones(2), torch.full((3,), 2.0)
+    out = sentinel(5)
+    flatten_cast_scale([a, b], out, scale=3.0, backend=backend)
+    assert out.tolist() == [3.0, 3.0, 6.0, 6.0, 6.0]
+    with pytest.raises(ValueError, match=r"tensors\[1\] overlaps out"):
+        flatten_cast_scale([a, out[2:5]], out, scale=3.0, backend=backend)
+    assert out.tolist() == [3.0, 3.0, 6.0, 6.0, 6.0]
+    flatten_cast_scale([a, b], out, scale=-1.0, backend=backend)  # the kept layout still runs
+    assert out.tolist() == [-1.0, -1.0, -2.0, -2.0, -2.0]
+
+    flat, d0, d1 = torch.arange(5.0), sentinel(2), sentinel(3)
+    unflatten_cast_scale(flat, [d0, d1], backend=backend)
+    d0.fill_(SENTINEL)
+    for destinations, pattern in [([d0, flat[2:5]], r"tensors\[1\] overlaps flat"),
+                                  ([d0, sentinel(1).expand(3)], r"tensors\[1\] has elements"),
+                                  ([d1[1:], d1], r"tensors\[0\] and tensors\[1\] share")]:
+        before = [t.clone() for t in destinations]
+        with pytest.raises(ValueError, match=pattern):
+            unflatten_cast_scale(flat, destinations, scale=2.0, backend=backend)
+        assert flat.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+        assert all(torch.equal(t, b) for t, b in zip(destinations, before))
+
+
+@pytest.mark.parametrize("container", ["set", "empty generator"])
+def test_a_kept_launch_does_not_skip_the_container_check(backend, container):
+    x = torch.ones(3)
+    if container == "set":
+        out, first, again = sentinel(3), [x], {x}
+    else:
+        out, first, again = sentinel(0), [], (t for t in [])
+    flatten_cast_scale(first, out, backend=backend)
+    with pytest.raises(TypeError, match=r"tensors must be a list or tuple of tensors"):
+        flatten_cast_scale(again, out, backend=backend)

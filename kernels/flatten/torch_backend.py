@@ -1,13 +1,13 @@
 """The flatten family on torch: the fallback of the Triton kernels, plain torch ops.
 
-Used on the CPU and wherever Triton is not wanted; ``flatten`` and
-``unflatten`` take the same arguments as the Triton backend's
-(``kernels/_backends.py``). The element math follows the
+Used on the CPU and wherever Triton is not wanted; ``prepare_flatten`` and
+``prepare_unflatten`` take the same arguments as the Triton backend's
+(``kernels/_backends.py``) and return launches that are kept per layout. The element math follows the
 kernels' rule (fp32, or fp64 when either side is fp64; 16-bit results rounded
 from fp32). Python overhead per tensor matters as much as bandwidth here (a
 ResNet-50 has 161 gradients), so the work is done by a few ``torch._foreach_*``
 calls over all segments at once wherever the dtypes allow (the routes are
-listed in ``_scaled_copies``): a copy that rounds as the kernels do is one
+listed in ``CopyPlan``): a copy that rounds as the kernels do is one
 ``_foreach_copy_`` for every such pair; a scale on an fp32/fp64 destination
 adds one ``_foreach_mul_`` (or one ``mul_`` over the whole flat buffer); a
 scaled 16-bit destination takes one ``torch.mul(src, scale, out=dst)`` per
@@ -15,8 +15,9 @@ pair; only fp64 into 16 bits and fp16<->bf16 with a scale go piece by piece.
 """
 from __future__ import annotations
 
+import bisect
 import functools
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -120,7 +121,7 @@ def _one_rounding_mul(dst_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
 
 
 def _route(dst: torch.dtype, src: torch.dtype, scale: float) -> int:
-    """Which of ``_scaled_copies``' four routes a pair of dtypes takes."""
+    """Which of ``CopyPlan``'s four routes a pair of dtypes takes."""
     if scale == 1.0 and (_exact(dst, src) or (dst in SIXTEEN_BIT_DTYPES and src != torch.float64)):
         return 0  # one foreach copy
     if _exact(dst, src) and dst in (torch.float32, torch.float64):
@@ -130,9 +131,9 @@ def _route(dst: torch.dtype, src: torch.dtype, scale: float) -> int:
     return 3  # piece by piece
 
 
-def _scaled_copies(dsts, srcs, scale: float, accumulate: bool = False,
-                   whole: Optional[torch.Tensor] = None) -> None:
-    """``dst = cast(src * scale)`` (or ``dst = cast(dst + src * scale)``) per pair.
+class CopyPlan:
+    """``dst = cast(src * scale)`` (or ``dst = cast(dst + src * scale)``) for every
+    pair of a layout, the routes decided once from the pairs' dtypes.
 
     The cheapest exact route per pair (measured on a 2-core CPU against one
     big ``copy_``; see the README's kernel figures):
@@ -147,57 +148,159 @@ def _scaled_copies(dsts, srcs, scale: float, accumulate: bool = False,
       ``torch.mul(src, scale, out=dst)`` per pair, one rounding;
     - anything else (fp64 into 16 bits, fp16<->bf16 with a scale): per
       segment, the product in the compute dtype on a cache-sized piece.
-
-    ``whole``: a flat buffer holding every ``dst`` whose other elements the
-    caller overwrites afterwards; when all pairs take the second route it is
-    scaled in one pass.
     """
-    if accumulate:
-        same = [d.dtype == s.dtype == compute_dtype(d.dtype, s.dtype) for d, s in zip(dsts, srcs)]
-        if any(same):
-            torch._foreach_add_([d for d, x in zip(dsts, same) if x],
-                                [s for s, x in zip(srcs, same) if x], alpha=scale)
-        for d, s, x in zip(dsts, srcs, same):
-            if not x and d.numel():
-                _apply(_add_scaled, d, s, scale)
-        return
-    groups = copies, scaled, products, rest = [], [], [], []
-    route_of = {}  # (dst dtype, src dtype) -> its group: decided once per pair of dtypes
-    for i, (d, s) in enumerate(zip(dsts, srcs)):
-        key = (d.dtype, s.dtype)
-        group = route_of.get(key)
-        if group is None:
-            group = route_of[key] = groups[_route(d.dtype, s.dtype, scale)]
-        group.append(i)
-    for group in (copies, scaled):
-        if group:
-            torch._foreach_copy_([dsts[i] for i in group], [srcs[i] for i in group])
-    if scaled and whole is not None and len(scaled) == len(dsts):
-        whole.mul_(scale)  # one pass over the buffer beats one per segment
-    elif scaled:
-        torch._foreach_mul_([dsts[i] for i in scaled], scale)
-    for i in products:
-        torch.mul(srcs[i], scale, out=dsts[i])
-    for i in rest:
-        if dsts[i].numel():
-            _apply(_write_scaled, dsts[i], srcs[i], scale)
+
+    def __init__(self, dst_dtypes: Sequence[torch.dtype], src_dtypes: Sequence[torch.dtype]):
+        self.pairs = list(zip(dst_dtypes, src_dtypes))
+        self._routes = {}  # scale == 1 -> the four routes' index lists
+        same = [d == s == compute_dtype(d, s) for d, s in self.pairs]
+        self.accumulate_same = [i for i, x in enumerate(same) if x]
+        self.accumulate_rest = [i for i, x in enumerate(same) if not x]
+
+    def routes(self, unit_scale: bool):
+        """The index lists of the four routes, for scale 1 or any other scale."""
+        routes = self._routes.get(unit_scale)
+        if routes is None:
+            routes = ([], [], [], [])
+            of_pair = {}
+            for i, pair in enumerate(self.pairs):
+                route = of_pair.get(pair)
+                if route is None:
+                    route = of_pair[pair] = _route(*pair, 1.0 if unit_scale else 2.0)
+                routes[route].append(i)
+            routes = self._routes[unit_scale] = tuple(routes)
+        return routes
+
+    def _pick(self, items, indices):
+        # the common case, one route for every pair, passes the lists as they are
+        return items if len(indices) == len(self.pairs) else [items[i] for i in indices]
+
+    def run(self, dsts, srcs, scale: float, accumulate: bool = False,
+            whole: Optional[torch.Tensor] = None,
+            products: Optional[Callable] = None) -> None:
+        """Copy (or add) every pair. ``whole``: a flat buffer holding every ``dst``
+        whose other elements the caller overwrites afterwards; when every pair
+        takes the second route it is scaled in one pass. ``products``: a
+        replacement for the third route, called as ``products(dsts, srcs, scale)``."""
+        pick = self._pick
+        if accumulate:
+            if self.accumulate_same:
+                torch._foreach_add_(pick(dsts, self.accumulate_same),
+                                    pick(srcs, self.accumulate_same), alpha=scale)
+            for i in self.accumulate_rest:
+                if dsts[i].numel():
+                    _apply(_add_scaled, dsts[i], srcs[i], scale)
+            return
+        copies, scaled, products_route, rest = self.routes(scale == 1.0)
+        for group in (copies, scaled):
+            if group:
+                torch._foreach_copy_(pick(dsts, group), pick(srcs, group))
+        if scaled and whole is not None and len(scaled) == len(self.pairs):
+            whole.mul_(scale)  # one pass over the buffer beats one per segment
+        elif scaled:
+            torch._foreach_mul_(pick(dsts, scaled), scale)
+        if products_route and products is not None:
+            products(dsts, srcs, scale)
+        else:
+            for i in products_route:
+                torch.mul(srcs[i], scale, out=dsts[i])
+        for i in rest:
+            if dsts[i].numel():
+                _apply(_write_scaled, dsts[i], srcs[i], scale)
 
 
-def flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int], extents: Sequence[int],
-            out: torch.Tensor, scale: float, check_finite: bool) -> Optional[torch.Tensor]:
-    """Fill ``out``: segment ``i`` at ``starts[i]``, ``extents[i]`` elements long
-    (the part past the tensor zeroed), every other element zeroed; the 0-d bool
-    non-finite flag, or None without ``check_finite``."""
-    with torch.no_grad():
-        segments = _segment_views(out, starts, tensors)
-        gaps = _gap_views(out, starts, [t.numel() for t in tensors], extents)
-        # the gaps are zeroed after: the whole buffer may be scaled at once
-        _scaled_copies(segments, tensors, scale, whole=out)
-        if gaps:
-            torch._foreach_zero_(gaps)
-        if not check_finite:
-            return None
-        return _found_nonfinite(tensors, out)
+def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
+                    extents: Sequence[int], out: torch.Tensor) -> Callable:
+    """The launch that fills ``out``: segment ``i`` at ``starts[i]``, ``extents[i]``
+    elements long (the part past the tensor zeroed), every other element zeroed.
+
+    The launch is ``(tensors, out, scale, check_finite) -> flag or None`` for
+    tensors and a buffer of the prepared layout (the 0-d bool non-finite flag
+    with ``check_finite``). The buffer's views are made here, once: on the
+    CPU a view costs microseconds and a model has hundreds of gradients.
+    """
+    alias = out.detach()  # the views keep the memory, not the caller's tensor object
+    segments = _segment_views(alias, starts, tensors)
+    gaps = _gap_views(alias, starts, [t.numel() for t in tensors], extents)
+    plan = CopyPlan([out.dtype] * len(tensors), [t.dtype for t in tensors])
+
+    def launch(tensors, out, scale, check_finite):
+        with torch.no_grad():
+            # the gaps are zeroed after: the whole buffer may be scaled at once
+            plan.run(segments, tensors, scale, whole=out)
+            if gaps:
+                torch._foreach_zero_(gaps)
+            return _found_nonfinite(tensors, out) if check_finite else None
+    return launch
+
+
+class ScaledNarrowing:
+    """The third route of a scaled unflatten from an fp32 buffer: 16-bit
+    destinations, each ``cast(x * scale)`` rounded once from the fp32 product.
+
+    One ``torch.mul(src, scale, out=dst)`` per pair does that, but a
+    type-converting ``mul`` costs several microseconds per call, which
+    dominates for the many small tensors of a model. So small segments (under
+    ``CACHE_PIECE`` elements) are scaled together instead: the runs of the
+    buffer that hold them are multiplied into a kept fp32 scratch tensor (one
+    ``mul`` per run, the same fp32 products), and one ``_foreach_copy_`` rounds
+    them into their destinations. Large segments keep their own ``mul``.
+    """
+
+    # small segments this close together share a run (the gap is multiplied too)
+    MERGE_GAP = 256
+
+    def __init__(self, flat: torch.Tensor, starts: Sequence[int], tensors, indices):
+        self.large = [i for i in indices if tensors[i].numel() >= CACHE_PIECE]
+        self.small = [i for i in indices if 0 < tensors[i].numel() < CACHE_PIECE]
+        runs = []  # [lo, hi) of flat
+        for i in sorted(self.small, key=lambda i: starts[i]):
+            lo, hi = starts[i], starts[i] + tensors[i].numel()
+            if runs and lo - runs[-1][1] <= self.MERGE_GAP:
+                runs[-1][1] = max(runs[-1][1], hi)
+            else:
+                runs.append([lo, hi])
+        alias = flat.detach()
+        scratch = torch.empty(sum(hi - lo for lo, hi in runs), dtype=torch.float32,
+                              device=flat.device)
+        self.flat_runs, self.scratch_runs, place = [], [], {}
+        position = 0
+        for lo, hi in runs:
+            self.flat_runs.append(alias.narrow(0, lo, hi - lo))
+            self.scratch_runs.append(scratch.narrow(0, position, hi - lo))
+            place[lo] = position - lo  # scratch offset of flat element e in this run: e + it
+            position += hi - lo
+        run_starts = sorted(place)
+        shift = []
+        for i in self.small:
+            # the run holding segment i is the last one starting at or before it
+            lo = run_starts[bisect.bisect_right(run_starts, starts[i]) - 1]
+            shift.append(starts[i] + place[lo])
+        self.scratch_views = _segment_views(scratch, shift, [tensors[i] for i in self.small])
+
+    def __call__(self, dsts, srcs, scale: float) -> None:
+        for i in self.large:
+            torch.mul(srcs[i], scale, out=dsts[i])
+        for flat_run, scratch_run in zip(self.flat_runs, self.scratch_runs):
+            torch.mul(flat_run, scale, out=scratch_run)
+        if self.small:
+            torch._foreach_copy_([dsts[i] for i in self.small], self.scratch_views)
+
+
+def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
+                      starts: Sequence[int]) -> Callable:
+    """The launch ``(flat, tensors, scale, accumulate) -> None`` that writes (or
+    adds) each segment of ``flat`` into its tensor, in place."""
+    segments = _segment_views(flat.detach(), starts, tensors)
+    plan = CopyPlan([t.dtype for t in tensors], [flat.dtype] * len(tensors))
+    narrowing = None
+    if flat.dtype == torch.float32 and plan.routes(False)[2]:
+        narrowing = ScaledNarrowing(flat, starts, tensors, plan.routes(False)[2])
+
+    def launch(flat, tensors, scale, accumulate):
+        with torch.no_grad():
+            plan.run(tensors, segments, scale, accumulate, products=narrowing)
+    return launch
 
 
 def _found_nonfinite(tensors, out) -> torch.Tensor:
@@ -215,10 +318,3 @@ def _found_nonfinite(tensors, out) -> torch.Tensor:
     if not flags:
         return torch.zeros((), dtype=torch.bool, device=device)
     return torch.stack(flags).any()
-
-
-def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor], starts: Sequence[int],
-              scale: float, accumulate: bool) -> None:
-    """Write (or add) each segment of ``flat`` into its tensor, in place."""
-    with torch.no_grad():
-        _scaled_copies(tensors, _segment_views(flat, starts, tensors), scale, accumulate)

@@ -1,12 +1,15 @@
 """The flatten family on Triton: gather many tensors into one flat buffer and back.
 
 One launch serves any number of tensors. The host builds one int64 table per
-call (:func:`build_table`)::
+layout (:func:`build_table`), uploads it once and keeps it on the device::
 
     [ src_bytes | numel | extent | flat_start | kind ]  one column per segment
-    [ scale bits ]                                      the float64 scale, bit-cast
     [ work ]                                            one entry per program:
                                                         segment << 32 | block
+
+The scale is not in the table: it travels with each launch as two 32-bit
+words of its float64 bits (``scale_words``), arguments Triton does not
+specialize on, so a new scale neither rebuilds the table nor compiles.
 
 Every program copies one ``BLOCK`` of one segment, so a 1-element bias and a
 25M-element weight cost the same per program and no program idles on mixed
@@ -25,15 +28,17 @@ everything else takes the masked path, which adds the remainders back.
 Element math is in fp32, or fp64 when either side of the copy is fp64; 16-bit
 results are rounded from an fp32 value (as torch's own casts do).
 
-``flatten`` and ``unflatten`` are this backend's side of the kernels' backend
-protocol (``kernels/_backends.py``): the same arguments as the torch
-fallback's, already validated by the façade. Their Triton-only staging (a
-contiguous copy of a strided tensor, a pseudo-segment that zeroes the
-buffer's leading gap, the uint8 flag) happens here.
+``prepare_flatten`` and ``prepare_unflatten`` are this backend's side of the
+kernels' backend protocol (``kernels/_backends.py``): the same arguments as
+the torch fallback's, already validated by the façade; the launches they
+return are kept per layout. Their Triton-only staging (a kept contiguous copy
+of a strided tensor, a pseudo-segment that zeroes the buffer's leading gap,
+the uint8 flag) happens here.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import struct
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -75,13 +80,20 @@ def _flag_nonfinite(x, flag, CHECK_FINITE: tl.constexpr):
 
 
 @triton.jit
+def _scale(high, low):
+    """The float64 scale from its two 32-bit words (``scale_words``)."""
+    bits = (high.to(tl.int64) << 32) | (low.to(tl.int64) & 0xFFFFFFFF)
+    return bits.to(tl.float64, bitcast=True)
+
+
+@triton.jit
 def _segment(table, n_segments, BLOCK: tl.constexpr, FLAT_VEC: tl.constexpr):
     """This program's segment and block, read from the table, hints applied.
 
     The hints must be applied here, on the loads: ``tl.multiple_of`` on a value
     returned from a multi-result call marks the call, and so every result.
     """
-    work = tl.load(table + 5 * n_segments + 1 + tl.program_id(0))
+    work = tl.load(table + 5 * n_segments + tl.program_id(0))
     seg = work >> 32
     start = tl.multiple_of((work - (seg << 32)) * BLOCK, BLOCK)
     src_bytes = tl.multiple_of(tl.load(table + seg), 16)
@@ -93,11 +105,11 @@ def _segment(table, n_segments, BLOCK: tl.constexpr, FLAT_VEC: tl.constexpr):
 
 
 @triton.jit
-def _gather(base, src_bytes, out, flat_start, start, numel, extent, kind, scale_bits, flag,
+def _gather(base, src_bytes, out, flat_start, start, numel, extent, kind, scale, flag,
             SRC: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK: tl.constexpr):
     OUT: tl.constexpr = out.dtype.element_ty
     COMPUTE: tl.constexpr = _compute_dtype(SRC, OUT)
-    scale = tl.load(scale_bits).to(tl.float64, bitcast=True).to(COMPUTE)
+    scale = scale.to(COMPUTE)
     lanes = tl.arange(0, BLOCK)
     src_rem = (kind >> 8) & 255
     flat_rem = (kind >> 16) & 255
@@ -120,28 +132,28 @@ def _gather(base, src_bytes, out, flat_start, start, numel, extent, kind, scale_
         _flag_nonfinite(x, flag, CHECK_FINITE)
 
 
-@triton.jit
-def _flatten_kernel(table, base, out, flag, n_segments,
+@triton.jit(do_not_specialize=["scale_high", "scale_low"])
+def _flatten_kernel(table, base, out, flag, n_segments, scale_high, scale_low,
                     KINDS: tl.constexpr, CHECK_FINITE: tl.constexpr,
                     BLOCK: tl.constexpr, OUT_VEC: tl.constexpr):
     seg, start, src_bytes, numel, extent, flat_start, kind = _segment(table, n_segments, BLOCK,
                                                                       OUT_VEC)
-    scale_bits = table + 5 * n_segments
+    scale = _scale(scale_high, scale_low)
     code = kind & 255
     # single-dtype launches compile one branch; mixed launches pick per segment
     for CODE in tl.static_range(4):
         if ((KINDS >> CODE) & 1) != 0:
             if (KINDS == (1 << CODE)) or (code == CODE):
                 _gather(base, src_bytes, out, flat_start, start, numel, extent, kind,
-                        scale_bits, flag, _dtype_of(CODE), CHECK_FINITE, BLOCK)
+                        scale, flag, _dtype_of(CODE), CHECK_FINITE, BLOCK)
 
 
 @triton.jit
-def _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale_bits,
+def _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
              DST: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
     FLAT: tl.constexpr = flat.dtype.element_ty
     COMPUTE: tl.constexpr = _compute_dtype(DST, FLAT)
-    scale = tl.load(scale_bits).to(tl.float64, bitcast=True).to(COMPUTE)
+    scale = scale.to(COMPUTE)
     lanes = tl.arange(0, BLOCK)
     dst_rem = (kind >> 8) & 255
     flat_rem = (kind >> 16) & 255
@@ -162,18 +174,18 @@ def _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale_bits,
         tl.store(dst + offs, downcast(y, DST), mask=mask)
 
 
-@triton.jit
-def _unflatten_kernel(table, base, flat, n_segments,
+@triton.jit(do_not_specialize=["scale_high", "scale_low"])
+def _unflatten_kernel(table, base, flat, n_segments, scale_high, scale_low,
                       KINDS: tl.constexpr, ACCUMULATE: tl.constexpr,
                       BLOCK: tl.constexpr, FLAT_VEC: tl.constexpr):
     seg, start, dst_bytes, numel, extent, flat_start, kind = _segment(table, n_segments, BLOCK,
                                                                       FLAT_VEC)
-    scale_bits = table + 5 * n_segments
+    scale = _scale(scale_high, scale_low)
     code = kind & 255
     for CODE in tl.static_range(4):
         if ((KINDS >> CODE) & 1) != 0:
             if (KINDS == (1 << CODE)) or (code == CODE):
-                _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale_bits,
+                _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
                          _dtype_of(CODE), ACCUMULATE, BLOCK)
 
 
@@ -193,7 +205,7 @@ def _pick_base(tensors, flat):
     return candidates[0]
 
 
-def build_table(tensors, starts, extents, flat, base, scale):
+def build_table(tensors, starts, extents, flat, base):
     """The int64 launch table (see the module docstring) and the program count.
 
     ``starts[i]``/``extents[i]``: where segment i begins in ``flat`` and how many
@@ -205,7 +217,7 @@ def build_table(tensors, starts, extents, flat, base, scale):
     flat_vec = ALIGN_BYTES // flat.element_size()
     # an unaligned flat buffer sends every block down the masked path
     flat_unaligned = UNALIGNED_FLAT if flat.data_ptr() % ALIGN_BYTES else 0
-    table = np.empty(5 * n + 1, dtype=np.int64)
+    table = np.empty(5 * n, dtype=np.int64)
     blocks = np.empty(n, dtype=np.int64)
     for i, (t, start, extent) in enumerate(zip(tensors, starts, extents)):
         src_bytes = t.data_ptr() - base_addr
@@ -217,59 +229,118 @@ def build_table(tensors, starts, extents, flat, base, scale):
         table[4 * n + i] = (DTYPE_CODES[t.dtype] | (src_bytes % ALIGN_BYTES) << 8
                             | flat_rem << 16 | flat_unaligned)
         blocks[i] = -(-max(extent, t.numel()) // BLOCK)
-    table[5 * n] = np.array([scale], dtype=np.float64).view(np.int64)[0]
     programs = int(blocks.sum())
     segment_of = np.repeat(np.arange(n, dtype=np.int64), blocks)
     first_block = np.repeat(np.cumsum(blocks) - blocks, blocks)
     work = (segment_of << 32) | (np.arange(programs, dtype=np.int64) - first_block)
     full = torch.from_numpy(np.concatenate([table, work]))
-    return full.to(flat.device, non_blocking=True), programs
+    return full, programs
 
 
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (contiguous, non-empty) seen as bytes: the base pointer argument."""
-    return t.reshape(-1).view(torch.uint8)
+def scale_words(scale: float):
+    """The float64 ``scale`` as two signed 32-bit words (high, low): kernel
+    arguments that carry its exact bits and never change the launch signature."""
+    bits = struct.unpack("<q", struct.pack("<d", scale))[0]
+    low = bits & 0xFFFFFFFF
+    return bits >> 32, low - (1 << 32) if low >= 1 << 31 else low
 
 
-def _contiguous(tensors) -> list:
-    """The kernels read and write through one address per tensor."""
-    return [t if t.is_contiguous() else t.contiguous() for t in tensors]
+class _Layout:
+    """What every launch of one layout shares: the device table, the program
+    count, the base tensor's place and the staging of non-contiguous tensors.
+
+    The kernels read and write through one address per tensor, so a
+    non-contiguous tensor goes through a kept contiguous staging tensor (a
+    fixed address the table can hold).
+    """
+
+    def __init__(self, tensors, starts, extents, flat, zero_lead: bool):
+        self.staged_indices = [i for i, t in enumerate(tensors) if not t.is_contiguous()]
+        self.staging = [torch.empty(tensors[i].shape, dtype=tensors[i].dtype,
+                                    device=tensors[i].device) for i in self.staged_indices]
+        seen = list(tensors)
+        for i, s in zip(self.staged_indices, self.staging):
+            seen[i] = s
+        starts, extents = list(starts), list(extents)
+        lead = (starts[0] if seen else flat.numel()) if zero_lead else 0
+        if lead > 0:
+            # an empty pseudo-segment whose programs zero the buffer's leading gap
+            seen, starts, extents = [flat[:0]] + seen, [0] + starts, [lead] + extents
+        # the base of all byte offsets: the flat buffer when it is 16-byte
+        # aligned (always, for a fresh allocation), else an aligned tensor of
+        # the call (an unaligned base only costs vectorization)
+        if flat.data_ptr() % ALIGN_BYTES == 0 and flat.numel() > 0:
+            self.base_index = None
+            base = flat
+        else:
+            base = _pick_base(seen, flat)
+            self.base_index = next((i - (lead > 0) for i, t in enumerate(seen) if t is base),
+                                   None)
+            if self.base_index is not None and self.base_index in self.staged_indices:
+                self.base_staging = self.staging[self.staged_indices.index(self.base_index)]
+                self.base_index = -1
+        self.n_segments = len(seen)
+        self.kinds = kinds_mask(t.dtype for t in seen)
+        table, self.programs = build_table(seen, starts, extents, flat, base)
+        self.table = table.to(flat.device)
+        self.flat_vec = ALIGN_BYTES // flat.element_size()
+
+    def base(self, tensors, flat):
+        """The tensor of this call at the table's base address, as bytes."""
+        if self.base_index is None:
+            base = flat
+        elif self.base_index == -1:
+            base = self.base_staging
+        else:
+            base = tensors[self.base_index]
+        return triton.reinterpret(base, tl.uint8)
 
 
-def flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int], extents: Sequence[int],
-            out: torch.Tensor, scale: float, check_finite: bool) -> Optional[torch.Tensor]:
-    """Fill ``out``: segment ``i`` at ``starts[i]``, ``extents[i]`` elements long
-    (the part past the tensor zeroed), every other element zeroed; the 0-d bool
-    non-finite flag, or None without ``check_finite``."""
-    flag = torch.zeros(1, dtype=torch.uint8, device=out.device) if check_finite else None
-    staged, starts, extents = _contiguous(tensors), list(starts), list(extents)
-    lead = starts[0] if staged else out.numel()
-    if lead > 0:
-        # an empty pseudo-segment whose programs zero the buffer's leading gap
-        staged, starts, extents = [out[:0]] + staged, [0] + starts, [lead] + extents
-    base = _pick_base(staged, out)
-    table, programs = build_table(staged, starts, extents, out, base, scale)
-    if programs:
-        _flatten_kernel[(programs,)](
-            table, _byte_view(base), out, flag if flag is not None else table, len(staged),
-            KINDS=kinds_mask(t.dtype for t in staged), CHECK_FINITE=flag is not None,
-            BLOCK=BLOCK, OUT_VEC=ALIGN_BYTES // out.element_size(), num_warps=NUM_WARPS)
-    return flag.view(torch.bool)[0] if flag is not None else None
+def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
+                    extents: Sequence[int], out: torch.Tensor) -> Callable:
+    """The launch that fills ``out``: segment ``i`` at ``starts[i]``, ``extents[i]``
+    elements long (the part past the tensor zeroed), every other element zeroed.
+
+    The launch is ``(tensors, out, scale, check_finite) -> flag or None`` for
+    tensors and a buffer of the prepared layout: the launch table stays on the
+    device, the scale travels as kernel arguments, so a launch copies nothing
+    to the device and never waits for it.
+    """
+    layout = _Layout(tensors, starts, extents, out, zero_lead=True)
+    staged, staging = layout.staged_indices, layout.staging
+
+    def launch(tensors, out, scale, check_finite):
+        if staged:
+            torch._foreach_copy_(staging, [tensors[i] for i in staged])
+        flag = torch.zeros(1, dtype=torch.uint8, device=out.device) if check_finite else None
+        if layout.programs:
+            high, low = scale_words(scale)
+            _flatten_kernel[(layout.programs,)](
+                layout.table, layout.base(tensors, out), out,
+                flag if flag is not None else layout.table, layout.n_segments, high, low,
+                KINDS=layout.kinds, CHECK_FINITE=flag is not None, BLOCK=BLOCK,
+                OUT_VEC=layout.flat_vec, num_warps=NUM_WARPS)
+        return flag.view(torch.bool)[0] if flag is not None else None
+    return launch
 
 
-def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor], starts: Sequence[int],
-              scale: float, accumulate: bool) -> None:
-    """Write (or add) each segment of ``flat`` into its tensor, in place."""
-    with torch.no_grad():
-        staged = _contiguous(tensors)
-        base = _pick_base(staged, flat)
-        table, programs = build_table(staged, starts, [t.numel() for t in staged], flat, base,
-                                      scale)
-        if programs:
-            _unflatten_kernel[(programs,)](
-                table, _byte_view(base), flat, len(staged),
-                KINDS=kinds_mask(t.dtype for t in staged), ACCUMULATE=accumulate,
-                BLOCK=BLOCK, FLAT_VEC=ALIGN_BYTES // flat.element_size(), num_warps=NUM_WARPS)
-        for t, s in zip(tensors, staged):
-            if s is not t:
-                t.copy_(s)
+def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
+                      starts: Sequence[int]) -> Callable:
+    """The launch ``(flat, tensors, scale, accumulate) -> None`` that writes (or
+    adds) each segment of ``flat`` into its tensor, in place."""
+    layout = _Layout(tensors, starts, [t.numel() for t in tensors], flat, zero_lead=False)
+    staged, staging = layout.staged_indices, layout.staging
+
+    def launch(flat, tensors, scale, accumulate):
+        with torch.no_grad():
+            if staged and accumulate:
+                torch._foreach_copy_(staging, [tensors[i] for i in staged])
+            if layout.programs:
+                high, low = scale_words(scale)
+                _unflatten_kernel[(layout.programs,)](
+                    layout.table, layout.base(tensors, flat), flat, layout.n_segments,
+                    high, low, KINDS=layout.kinds, ACCUMULATE=accumulate, BLOCK=BLOCK,
+                    FLAT_VEC=layout.flat_vec, num_warps=NUM_WARPS)
+            if staged:
+                torch._foreach_copy_([tensors[i] for i in staged], staging)
+    return launch

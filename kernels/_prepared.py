@@ -1,0 +1,151 @@
+"""Prepared launches: the work of a fused call that depends only on its layout, done once.
+
+A training loop calls the flatten kernels thousands of times with the same
+tensors into the same buffer. Everything that depends only on the layout —
+the argument checks, each segment's place in the buffer, the torch fallback's
+views of the buffer and copy routes, the Triton launch table on the device —
+is worked out by the first call and kept in a ``Prepared`` entry.
+
+A later call is recognised by its *signature*: for every tensor its address,
+element count (its shape, for the torch fallback), dtype and whether it is
+contiguous (and a non-contiguous one's shape and strides), plus the buffer
+(the same Python object, still at the same address, size and dtype) and the
+offsets. That is exactly what the results and the checks depend on, so a
+call whose signature equals the kept one runs the kept launch without
+re-validating, and any other call — a tensor moved, resized, re-typed or made
+non-contiguous, another buffer — is validated and prepared afresh. Reading
+the signature is the only per-tensor Python work of a steady-state call
+(four C-level ``map`` passes).
+
+New tensor objects at the old addresses are the same layout: gradients that
+``optimizer.zero_grad()`` set to None come back at the same addresses on CUDA
+(the caching allocator reuses them), and the kept launch serves them.
+
+Entries are kept per buffer object and die with it (a weak reference with a
+callback), and at most ``KEPT`` are kept in all, least recently used first out.
+A torch entry holds views of its buffer; they are made from a detached alias,
+so they keep the memory but not the caller's tensor object alive.
+"""
+from __future__ import annotations
+
+import operator
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Callable, Optional, Sequence
+
+import torch
+
+#: prepared layouts kept at most (per process)
+KEPT = 64
+
+_data_ptr = torch.Tensor.data_ptr
+_shape = operator.attrgetter("shape")
+_numel = torch.Tensor.numel
+_dtype = operator.attrgetter("dtype")
+_is_contiguous = torch.Tensor.is_contiguous
+
+
+class Prepared:
+    """One prepared layout: the signature it was prepared for and its launch.
+
+    ``by_shape``: whether the launch depends on the tensors' shapes (the torch
+    fallback's views have them) or only on their element counts (the Triton
+    kernels read a contiguous tensor in memory order, whatever its shape;
+    comparing counts is three times cheaper than comparing shapes). The
+    shapes and strides of non-contiguous tensors are always compared.
+    """
+
+    __slots__ = ("buffer_ref", "buffer_ptr", "buffer_numel", "buffer_dtype", "buffer_stride",
+                 "offsets", "offsets_source", "ptrs", "sizes", "size_of", "dtypes",
+                 "contiguous", "strided", "launch", "__weakref__")
+
+    def __init__(self, buffer: torch.Tensor, offsets, starts: Sequence[int],
+                 tensors: Sequence[torch.Tensor], launch: Callable, by_shape: bool):
+        self.buffer_ref = None  # set by ``store``
+        self.buffer_ptr, self.buffer_numel = buffer.data_ptr(), buffer.numel()
+        self.buffer_dtype, self.buffer_stride = buffer.dtype, buffer.stride()
+        # the checked starts, as ints: the caller's offsets may be a tensor or a
+        # list changed in place later. A tuple of ints cannot change, so the
+        # same tuple passed again is known equal without comparing it.
+        self.offsets = None if offsets is None else tuple(starts)
+        self.offsets_source = offsets if type(offsets) is tuple and \
+            all(type(o) is int for o in offsets) else None
+        self.size_of = _shape if by_shape else _numel
+        self.ptrs = list(map(_data_ptr, tensors))
+        self.sizes = list(map(self.size_of, tensors))
+        self.dtypes = list(map(_dtype, tensors))
+        self.contiguous = list(map(_is_contiguous, tensors))
+        self.strided = [(i, t.shape, t.stride()) for i, t in enumerate(tensors)
+                        if not t.is_contiguous()]
+        self.launch = launch
+
+    def matches(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets) -> bool:
+        """Whether a call with these arguments has exactly the prepared layout."""
+        if self.buffer_ref() is not buffer or buffer.data_ptr() != self.buffer_ptr \
+                or buffer.numel() != self.buffer_numel or buffer.dtype != self.buffer_dtype \
+                or buffer.stride() != self.buffer_stride:
+            return False
+        try:
+            if offsets is None or self.offsets is None:
+                if offsets is not self.offsets:
+                    return False
+            elif offsets is not self.offsets_source and tuple(offsets) != self.offsets:
+                return False
+            return (list(map(_data_ptr, tensors)) == self.ptrs
+                    and list(map(self.size_of, tensors)) == self.sizes
+                    and list(map(_dtype, tensors)) == self.dtypes
+                    and list(map(_is_contiguous, tensors)) == self.contiguous
+                    and all(tensors[i].shape == shape and tensors[i].stride() == stride
+                            for i, shape, stride in self.strided))
+        except (TypeError, RuntimeError, AttributeError):
+            return False  # not a list of dense tensors: validation names the problem
+
+
+class Cache:
+    """Prepared entries by (operation, backend, buffer object), least recently used out."""
+
+    def __init__(self, kept: int = KEPT) -> None:
+        self.kept = kept
+        self._entries: "OrderedDict[tuple, Prepared]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def lookup(self, op: str, backend: str, buffer: torch.Tensor,
+               tensors: Sequence[torch.Tensor], offsets) -> Optional[Callable]:
+        """The kept launch for this call, or None if its layout is not the prepared one."""
+        key = (op, backend, id(buffer))
+        entry = self._entries.get(key)
+        if entry is None or not entry.matches(buffer, tensors, offsets):
+            return None
+        try:
+            self._entries.move_to_end(key)
+        except KeyError:  # forgotten meanwhile by another thread; the entry is still valid
+            pass
+        return entry.launch
+
+    def store(self, op: str, backend: str, buffer: torch.Tensor, entry: Prepared) -> None:
+        """Keep ``entry`` for calls of ``op`` into ``buffer`` (replacing an older one)."""
+        key = (op, backend, id(buffer))
+
+        def forget(_ref, key=key, entry_ref=weakref.ref(entry)):
+            with self._lock:
+                if self._entries.get(key) is entry_ref():
+                    del self._entries[key]
+
+        entry.buffer_ref = weakref.ref(buffer, forget)
+        with self._lock:
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.kept:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+#: the kernels' prepared launches (``flatten_cast_scale`` and ``unflatten_cast_scale``)
+LAUNCHES = Cache()
