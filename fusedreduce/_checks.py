@@ -1,7 +1,9 @@
 """Checks of the user APIs' plain arguments, with errors that name the argument."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
+
+import torch
 
 from . import kernels
 
@@ -30,3 +32,34 @@ def check_prescale(prescale) -> Optional[float]:
         if prescale == 0:
             raise ValueError("prescale must not be 0: the sum would be lost")
     return prescale
+
+
+def tensor_list(value, name: str) -> list:
+    """``value`` (any iterable of tensors but a tensor itself) as a list.
+
+    Raises:
+        TypeError: ``value`` is a tensor (iterating it would give its rows) or
+            not iterable, naming ``name``.
+    """
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a list or tuple of tensors, got a single tensor; "
+                        f"wrap it in a list: [tensor]")
+    try:
+        return list(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an iterable of tensors, got "
+                        f"{type(value).__name__}") from None
+
+
+def check_distinct(tensors: List[torch.Tensor], name: str) -> None:
+    """No tensor appears twice in ``tensors``.
+
+    Raises:
+        ValueError: naming both positions of the first repeated tensor.
+    """
+    first = {}
+    for i, t in enumerate(tensors):
+        j = first.setdefault(id(t), i)
+        if j != i:
+            raise ValueError(f"{name}[{i}] is {name}[{j}] again: each tensor may be passed "
+                             f"once (its gradient would be reduced twice)")

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
+from ._checks import tensor_list
 from .buckets import Bucket, BucketPlan
 from .precision import communication_dtype
 from .process_group import (consecutive_block, global_ranks, require_process_group,
@@ -75,15 +76,16 @@ def adasum_allreduce(tensors: Sequence[torch.Tensor], group=None, *, local_size:
     Raises:
         RuntimeError: torch.distributed is not initialised; the ranks' tensor
             lists differ (raised on every rank, naming the first difference).
-        TypeError: a sparse, integer or non-tensor entry (the index is named).
+        TypeError: a sparse, integer or non-tensor entry (the index is named),
+            or a single tensor instead of a list.
         ValueError: ``local_size`` does not divide the world size.
 
     Example:
         >>> averaged = adasum_allreduce([p.grad for p in model.parameters()])  # doctest: +SKIP
     """
+    tensors = tensor_list(tensors, "tensors")
     world_size = require_process_group(group)
     check_local_size(local_size, world_size)
-    tensors = list(tensors)
     plan = BucketPlan(tensors, bucket_cap_mb=bucket_cap_mb, comm_dtype=communication_dtype)
     if world_size > 1:
         names = [f"tensors[{i}] {tuple(s.shape)} {s.dtype}" for i, s in enumerate(plan.specs)]

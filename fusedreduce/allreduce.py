@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
+from ._checks import tensor_list
 from .buckets import Bucket, BucketPlan
 from .process_group import require_process_group
 
@@ -51,16 +52,24 @@ def start_bucket_all_reduce(plan: BucketPlan, bucket: Bucket, tensors: Sequence[
     no extra collective. ``world_size`` is the group's: a world of one rank
     starts no collective.
     """
+    # the buffer itself (never a fresh slice of it) goes to the kernels, so that
+    # their launch prepared for it is found again next step; the spare element
+    # lies past the bucket's segments and is zeroed with them, then set
+    flat, spare = plan.flatten(bucket, tensors, out=buffer, scale=prescale,
+                               check_finite=count_nonfinite, backend=backend), None
     if count_nonfinite:
-        flat, spare = buffer[:bucket.size], buffer[bucket.size]
-        _, flag = plan.flatten(bucket, tensors, out=flat, scale=prescale, check_finite=True,
-                               backend=backend)
+        flat, flag = flat
+        spare = buffer[bucket.size]
         spare.copy_(flag)
-    else:
-        flat, spare = plan.flatten(bucket, tensors, out=buffer, scale=prescale,
-                                   backend=backend), None
+    return start_all_reduce(bucket, buffer, group=group, world_size=world_size, spare=spare)
+
+
+def start_all_reduce(bucket: Bucket, buffer: torch.Tensor, *, group, world_size: int,
+                     spare: Optional[torch.Tensor] = None) -> PendingBucket:
+    """Start the sum of ``buffer`` (``bucket``'s flat buffer, already filled) over
+    ``group``; a world of one rank starts no collective."""
     work = dist.all_reduce(buffer, group=group, async_op=True) if world_size > 1 else None
-    return PendingBucket(bucket, flat, work, spare)
+    return PendingBucket(bucket, buffer, work, spare)
 
 
 def finish_bucket(plan: BucketPlan, pending: PendingBucket, outputs: Sequence[torch.Tensor], *,
@@ -130,6 +139,9 @@ def all_reduce_plan(
         >>> plan = BucketPlan(grads, comm_dtype=torch.float32)      # doctest: +SKIP
         >>> all_reduce_plan(plan, grads, postscale=1 / dist.get_world_size())  # doctest: +SKIP
     """
+    tensors = tensor_list(tensors, "tensors")
+    if outputs is not None:
+        outputs = tensor_list(outputs, "outputs")
     world_size = require_process_group(group)
     plan.check(tensors, "tensors")
     outputs = tensors if outputs is None else outputs

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
+from ._checks import tensor_list
 from .buckets import BucketPlan
 from .process_group import (check_rank, comm_device, global_rank, require_process_group,
                             verify_same_on_all_ranks)
@@ -41,7 +42,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *, group=None,
         RuntimeError: with ``verify``: the ranks' tensor lists or bucket
             layouts differ (raised on every rank before any broadcast).
     """
-    tensors = list(tensors)
+    tensors = tensor_list(tensors, "tensors")
     device = comm_device(group)
     floating = [t for t in tensors if t.dtype in kernels.SUPPORTED_DTYPES]
     others = [t for t in tensors if t.dtype not in kernels.SUPPORTED_DTYPES]

@@ -16,8 +16,10 @@ from typing import Iterable, List, Optional, Sequence, Union
 import torch
 
 from . import kernels
-from ._checks import check_int, check_prescale
-from .allreduce import PendingBucket, finish_bucket, start_bucket_all_reduce
+from ._checks import check_distinct, check_int, check_prescale, tensor_list
+from .allreduce import (PendingBucket, finish_bucket, start_all_reduce, start_bucket_all_reduce,
+                        wait_for)
+from .bucket_views import BucketViews
 from .buckets import BucketPlan
 from .overlap import BackwardOverlap
 from .precision import communication_dtype, split_scale
@@ -54,10 +56,11 @@ class DistributedGradReducer:
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        TypeError: a parameter is not a dense floating tensor, or a bad
-            ``reduce_dtype``/``fusion_type`` type.
-        ValueError: ``degree`` is not a positive int (as in MindSpore), a bad
-            ``fusion_type`` length, ``bucket_cap_mb`` or ``prescale``.
+        TypeError: a parameter is not a dense floating tensor, ``parameters``
+            is a single tensor, or a bad ``reduce_dtype``/``fusion_type`` type.
+        ValueError: ``degree`` is not a positive int (as in MindSpore), a
+            parameter passed twice, a bad ``fusion_type`` length,
+            ``bucket_cap_mb`` or ``prescale``.
 
     Example:
         >>> reducer = DistributedGradReducer(model.parameters())          # doctest: +SKIP
@@ -79,10 +82,11 @@ class DistributedGradReducer:
         check_finite: bool = False,
         backend: str = "auto",
     ) -> None:
-        self.parameters: List[torch.Tensor] = list(parameters)
+        self.parameters: List[torch.Tensor] = tensor_list(parameters, "parameters")
         for i, p in enumerate(self.parameters):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"parameters[{i}] must be a tensor, got {type(p).__name__}")
+        check_distinct(self.parameters, "parameters")
         if degree is not None:
             check_int(degree, "degree")
         if reduce_dtype not in kernels.SUPPORTED_DTYPES:
@@ -115,6 +119,8 @@ class DistributedGradReducer:
                                     total if b.dtype in kernels.SIXTEEN_BIT_DTYPES else 1.0)
                         for b in self.plan.buckets]
         self._buffers: Optional[List[torch.Tensor]] = None
+        self._views: Optional[BucketViews] = None
+        self._call_buffers: Optional[List[torch.Tensor]] = None
         self._verified = self.world_size == 1
         self._overlap = BackwardOverlap([self.parameters[i] for i in self._order], self.plan,
                                         self._start, self._finish, self._verify_once)
@@ -151,20 +157,41 @@ class DistributedGradReducer:
                                  f"parameters[{i}] is {tuple(p.shape)} {p.dtype} on {p.device}")
 
     # ---------------------------------------------------------- one reduction
+    def _new_buffers(self) -> List[torch.Tensor]:
+        return [self.plan.new_buffer(b, spare=int(self.check_finite)) for b in self.plan.buckets]
+
     def _start(self, index: int, tensors: Sequence[Optional[torch.Tensor]]) -> PendingBucket:
+        """Start bucket ``index`` of a backward pass (the hooks' path)."""
         if self._buffers is None:
-            self._buffers = [self.plan.new_buffer(b, spare=int(self.check_finite))
-                             for b in self.plan.buckets]
+            self._buffers = self._new_buffers()
+        bucket, buffer = self.plan.buckets[index], self._buffers[index]
         prescale, _ = self._scales[index]
+        if self._views is not None and self._views.viewed(bucket):
+            # the gradients are the buffer already: no flatten
+            self._views.adopt(bucket)
+            flag = self._views.gather(bucket, prescale, self.check_finite)
+            spare = None
+            if flag is not None:
+                spare = buffer[bucket.size]
+                spare.copy_(flag)
+            return start_all_reduce(bucket, buffer, group=self.group,
+                                    world_size=self.world_size, spare=spare)
         return start_bucket_all_reduce(
-            self.plan, self.plan.buckets[index], tensors, self._buffers[index], group=self.group,
+            self.plan, bucket, tensors, buffer, group=self.group,
             world_size=self.world_size, prescale=prescale, backend=self.backend,
             count_nonfinite=self.check_finite)
 
     def _finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
         for p in pending:
             _, postscale = self._scales[p.bucket.index]
-            finish_bucket(self.plan, p, outputs, postscale=postscale, backend=self.backend)
+            if self._views is not None and self._views.viewed(p.bucket):
+                wait_for(p)
+                self._views.scatter(p.bucket, postscale)  # the views are the outputs
+            else:
+                finish_bucket(self.plan, p, outputs, postscale=postscale, backend=self.backend)
+        self._record_nonfinite(pending)
+
+    def _record_nonfinite(self, pending: Sequence[PendingBucket]) -> None:
         if self.check_finite:
             counts = [p.nonfinite_ranks for p in pending]
             self.found_nonfinite = (torch.stack(counts) != 0).any() if counts else \
@@ -188,8 +215,25 @@ class DistributedGradReducer:
         self._verify_once()
         ordered = [grad_list[i] for i in self._order]
         outputs = [torch.empty_like(g) for g in ordered]
-        pending = [self._start(k, ordered) for k in range(len(self.plan.buckets))]
-        self._finish(pending, outputs)
+        if self._views is not None:
+            # the hooks' buffers hold the parameters' .grad: calls get their own
+            if self._call_buffers is None:
+                self._call_buffers = self._new_buffers()
+            buffers = self._call_buffers
+        else:
+            if self._buffers is None:
+                self._buffers = self._new_buffers()
+            buffers = self._buffers
+        pending = []
+        for bucket, buffer in zip(self.plan.buckets, buffers):
+            prescale, _ = self._scales[bucket.index]
+            pending.append(start_bucket_all_reduce(
+                self.plan, bucket, ordered, buffer, group=self.group, world_size=self.world_size,
+                prescale=prescale, backend=self.backend, count_nonfinite=self.check_finite))
+        for p in pending:
+            _, postscale = self._scales[p.bucket.index]
+            finish_bucket(self.plan, p, outputs, postscale=postscale, backend=self.backend)
+        self._record_nonfinite(pending)
         result = [None] * len(grad_list)
         for slot, i in enumerate(self._order):
             result[i] = outputs[slot]
@@ -198,7 +242,8 @@ class DistributedGradReducer:
         return tuple(result) if isinstance(grads, tuple) else result
 
     # ----------------------------------------------------- overlap with backward
-    def register_hooks(self, passes_per_sync: int = 1) -> "DistributedGradReducer":
+    def register_hooks(self, passes_per_sync: int = 1, *,
+                       gradient_as_bucket_view: bool = False) -> "DistributedGradReducer":
         """Reduce ``.grad`` of every parameter during backward, overlapped.
 
         Each parameter gets a post-accumulate-grad hook; a bucket's all-reduce
@@ -213,6 +258,17 @@ class DistributedGradReducer:
         rank produced one). Gradient accumulation: inside ``no_sync()`` or on
         all but every ``passes_per_sync``-th backward, nothing is
         communicated and gradients accumulate locally.
+
+        ``gradient_as_bucket_view=True`` (DDP's option, same meaning): from
+        the first reduction on, each ``.grad`` is a view of its bucket's
+        flat buffer (``bucket_views.BucketViews``), so backward accumulates
+        in place and a gradient in its bucket's communication dtype is never
+        copied; other dtypes take one contiguous cast per run of segments.
+        Results are bitwise those of the default mode; memory holds one
+        gradient copy less. ``zero_grad(set_to_none=True)`` works: the
+        fresh gradients of the next backward are copied into the views once.
+        Buckets with a non-contiguous parameter (e.g. channels-last) keep the
+        default path.
 
         Raises:
             ValueError: a parameter does not require grad (it would never be
@@ -230,12 +286,21 @@ class DistributedGradReducer:
             if not p.requires_grad:
                 raise ValueError(f"parameters[{i}] does not require grad: its gradient would "
                                  f"never be ready; leave it out of the reducer")
+        if gradient_as_bucket_view:
+            if self._buffers is None:
+                self._buffers = self._new_buffers()
+            self._views = BucketViews([self.parameters[i] for i in self._order], self.plan,
+                                      self._buffers, self.backend)
         self._overlap.attach(passes_per_sync)
         return self
 
     def remove_hooks(self) -> None:
-        """Undo ``register_hooks``."""
+        """Undo ``register_hooks``. Gradients that were bucket views keep their
+        memory; the reducer takes fresh buffers."""
         self._overlap.detach()
+        if self._views is not None:
+            self._views = None
+            self._buffers = None
 
     def no_sync(self):
         """A context in which backward passes accumulate gradients locally."""

@@ -146,6 +146,8 @@ def _bad_calls(rank, world_size):
         "another dtype on rank 0": lambda: adasum_allreduce(
             [torch.ones(4, dtype=torch.float16 if rank == 0 else torch.float32)]),
         "sparse": lambda: adasum_allreduce([torch.ones(3), torch.ones(4).to_sparse()]),
+        # a tensor is iterable (over its rows): refused, not taken as a list
+        "a single tensor": lambda: adasum_allreduce(torch.ones(4, 3)),
         "integer": lambda: adasum_allreduce([torch.ones(3), torch.arange(4)]),
         "local_size 0": lambda: adasum_allreduce(grads, local_size=0),
         "local_size True": lambda: adasum_allreduce(grads, local_size=True),

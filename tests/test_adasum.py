@@ -294,6 +294,7 @@ EXPECTED_ERRORS = {
     "another shape on the last rank": ("RuntimeError", "tensor 7"),
     "another dtype on rank 0": ("RuntimeError", "tensor 0"),
     "sparse": ("TypeError", "tensors[1]"),
+    "a single tensor": ("TypeError", "single tensor"),
     "integer": ("TypeError", "tensors[1]"),
     "local_size 0": ("ValueError", "local_size"),
     "local_size True": ("ValueError", "local_size"),

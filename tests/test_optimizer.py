@@ -383,8 +383,17 @@ def _bad_arguments(rank, world_size):
         "param_pack_thd=0": lambda: make(param_pack_thd=0),
         "not an optimizer": lambda: DistributedOptimizer(model),
         "a step with a closure": lambda: make(bcast_period=-1).step(lambda: 0.0),
+        "a parameter passed twice": lambda: _twice(model),
     }
     return outcomes_and_collectives(cases)
+
+
+def _twice(model):
+    weight = next(model.parameters())
+    with warnings.catch_warnings():  # torch only warns about the duplicate
+        warnings.simplefilter("ignore")
+        optimizer = torch.optim.SGD([weight, weight], lr=0.1)
+    return DistributedOptimizer(optimizer)
 
 
 def test_bad_arguments_raise_on_every_rank_before_any_collective():
@@ -398,6 +407,7 @@ def test_bad_arguments_raise_on_every_rank_before_any_collective():
         "param_pack_thd=0": ("ValueError", "param_pack_thd"),
         "not an optimizer": ("TypeError", "Optimizer"),
         "a step with a closure": ("RuntimeError", "closure"),
+        "a parameter passed twice": ("ValueError", "parameters[1] is parameters[0]"),
     }
     assert_raised_before_any_collective(results, expected)
 
