@@ -173,12 +173,14 @@ def format_table(rows: Sequence[Mapping], columns: Sequence[Column],
     Text columns are left-aligned, numbers right-aligned.
     """
     def cell(value, spec) -> str:
+        if value is None:
+            return "-"
         return spec(value) if callable(spec) else format(value, spec)
 
     cells = [[cell(row[key], spec) for _, key, spec in columns] for row in rows]
     widths = [max([len(header)] + [len(line[i]) for line in cells])
               for i, (header, _, _) in enumerate(columns)]
-    numeric = [bool(rows) and isinstance(rows[0][key], (int, float)) for _, key, _ in columns]
+    numeric = [any(isinstance(row[key], (int, float)) for row in rows) for _, key, _ in columns]
 
     def line(values):
         return "  ".join(v.rjust(w) if num else v.ljust(w)

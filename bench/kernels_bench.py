@@ -14,8 +14,11 @@ scaled to each ``--sizes`` entry), input dtype and scale there are two cases:
   per tensor into its slice, then one ``mul_`` (skipped at scale 1: nobody
   writes a multiply by one, and a baseline should be the best a hand-written
   loop does).
-- ``torch_foreach`` (baseline, CUDA only): ``torch._foreach_copy_`` into the
-  slices, then ``torch._foreach_mul_`` (skipped at scale 1).
+- ``torch_foreach`` (baseline): ``torch._foreach_copy_`` into the slices,
+  then one ``mul_`` of the buffer (skipped at scale 1).
+- ``torch_cat`` (baseline): ``torch.cat(inputs, out=buffer)``, which casts
+  while it concatenates (one op; on CUDA one batched kernel), then one
+  ``mul_`` (skipped at scale 1).
 - ``fusedreduce`` (ours): ``flatten_cast_scale(ts, out, scale=s)`` into a
   preallocated buffer reused every call, the way the library calls it.
 - ``fusedreduce_fresh_out`` (ours): the same with ``out=None``, so the cost
@@ -25,8 +28,18 @@ scaled to each ``--sizes`` entry), input dtype and scale there are two cases:
 ``copy`` (the fp32 -> dtype copy), ``naive``
 (``_unflatten_dense_tensors(flat * s, ts)`` then one ``copy_`` per tensor),
 ``scale_then_views`` (one ``mul`` unless s is 1, then one ``copy_`` per
-tensor), ``torch_foreach`` (CUDA only: ``_foreach_mul`` then
-``_foreach_copy_``) and ``fusedreduce`` (``unflatten_cast_scale(flat, ts, scale=s)``).
+tensor), ``torch_foreach`` (``_foreach_copy_`` out of the views, then
+``_foreach_mul_`` of the outputs unless s is 1: the fastest torch order
+measured here, though it rounds twice), ``torch_split_copy`` (only where the
+outputs have the buffer's dtype: ``torch.split_with_sizes_copy(flat, sizes,
+out=views)``, what FSDP2 copies out with, then ``_foreach_mul_`` unless s is
+1) and ``fusedreduce`` (``unflatten_cast_scale(flat, ts, scale=s)``).
+
+``fusedreduce_host`` (host cost, flatten and unflatten): what the host spends
+per steady-state call on the Triton path, the kernel's execution excluded
+(``host_cost.py``: on CUDA an unsynchronised call, on the CPU a child process
+under Triton's interpreter with the kernel's run made a no-op). Its ``ms`` is
+host time; it has no bandwidth or ratio, and the summary leaves it out.
 
 Every method counts the same bytes: each element read once in one dtype and
 written once in the other (``n * (in_size + out_size)``), so ``gbps`` is the
@@ -41,14 +54,14 @@ one (L2 flushed between calls).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from fusedreduce.kernels import flatten_cast_scale, unflatten_cast_scale
+from fusedreduce.kernels import flatten_cast_scale, triton_available, unflatten_cast_scale
 
-from . import common, timing
+from . import common, host_cost, timing
 from .models import TENSOR_LISTS, Shape
 
 FLAT_DTYPE = torch.float32
@@ -61,8 +74,10 @@ QUICK_DTYPES = ["float16"]
 DEFAULT_SIZES = [1_000_000, 4_000_000, 25_600_000]
 QUICK_SIZES = [250_000, 1_000_000]
 ROLES = {"copy": "reference", "naive": "baseline", "views_then_scale": "baseline",
-         "scale_then_views": "baseline", "torch_foreach": "baseline",
-         "fusedreduce": "ours", "fusedreduce_fresh_out": "ours"}
+         "scale_then_views": "baseline", "torch_foreach": "baseline", "torch_cat": "baseline",
+         "torch_split_copy": "baseline", "fusedreduce": "ours",
+         "fusedreduce_fresh_out": "ours", "fusedreduce_host": "host"}
+HOST_METHOD = "fusedreduce_host"
 BASELINE = "copy"
 
 
@@ -92,7 +107,7 @@ class Workload:
         self.dst_views = [t.view(-1) for t in self.dsts]
 
 
-def flatten_methods(w: Workload, scale: float, foreach: bool) -> Dict[str, Callable[[], object]]:
+def flatten_methods(w: Workload, scale: float) -> Dict[str, Callable[[], object]]:
     """The flatten methods as zero-argument calls, each returning what it wrote."""
 
     def copy():
@@ -108,9 +123,11 @@ def flatten_methods(w: Workload, scale: float, foreach: bool) -> Dict[str, Calla
 
     def torch_foreach():
         torch._foreach_copy_(w.slices, w.inputs)
-        if scale != 1.0:
-            torch._foreach_mul_(w.slices, scale)
-        return w.out
+        return w.out.mul_(scale) if scale != 1.0 else w.out
+
+    def torch_cat():
+        torch.cat(w.inputs, out=w.out)
+        return w.out.mul_(scale) if scale != 1.0 else w.out
 
     def fusedreduce():
         return flatten_cast_scale(w.tensors, w.out, scale=scale)
@@ -118,16 +135,12 @@ def flatten_methods(w: Workload, scale: float, foreach: bool) -> Dict[str, Calla
     def fusedreduce_fresh_out():
         return flatten_cast_scale(w.tensors, dtype=FLAT_DTYPE, scale=scale)
 
-    fns = {"copy": copy, "naive": naive, "views_then_scale": views_then_scale,
-           "torch_foreach": torch_foreach, "fusedreduce": fusedreduce,
-           "fusedreduce_fresh_out": fusedreduce_fresh_out}
-    if not foreach:
-        del fns["torch_foreach"]
-    return fns
+    return {"copy": copy, "naive": naive, "views_then_scale": views_then_scale,
+            "torch_foreach": torch_foreach, "torch_cat": torch_cat, "fusedreduce": fusedreduce,
+            "fusedreduce_fresh_out": fusedreduce_fresh_out}
 
 
-def unflatten_methods(w: Workload, scale: float,
-                      foreach: bool) -> Dict[str, Callable[[], object]]:
+def unflatten_methods(w: Workload, scale: float) -> Dict[str, Callable[[], object]]:
     """The unflatten methods as zero-argument calls, each returning what it wrote."""
 
     def copy():
@@ -145,8 +158,15 @@ def unflatten_methods(w: Workload, scale: float,
         return w.dsts
 
     def torch_foreach():
-        views = torch._foreach_mul(w.flat_views, scale) if scale != 1.0 else w.flat_views
-        torch._foreach_copy_(w.dst_views, views)
+        torch._foreach_copy_(w.dst_views, w.flat_views)
+        if scale != 1.0:
+            torch._foreach_mul_(w.dst_views, scale)
+        return w.dsts
+
+    def torch_split_copy():
+        torch.split_with_sizes_copy(w.flat, w.numels, out=w.dst_views)
+        if scale != 1.0:
+            torch._foreach_mul_(w.dst_views, scale)
         return w.dsts
 
     def fusedreduce():
@@ -154,9 +174,10 @@ def unflatten_methods(w: Workload, scale: float,
         return w.dsts
 
     fns = {"copy": copy, "naive": naive, "scale_then_views": scale_then_views,
-           "torch_foreach": torch_foreach, "fusedreduce": fusedreduce}
-    if not foreach:
-        del fns["torch_foreach"]
+           "torch_foreach": torch_foreach, "torch_split_copy": torch_split_copy,
+           "fusedreduce": fusedreduce}
+    if w.dtype != FLAT_DTYPE:  # split_with_sizes_copy cannot cast
+        del fns["torch_split_copy"]
     return fns
 
 
@@ -184,9 +205,11 @@ def case_name(w: Workload, direction: str, scale: float) -> str:
     return f"{w.name} {direction} {'->'.join(dtypes)} x{scale:g}"
 
 
-def measure(w: Workload, size: int, scale: float, direction: str, repeats: int) -> List[dict]:
-    """Check and time every method of ``direction`` on ``w`` at ``scale``; one record each."""
-    fns = METHODS[direction](w, scale, foreach=w.device.type == "cuda")
+def measure(w: Workload, size: int, scale: float, direction: str, repeats: int,
+            host_ms: Optional[Sequence[float]] = None) -> List[dict]:
+    """Check and time every method of ``direction`` on ``w`` at ``scale``; one record
+    each, and one ``fusedreduce_host`` record of ``host_ms`` when given."""
+    fns = METHODS[direction](w, scale)
     for name, fn in fns.items():
         check(w, scale, direction, name, fn())  # doubles as the warm-up
     timing.synchronize(w.device)
@@ -196,11 +219,21 @@ def measure(w: Workload, size: int, scale: float, direction: str, repeats: int) 
         samples = timing.time_interleaved(fns, repeats, w.device)
     dtype_in, dtype_out = ((w.dtype, FLAT_DTYPE) if direction == "flatten"
                            else (FLAT_DTYPE, w.dtype))
-    return [common.result(
+    extra = dict(list=w.name, direction=direction, dtype=common.dtype_name(w.dtype),
+                 dtype_in=common.dtype_name(dtype_in), dtype_out=common.dtype_name(dtype_out),
+                 scale=scale)
+    records = [common.result(
         "kernels", case_name(w, direction, scale), size, name, ROLES[name], BASELINE, 1,
-        len(w.tensors), w.n_elements, w.bytes, samples, list=w.name, direction=direction,
-        dtype=common.dtype_name(w.dtype), dtype_in=common.dtype_name(dtype_in),
-        dtype_out=common.dtype_name(dtype_out), scale=scale) for name in fns]
+        len(w.tensors), w.n_elements, w.bytes, samples, **extra) for name in fns]
+    if host_ms:
+        record = common.result("kernels", case_name(w, direction, scale), size, HOST_METHOD,
+                               ROLES[HOST_METHOD], BASELINE, 1, len(w.tensors), w.n_elements,
+                               w.bytes, {HOST_METHOD: host_ms, BASELINE: samples[BASELINE]},
+                               **extra)
+        # host time is no bandwidth, and no match for the copy's time
+        record.update(gbps=None, ratio=None, host_us=record["time_ms"] * 1e3)
+        records.append(record)
+    return records
 
 
 def n_steps(config: dict) -> int:
@@ -213,6 +246,7 @@ def run(config: dict, device: torch.device, progress: common.Progress) -> List[d
     """Every case of ``config`` (``lists``, ``sizes``, ``dtypes``, ``scales``,
     ``repeats``) on ``device``: the result records."""
     results: List[dict] = []
+    host = _host_samples_on_cpu(config) if device.type == "cpu" else {}
     for list_name in config["lists"]:
         for size in config["sizes"]:
             shapes = TENSOR_LISTS[list_name](size)
@@ -220,9 +254,27 @@ def run(config: dict, device: torch.device, progress: common.Progress) -> List[d
                 workload = Workload(list_name, shapes, common.DTYPES[dtype], device)
                 for scale in config["scales"]:
                     for direction in DIRECTIONS:
+                        key = host_cost.case_key(list_name, size, dtype, direction, scale)
+                        if device.type == "cuda":
+                            host[key] = host_cost.time_host(
+                                workload.tensors, workload.out, workload.dsts, direction, scale)
                         with progress.step(f"kernels: {case_name(workload, direction, scale)}, "
                                            f"{workload.n_elements:,} elements"):
                             results += measure(workload, size, scale, direction,
-                                               config["repeats"])
+                                               config["repeats"], host.get(key))
                 del workload  # freed before the next one is built
     return results
+
+
+def _host_samples_on_cpu(config: dict) -> dict:
+    """Every case's host cost, from one child process under Triton's interpreter
+    (``host_cost.py``); ``{}`` without Triton."""
+    if not triton_available():
+        common.log("kernels: Triton cannot be imported here, so the fusedreduce_host rows "
+                   "(the Triton path's host cost) are left out")
+        return {}
+    cases = [{"list": list_name, "size": size, "dtype": dtype, "directions": list(DIRECTIONS),
+              "scales": list(config["scales"])}
+             for list_name in config["lists"] for size in config["sizes"]
+             for dtype in config["dtypes"]]
+    return host_cost.host_samples_on_cpu(cases)

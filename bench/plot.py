@@ -41,7 +41,8 @@ def write_plot(path: str, results: Sequence[dict], title: str) -> None:
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
     for ax, (benchmark, case) in zip(axes.flat, panels):
-        rows_ = [r for r in results if (r["benchmark"], r["case"]) == (benchmark, case)]
+        rows_ = [r for r in results if (r["benchmark"], r["case"]) == (benchmark, case)
+                 and r["gbps"] is not None]
         for method in dict.fromkeys(r["method"] for r in rows_):
             points = sorted((r["n_elements"], r["gbps"]) for r in rows_ if r["method"] == method)
             role = next(r["role"] for r in rows_ if r["method"] == method)

@@ -6,11 +6,15 @@ by the time backward returns), fp32, with:
 
 - ``ddp`` (baseline): ``DistributedDataParallel(model, bucket_cap_mb=25)``
   without a hook; every ``ratio`` is its time over the method's.
+- ``ddp_bucket_view`` (baseline): DDP with ``gradient_as_bucket_view=True``
+  (each ``.grad`` a view of its bucket: no copy into the bucket).
 - ``torch_fp16_compress_hook`` (baseline): DDP with torch's
   ``ddp_comm_hooks.default_hooks.fp16_compress_hook``.
 - ``fused_overlap`` (ours): the plain model with
   ``DistributedGradReducer.register_hooks()``: buckets all-reduced during
   backward, the same 25 MiB cap, no DDP.
+- ``fused_overlap_bucket_view`` (ours): the same with
+  ``register_hooks(gradient_as_bucket_view=True)``.
 - ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``,
   ``adasum_hook`` (ours): DDP with ``fusedreduce.hooks``' hook (state None).
 
@@ -46,10 +50,11 @@ HOOKS = {
     "adasum_hook": hooks.adasum_hook,
     "torch_fp16_compress_hook": default_hooks.fp16_compress_hook,
 }
-METHODS = ("ddp", "torch_fp16_compress_hook", "fused_overlap", "allreduce_hook",
-           "fp16_compress_hook", "bf16_compress_hook", "adasum_hook")
+METHODS = ("ddp", "ddp_bucket_view", "torch_fp16_compress_hook", "fused_overlap",
+           "fused_overlap_bucket_view", "allreduce_hook", "fp16_compress_hook",
+           "bf16_compress_hook", "adasum_hook")
 ROLES = {method: "ours" for method in METHODS}
-ROLES.update(ddp="baseline", torch_fp16_compress_hook="baseline")
+ROLES.update(ddp="baseline", ddp_bucket_view="baseline", torch_fp16_compress_hook="baseline")
 BASELINE = "ddp"
 COMPUTE_ONLY = "compute_only"
 # training a model in 16 bits on a CPU is neither supported well nor what anyone does
@@ -59,13 +64,15 @@ FIXED_DTYPE = "float32"
 def _model(method: str, size: int, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)  # the same weights on every rank
     model = resnet50_for_size(size).to(device)
-    if method == "fused_overlap":
-        DistributedGradReducer(list(model.parameters()),
-                               bucket_cap_mb=BUCKET_CAP_MB).register_hooks()
-    if method in (COMPUTE_ONLY, "fused_overlap"):
+    if method in ("fused_overlap", "fused_overlap_bucket_view"):
+        DistributedGradReducer(list(model.parameters()), bucket_cap_mb=BUCKET_CAP_MB) \
+            .register_hooks(gradient_as_bucket_view=method == "fused_overlap_bucket_view")
+        return model
+    if method == COMPUTE_ONLY:
         return model
     ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB,
-                                  device_ids=[device.index] if device.type == "cuda" else None)
+                                  device_ids=[device.index] if device.type == "cuda" else None,
+                                  gradient_as_bucket_view=method == "ddp_bucket_view")
     if method in HOOKS:
         ddp.register_comm_hook(None, HOOKS[method])
     return ddp

@@ -91,19 +91,26 @@ def check_record(record: Optional[dict], benchmarks: Sequence[str]) -> List[dict
     assert list(dict.fromkeys(r["benchmark"] for r in results)) == list(benchmarks)
     for result in results:
         assert RESULT_KEYS <= set(result), result
+        # a host-cost record times the host alone: it has no bandwidth or ratio
+        host = result["role"] == "host"
         for key in FIGURES:
-            assert positive_finite(result[key]), (key, result)
+            if host and key in ("gbps", "ratio"):
+                assert result[key] is None, (key, result)
+            else:
+                assert positive_finite(result[key]), (key, result)
         assert result["time_ms_min"] <= result["time_ms"]
         for key in ("size", "world_size", "n_tensors", "n_elements", "bytes"):
             assert isinstance(result[key], int) and result[key] > 0, (key, result)
-        assert result["role"] in ("reference", "baseline", "ours")
-        assert math.isclose(result["gbps"], result["bytes"] / (result["time_ms"] * 1e6))
+        assert result["role"] in ("reference", "baseline", "ours", "host")
+        if not host:
+            assert math.isclose(result["gbps"], result["bytes"] / (result["time_ms"] * 1e6))
     for key in dict.fromkeys((r["benchmark"], r["case"], r["size"]) for r in results):
         group = [r for r in results if (r["benchmark"], r["case"], r["size"]) == key]
         baseline = next(r for r in group if r["method"] == group[0]["baseline"])
         assert baseline["ratio"] == 1.0
         for result in group:
             assert result["baseline"] == baseline["method"]
-            assert math.isclose(result["ratio"], baseline["time_ms"] / result["time_ms"])
+            if result["role"] != "host":
+                assert math.isclose(result["ratio"], baseline["time_ms"] / result["time_ms"])
         assert {"baseline", "ours"} <= {r["role"] for r in group}
     return results

@@ -7,8 +7,9 @@ import torch
 
 from bench_utils import assert_exits_cleanly_and_prints, check_record, quick_run_fixture
 
-METHODS = ["ddp", "torch_fp16_compress_hook", "fused_overlap", "allreduce_hook",
-           "fp16_compress_hook", "bf16_compress_hook", "adasum_hook"]
+METHODS = ["ddp", "ddp_bucket_view", "torch_fp16_compress_hook", "fused_overlap",
+           "fused_overlap_bucket_view", "allreduce_hook", "fp16_compress_hook",
+           "bf16_compress_hook", "adasum_hook"]
 
 
 quick_run = quick_run_fixture(

@@ -10,9 +10,12 @@ from fusedreduce.bench.models import (n_elements, resnet50_classes, resnet50_sha
                                       resnet50_shapes_for_size, resnet50_width_for_size,
                                       transformer_shapes, transformer_shapes_for_size)
 
-CPU_METHODS = {"flatten": {"copy", "naive", "views_then_scale", "fusedreduce",
-                           "fusedreduce_fresh_out"},
-               "unflatten": {"copy", "naive", "scale_then_views", "fusedreduce"}}
+# every method runs on the CPU; the quick run's lists are fp16, so the
+# same-dtype split_with_sizes_copy baseline does not apply there
+CPU_METHODS = {"flatten": {"copy", "naive", "views_then_scale", "torch_foreach", "torch_cat",
+                           "fusedreduce", "fusedreduce_fresh_out", "fusedreduce_host"},
+               "unflatten": {"copy", "naive", "scale_then_views", "torch_foreach",
+                             "fusedreduce", "fusedreduce_host"}}
 
 
 quick_run = quick_run_fixture(
@@ -43,11 +46,17 @@ def test_quick_kernel_benchmark_records_the_machine_and_every_case(quick_run):
         assert {r["method"] for r in group} == CPU_METHODS[direction]
         assert all(r["baseline"] == "copy" and r["scale"] == 0.125 for r in group)
         assert all(r["role"] == ROLES[r["method"]] for r in group)
+        host = next(r for r in group if r["method"] == "fusedreduce_host")
+        # host time only: no bandwidth, no ratio; a positive time, in µs too
+        assert host["gbps"] is None and host["ratio"] is None
+        assert host["time_ms"] > 0 and math.isclose(host["host_us"], host["time_ms"] * 1e3)
 
 
 def test_bytes_count_one_read_and_one_write_of_every_element(quick_run):
     _, record = quick_run
     for result in record["results"]:
+        if result["method"] == "fusedreduce_host":
+            continue  # host time: it moves no bytes of its own
         sizes = [torch.finfo(getattr(torch, result[key])).bits // 8
                  for key in ("dtype_in", "dtype_out")]
         assert result["bytes"] == result["n_elements"] * sum(sizes)
@@ -90,14 +99,16 @@ def test_the_full_size_resnet50_list_is_torchvisions():
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("scale", [0.125, 1.0])
-def test_every_method_including_the_cuda_only_ones_computes_the_right_result(
-        direction, dtype, scale):
-    # torch_foreach is timed on CUDA only; its result is checked here on the CPU
+def test_every_method_computes_the_right_result(direction, dtype, scale):
     workload = Workload("tiny", [(3, 5), (7,), (2, 2, 3)], dtype, torch.device("cpu"))
-    fns = METHODS[direction](workload, scale, foreach=True)
-    assert set(fns) == CPU_METHODS[direction] | {"torch_foreach"}
+    fns = METHODS[direction](workload, scale)
+    # the host-cost row is no method of its own; split_with_sizes_copy cannot cast
+    expected = CPU_METHODS[direction] - {"fusedreduce_host"}
+    if direction == "unflatten" and dtype == torch.float32:
+        expected = expected | {"torch_split_copy"}
+    assert set(fns) == expected
     for name, fn in fns.items():
         workload.out.fill_(float("nan"))
         for t in workload.dsts:

@@ -1,0 +1,107 @@
+"""Host cost of a steady-state fused call on the Triton path, the kernel's execution excluded.
+
+A training loop calls the kernels with the same tensors into the same buffer
+every step; what the host spends per call (recognising the layout, the launch
+itself) decides whether a GPU runs at the speed of the bytes or waits for
+Python. This module times that cost, call by call, with ``perf_counter``:
+
+- on CUDA, in the benchmark's own process: each call returns once its kernel
+  is queued, so the wall time of an unsynchronised call is its host cost
+  (Triton's launcher included);
+- on the CPU, in a child process that sets ``TRITON_INTERPRET=1`` before
+  importing Triton and replaces the interpreter's kernel runner with a no-op:
+  every host-side step of the Triton path runs for real (the layout check, the
+  kept launch table, the launch arguments) and only the kernel's execution is
+  left out. Triton's compiled launcher does not exist on a CPU, so its cost
+  (a GPU-only figure) is not in the CPU row.
+
+``python -m fusedreduce.bench.host_cost CASES_JSON`` is the child's entry
+point: it prints ``{case key: [ms, ...]}`` as JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Dict, List, Sequence
+
+CALLS = 200
+WARMUP = 5
+FLAT_DTYPE_NAME = "float32"
+
+
+def case_key(list_name: str, size: int, dtype: str, direction: str, scale: float) -> str:
+    return f"{list_name}|{size}|{dtype}|{direction}|{scale!r}"
+
+
+def _time_calls(fn, calls: int) -> List[float]:
+    for _ in range(WARMUP):
+        fn()
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return samples
+
+
+def time_host(tensors: Sequence, out, dsts: Sequence, direction: str, scale: float,
+              calls: int = CALLS) -> List[float]:
+    """Per-call host times in ms of the Triton path on these buffers (see the module docstring)."""
+    from fusedreduce.kernels import flatten_cast_scale, unflatten_cast_scale
+
+    if direction == "flatten":
+        def call():
+            flatten_cast_scale(tensors, out, scale=scale, backend="triton")
+    else:
+        def call():
+            unflatten_cast_scale(out, dsts, scale=scale, backend="triton")
+    samples = _time_calls(call, calls)
+    if out.is_cuda:
+        import torch
+        torch.cuda.synchronize(out.device)
+    return samples
+
+
+def host_samples_on_cpu(cases: Sequence[dict], calls: int = CALLS) -> Dict[str, List[float]]:
+    """The host times of ``cases`` (dicts of list, size, dtype, directions, scales),
+    measured in a child process under the interpreter; ``{}`` if Triton cannot be
+    imported there (the reason goes to stderr)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    child = subprocess.run([sys.executable, "-m", "fusedreduce.bench.host_cost",
+                            json.dumps({"cases": list(cases), "calls": calls})],
+                           capture_output=True, text=True, env=env, timeout=600)
+    if child.returncode != 0:
+        sys.stderr.write(f"host cost not measured: the child process failed:\n{child.stderr}")
+        return {}
+    return json.loads(child.stdout)
+
+
+def _child(spec: dict) -> Dict[str, List[float]]:
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from .common import DTYPES
+    from .models import TENSOR_LISTS
+
+    # every host-side step runs; the kernel's execution is what is left out
+    InterpretedFunction.run = lambda self, *args, **kwargs: None
+    results = {}
+    for case in spec["cases"]:
+        shapes = TENSOR_LISTS[case["list"]](case["size"])
+        dtype = DTYPES[case["dtype"]]
+        tensors = [torch.zeros(shape, dtype=dtype) for shape in shapes]
+        out = torch.zeros(sum(t.numel() for t in tensors), dtype=DTYPES[FLAT_DTYPE_NAME])
+        dsts = [torch.zeros_like(t) for t in tensors]
+        for direction in case["directions"]:
+            for scale in case["scales"]:
+                key = case_key(case["list"], case["size"], case["dtype"], direction, scale)
+                results[key] = time_host(tensors, out, dsts, direction, scale, spec["calls"])
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(json.loads(sys.argv[1]))))

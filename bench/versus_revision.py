@@ -1,0 +1,146 @@
+"""This checkout's flatten kernels against another git revision's, timed in one process.
+
+    python -m fusedreduce.bench.versus_revision REV [--sizes 250K,1M,4M,25.6M] [--repeats 30]
+
+Before/after figures are only comparable when they come from one run on one
+machine (a shared VM drifts by tens of percent between runs). Two versions of
+one package cannot be imported side by side, but ``kernels/`` imports nothing
+outside itself, so the revision's copy (``git archive REV kernels``) is
+imported under another name and both run round-robin in one process, beside
+torch's fastest baselines:
+
+- per case (``resnet50`` list, fp16 gradients, fp32 buffer, scale 1/8):
+  ``flatten_cast_scale`` into a kept buffer and ``unflatten_cast_scale`` out
+  of it, for both revisions, against ``_foreach_copy_`` (+ one ``mul_``) and
+  ``torch.cat(out=)`` (+ one ``mul_``) for flatten and ``_foreach_copy_``
+  (+ ``_foreach_mul_``) for unflatten, on the torch fallback (the CPU path);
+- the host cost per steady-state call of each revision's Triton path, the
+  kernel's execution excluded (``TRITON_INTERPRET=1`` and the interpreter's
+  kernel runner replaced by a no-op, as in ``host_cost.py``).
+
+Prints one table; run it from the repository (it needs git).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton: the host-cost rows
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import torch  # noqa: E402
+
+from . import common  # noqa: E402
+from .models import TENSOR_LISTS  # noqa: E402
+
+
+def load_revision_kernels(revision: str, into: Path):
+    """The ``kernels`` package of ``revision``, imported as ``kernels_<revision>``."""
+    archive = subprocess.run(["git", "archive", revision, "kernels"], check=True,
+                             capture_output=True).stdout
+    name = "kernels_" + "".join(c if c.isalnum() else "_" for c in revision)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    (into / "kernels").rename(into / name)
+    spec = importlib.util.spec_from_file_location(name, into / name / "__init__.py",
+                                                  submodule_search_locations=[str(into / name)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _interleaved(fns, repeats):
+    for fn in fns.values():
+        fn()
+    samples = {name: [] for name in fns}
+    names = list(fns)
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            fns[name]()
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def measure(versions, size, repeats, scale=0.125):
+    """Median ms of every method on the resnet50 list at ``size``."""
+    shapes = TENSOR_LISTS["resnet50"](size)
+    torch.manual_seed(0)
+    grads = [torch.randn(s).half() for s in shapes]
+    numels = [g.numel() for g in grads]
+    out = torch.empty(sum(numels))
+    slices = list(torch.split(out, numels))
+    inputs = [g.view(-1) for g in grads]
+    dsts = [torch.empty_like(g) for g in grads]
+    dst_views = [d.view(-1) for d in dsts]
+    flat = torch.randn(sum(numels))
+    flat_views = list(torch.split(flat, numels))
+    flatten = {"torch_foreach": lambda: (torch._foreach_copy_(slices, inputs), out.mul_(scale)),
+               "torch_cat": lambda: (torch.cat(inputs, out=out), out.mul_(scale))}
+    unflatten = {"torch_foreach": lambda: (torch._foreach_copy_(dst_views, flat_views),
+                                           torch._foreach_mul_(dst_views, scale))}
+    for label, kernels in versions.items():
+        flatten[label] = lambda k=kernels: k.flatten_cast_scale(grads, out, scale=scale,
+                                                               backend="torch")
+        unflatten[label] = lambda k=kernels: k.unflatten_cast_scale(flat, dsts, scale=scale,
+                                                                   backend="torch")
+    return _interleaved(flatten, repeats), _interleaved(unflatten, repeats), len(grads), \
+        sum(numels)
+
+
+def host_cost(versions, size, calls=300, scale=0.125):
+    """Median host µs per steady-state Triton call of each version (kernel execution excluded)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    InterpretedFunction.run = lambda self, *args, **kwargs: None
+    grads = [torch.zeros(s, dtype=torch.float16) for s in TENSOR_LISTS["resnet50"](size)]
+    out = torch.zeros(sum(g.numel() for g in grads))
+    dsts = [torch.zeros_like(g) for g in grads]
+    fns = {}
+    for label, kernels in versions.items():
+        fns[f"{label} flatten"] = lambda k=kernels: k.flatten_cast_scale(
+            grads, out, scale=scale, backend="triton")
+        fns[f"{label} unflatten"] = lambda k=kernels: k.unflatten_cast_scale(
+            out, dsts, scale=scale, backend="triton")
+    return {name: ms * 1e3 for name, ms in _interleaved(fns, calls).items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fusedreduce.bench.versus_revision",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("revision", help="the git revision to compare with (e.g. HEAD~3)")
+    parser.add_argument("--sizes", type=common.parse_sizes,
+                        default=[250_000, 1_000_000, 4_000_000, 25_600_000])
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args(argv)
+    from fusedreduce import kernels as current
+    with tempfile.TemporaryDirectory() as tmp:
+        old = load_revision_kernels(args.revision, Path(tmp))
+        versions = {args.revision: old, "this checkout": current}
+        print(f"# {common.machine_summary(common.machine_info(torch.device('cpu'), 'torch', None))}")
+        print("# resnet50 list, fp16 gradients <-> fp32 buffer, scale 1/8, torch fallback; "
+              "median ms of round-robin calls in this one process")
+        for size in args.sizes:
+            flat_ms, unflat_ms, n, elements = measure(versions, size, args.repeats)
+            for direction, times in (("flatten", flat_ms), ("unflatten", unflat_ms)):
+                best = min(v for k, v in times.items() if k.startswith("torch"))
+                cells = "  ".join(f"{k} {v:.3f} ms ({best / v:.2f}x)" for k, v in times.items())
+                print(f"{elements:>11,} elements, {n} tensors, {direction:9s}: {cells}")
+        print("# host µs per steady-state call on the Triton path, kernel execution excluded:")
+        for name, us in host_cost(versions, min(args.sizes)).items():
+            print(f"  {name}: {us:.1f} µs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
