@@ -99,8 +99,14 @@ def measure(versions, size, repeats, scale=0.125):
         sum(numels)
 
 
-def host_cost(versions, size, calls=300, scale=0.125):
-    """Median host µs per steady-state Triton call of each version (kernel execution excluded)."""
+def host_cost(versions, size, calls=300, blocks=4, scale=0.125):
+    """Median host µs per steady-state Triton call of each version (kernel execution excluded).
+
+    Each function is timed in blocks of ``calls`` consecutive calls, the
+    blocks alternating between functions: a steady state is one call after
+    another of the same thing, and interleaving single calls of two versions
+    would charge each with the other's effect on caches and the allocator.
+    """
     from triton.runtime.interpreter import InterpretedFunction
     InterpretedFunction.run = lambda self, *args, **kwargs: None
     grads = [torch.zeros(s, dtype=torch.float16) for s in TENSOR_LISTS["resnet50"](size)]
@@ -112,7 +118,15 @@ def host_cost(versions, size, calls=300, scale=0.125):
             grads, out, scale=scale, backend="triton")
         fns[f"{label} unflatten"] = lambda k=kernels: k.unflatten_cast_scale(
             out, dsts, scale=scale, backend="triton")
-    return {name: ms * 1e3 for name, ms in _interleaved(fns, calls).items()}
+    samples = {name: [] for name in fns}
+    for _ in range(blocks):
+        for name, fn in fns.items():
+            fn()
+            for _ in range(calls):
+                start = time.perf_counter()
+                fn()
+                samples[name].append((time.perf_counter() - start) * 1e6)
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def main(argv=None) -> int:

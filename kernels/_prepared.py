@@ -40,7 +40,8 @@ import torch
 KEPT = 64
 
 _data_ptr = torch.Tensor.data_ptr
-_shape = operator.attrgetter("shape")
+# ``Tensor.size`` builds the same torch.Size as ``.shape`` at half its cost
+_shape = torch.Tensor.size
 _numel = torch.Tensor.numel
 _dtype = operator.attrgetter("dtype")
 _is_contiguous = torch.Tensor.is_contiguous
