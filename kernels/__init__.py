@@ -97,14 +97,20 @@ def flatten_cast_scale(
         TypeError: not a list of dense floating tensors (the index is named),
             an unsupported ``dtype`` or a non-number ``scale``.
         ValueError: tensors on different devices, a non-finite ``scale``, bad
-            ``offsets``, or an ``out`` of the wrong size, dtype, device or shape.
-            Nothing is written when an error is raised.
+            ``offsets``, an ``out`` of the wrong size, dtype, device or shape,
+            or an ``out`` that shares memory with an input. Nothing is
+            written when an error is raised.
         RuntimeError: see ``resolve_backend``.
+
+    Steady state: the first call with a layout (these tensors at these
+    addresses, this ``out`` object, these offsets) prepares its launch and
+    keeps it; later calls with the same layout only compare each tensor's
+    address, size, dtype and contiguity, then launch (see ``_prepared.py``).
 
     Example:
         >>> grads = [torch.ones(2, 3, dtype=torch.float16), torch.full((4,), 2.0)]
-        >>> flatten_cast_scale(grads, scale=0.5)
-        tensor([0.5000, 0.5000, 0.5000, 0.5000, 0.5000, 0.5000, 1.0000, 1.0000, 1.0000, 1.0000])
+        >>> flatten_cast_scale(grads, scale=0.5).tolist()
+        [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0]
     """
     scale = check_scale(scale)
     launch = _kept_launch("flatten", backend, out, tensors, offsets)
@@ -154,9 +160,14 @@ def unflatten_cast_scale(
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Raises:
-        TypeError/ValueError: as ``flatten_cast_scale``, and ``flat`` too small
-            for the segments. Nothing is written when an error is raised.
+        TypeError/ValueError: as ``flatten_cast_scale``; ``flat`` too small
+            for the segments; ``flat`` sharing memory with a destination, or
+            destinations sharing memory with each other or within themselves.
+            Nothing is written when an error is raised.
         RuntimeError: see ``resolve_backend``.
+
+    Steady state: as ``flatten_cast_scale``, the launch is kept per ``flat``
+    object and layout.
 
     Example:
         >>> grads = [torch.zeros(2, 2, dtype=torch.float16), torch.zeros(3)]

@@ -1,0 +1,15 @@
+"""The examples in the public docstrings run and print what they show."""
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["fusedreduce.kernels", "fusedreduce.kernels._checks", "fusedreduce.kernels._common",
+           "fusedreduce.kernels._backends", "fusedreduce.buckets", "fusedreduce.precision"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_hold(name):
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.attempted > 0, f"{name} has no examples left to run"
+    assert result.failed == 0
