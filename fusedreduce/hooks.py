@@ -13,7 +13,8 @@ AdaSum's kernels per parameter segment.
   bitwise the result of ``fusedreduce.adasum_allreduce`` on the bucket's
   gradients.
 
-``state`` is ``None`` (the world group, defaults) or a ``HookState``.
+``state`` is what torch's own hooks take (``None``: the world group; a
+``torch.distributed.ProcessGroup``), with defaults, or a ``HookState``.
 
 This module must not use ``from __future__ import annotations``: DDP compares
 the hooks' annotations with the real ``dist.GradBucket`` and
@@ -25,15 +26,27 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from ._checks import check_prescale
+from ._checks import check_int, check_prescale
 from .adasum import adasum_allreduce_plan, adasum_flat_unchecked, check_local_size
 from .buckets import BucketPlan, TensorSpec
 from .precision import communication_dtype, split_scale
-from .process_group import require_process_group
+from .process_group import global_ranks, require_process_group
 
 
 class HookState:
     """The process group and options of the fusedreduce DDP hooks.
+
+    Cheap and lazy, like torch's ``PowerSGDState``: it can be built before
+    ``init_process_group`` (frameworks such as Lightning build their strategy,
+    and its hook state, first); the group is resolved on first use and
+    defaults to the world. Arguments are checked as far as they can be at
+    construction (all of them when a process group already exists).
+
+    Picklable in every form (``spawn``-started workers need that): a process
+    group cannot be pickled, so a state made with one travels without it and
+    resolves to the world on the other side; if the world is not the group it
+    was made with, first use raises and says to set ``state.group`` to the
+    group again.
 
     Args:
         group: the process group (must be DDP's); default: the world.
@@ -48,29 +61,83 @@ class HookState:
         backend: the kernels' backend (``"auto"``, ``"triton"``, ``"torch"``).
 
     Raises:
-        RuntimeError: torch.distributed is not initialised, or this process
-            is not a member of ``group``.
-        ValueError: a zero or non-finite ``prescale``; ``local_size`` not
-            dividing the world size.
+        ValueError: a zero or non-finite ``prescale``; ``local_size`` not a
+            positive int, or (once the group is known) not dividing its size.
         TypeError: a non-number ``prescale``.
+        RuntimeError: on first use (or at construction, when a process group
+            exists): torch.distributed is not initialised, this process is not
+            a member of ``group``, or an unpickled state's group is not the
+            world.
 
     Example:
-        >>> ddp.register_comm_hook(HookState(prescale=1 / 8), fp16_compress_hook)  # doctest: +SKIP
+        >>> state = HookState(prescale=1 / 8)          # before init_process_group too
+        >>> state.prescale
+        0.125
+        >>> ddp.register_comm_hook(state, fp16_compress_hook)  # doctest: +SKIP
     """
 
     def __init__(self, group=None, *, prescale: Optional[float] = None, local_size: int = 1,
                  backend: str = "auto") -> None:
-        self.world_size = require_process_group(group)
         check_prescale(prescale)
-        check_local_size(local_size, self.world_size)
+        check_int(local_size, "local_size")
         # the name only: the buckets' device (known at the first bucket) decides
         # whether it can run there
         kernels.check_backend(backend)
-        self.group = group
         self.prescale = prescale
         self.local_size = local_size
         self.backend = backend
+        self._group = group
+        self._world_size: Optional[int] = None
+        self._pickled_ranks: Optional[List[int]] = None
         self._adasum_plans: Dict[tuple, BucketPlan] = {}
+        if dist.is_available() and dist.is_initialized():
+            self._resolve()  # everything checked now, when it can be
+
+    @property
+    def group(self):
+        """The process group (None: the world). Settable, e.g. after unpickling."""
+        return self._group
+
+    @group.setter
+    def group(self, group) -> None:
+        self._group = group
+        self._world_size = None
+        if group is not None:
+            self._pickled_ranks = None  # the caller names the group: trust it
+
+    @property
+    def world_size(self) -> int:
+        """The group's size (resolves the group on first use)."""
+        return self._resolve()
+
+    def _resolve(self) -> int:
+        if self._world_size is None:
+            world_size = require_process_group(self._group)
+            if self._pickled_ranks is not None:
+                if global_ranks(None) != self._pickled_ranks:
+                    raise RuntimeError(
+                        f"this HookState was pickled with the process group of global ranks "
+                        f"{self._pickled_ranks}; process groups cannot be pickled, so it came "
+                        f"back with the world's: set state.group to that group again")
+                self._pickled_ranks = None
+            check_local_size(self.local_size, world_size)
+            self._world_size = world_size
+        return self._world_size
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        group = state.pop("_group")
+        state["_group"] = None
+        state["_world_size"] = None
+        state["_adasum_plans"] = {}
+        if group is not None:
+            # a group's members are known only while it exists; record them so
+            # that the other side can tell whether the world is the same group
+            state["_pickled_ranks"] = global_ranks(group)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     def scales(self):
         """``(before, after)`` with ``before * after == 1 / world_size``: by
@@ -90,22 +157,34 @@ class HookState:
         return self._adasum_plans[key]
 
 
-_default_state: List[Tuple[object, HookState]] = []
+# the states made for ``None`` (the world) and for process groups passed as
+# ``state``, as torch's own hooks take them: one per group object
+_group_states: List[Tuple[object, HookState]] = []
 
 
 def _state(state) -> HookState:
+    if isinstance(state, HookState):
+        state._resolve()
+        return state
     if state is None:
-        # one default per world group, created on its first bucket; the group
-        # object itself (not its id, which a new group may reuse after
-        # destroy_process_group) says whether the cached one is still current
-        world = dist.group.WORLD if dist.is_initialized() else None
-        if not _default_state or _default_state[0][0] is not world:
-            _default_state[:] = [(world, HookState())]
-        return _default_state[0][1]
-    if not isinstance(state, HookState):
-        raise TypeError(f"the fusedreduce hooks take None or a fusedreduce.hooks.HookState as "
-                        f"state, got {type(state).__name__}")
-    return state
+        # the world group object (not its id, which a new group may reuse after
+        # destroy_process_group) says whether a kept state is still current
+        key = dist.group.WORLD if dist.is_initialized() else None
+        group = None
+    elif isinstance(state, dist.ProcessGroup):
+        key = group = state
+    else:
+        raise TypeError(f"the fusedreduce hooks take as state what torch's default hooks "
+                        f"take (None or a torch.distributed.ProcessGroup) or a "
+                        f"fusedreduce.hooks.HookState; got {type(state).__name__}")
+    for kept_key, kept in _group_states:
+        if kept_key is key:
+            kept._resolve()
+            return kept
+    made = HookState(group)
+    made._resolve()
+    _group_states[:] = _group_states[-7:] + [(key, made)]  # a few groups at most
+    return made
 
 
 def _future_of(tensor: torch.Tensor) -> torch.futures.Future:

@@ -129,26 +129,48 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Run the wrapped optimizer's step on the reduced gradients.
 
+        As ``torch.optim.Optimizer.step``: an optional ``closure`` re-evaluates
+        the model (forward and ``backward()``) and returns the loss; it is
+        called with grad enabled before the step (by the wrapped optimizer,
+        as often as it calls it: once for SGD or Adam, several times for
+        LBFGS), its backward reduces the gradients, and its loss is returned.
+        With ``backward_passes_per_step=k`` the closure's backward is the k-th
+        pass (the others ran before ``step``), as Lightning's gradient
+        accumulation does it.
+
         Raises:
-            RuntimeError: the gradients were not reduced: ``step()`` came after
-                a backward pass that only accumulated (``backward_passes_per_step``
-                > 1, or ``no_sync()``).
+            RuntimeError: the gradients were not reduced: ``step()`` (or the
+                closure's backward) came after a backward pass that only
+                accumulated (``backward_passes_per_step`` > 1, or ``no_sync()``).
+
+        Example:
+            >>> def closure():                                   # doctest: +SKIP
+            ...     opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); return loss
+            >>> loss = opt.step(closure)                          # doctest: +SKIP
         """
-        if closure is not None:
-            raise RuntimeError("DistributedOptimizer.step does not take a closure: the "
-                               "gradients are reduced during backward, before step()")
+        if closure is None:
+            self._check_reduced()
+            loss = super().step()
+        else:
+            def reduced_closure():
+                with torch.enable_grad():
+                    value = closure()
+                self._check_reduced()
+                return value
+            loss = super().step(reduced_closure)
+        self.reducer.consume()
+        self._steps += 1
+        if self.bcast_period > 0 and self._steps % self.bcast_period == 0:
+            self.broadcast_parameters()
+        return loss
+
+    def _check_reduced(self) -> None:
         has_grads = any(p.grad is not None for g in self.param_groups for p in g["params"])
         if has_grads and not self.reducer.reduced:
             raise RuntimeError(
                 "step() called on gradients that were not reduced across ranks: call it "
                 f"after every {self.backward_passes_per_step} backward pass(es), outside "
                 f"no_sync()")
-        loss = super().step()
-        self.reducer.consume()
-        self._steps += 1
-        if self.bcast_period > 0 and self._steps % self.bcast_period == 0:
-            self.broadcast_parameters()
-        return loss
 
     def no_sync(self):
         """A context in which backward passes accumulate gradients locally."""

@@ -382,7 +382,6 @@ def _bad_arguments(rank, world_size):
         "backward_passes_per_step=0": lambda: make(backward_passes_per_step=0),
         "param_pack_thd=0": lambda: make(param_pack_thd=0),
         "not an optimizer": lambda: DistributedOptimizer(model),
-        "a step with a closure": lambda: make(bcast_period=-1).step(lambda: 0.0),
         "a parameter passed twice": lambda: _twice(model),
     }
     return outcomes_and_collectives(cases)
@@ -406,7 +405,6 @@ def test_bad_arguments_raise_on_every_rank_before_any_collective():
         "backward_passes_per_step=0": ("ValueError", "backward_passes_per_step"),
         "param_pack_thd=0": ("ValueError", "param_pack_thd"),
         "not an optimizer": ("TypeError", "Optimizer"),
-        "a step with a closure": ("RuntimeError", "closure"),
         "a parameter passed twice": ("ValueError", "parameters[1] is parameters[0]"),
     }
     assert_raised_before_any_collective(results, expected)

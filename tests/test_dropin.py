@@ -1,0 +1,196 @@
+"""Drop-in use in torch-convention code: hook states as torch's hooks take them, a lazy
+and picklable HookState, and DistributedOptimizer.step(closure).
+
+The references are torch's own behaviour: DDP with ``state=None`` (and torch's
+``allreduce_hook`` with a process group as state) for the hooks, and the same
+optimizer stepped without a closure, or without an interruption, for the
+optimizer. Comparisons are by bytes.
+"""
+import io
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from harness import TIMEOUT, run_ranks
+from fusedreduce import DistributedOptimizer, hooks
+from fusedreduce.hooks import HookState
+
+
+def _bytes(t):
+    return t.detach().reshape(-1).view(torch.uint8).clone()
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch(rank, step):
+    gen = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+
+
+def _ddp_grads(rank, state, hook, steps=2):
+    model = DDP(_net())
+    model.register_comm_hook(state, hook)
+    for step in range(steps):  # the second step runs on DDP's rebuilt buckets
+        model.zero_grad()
+        x, y = _batch(rank, step)
+        ((model(x) - y) ** 2).sum().backward()
+    return [_bytes(p.grad) for p in model.parameters()]
+
+
+# ------------------------------------------------------------------ hook states
+
+def _states_as_torch_takes_them(rank, world_size, pickled_state):
+    pair = dist.new_group([0, 1])  # collective: every rank makes it
+    return {
+        "none": _ddp_grads(rank, None, hooks.allreduce_hook),
+        "world group": _ddp_grads(rank, dist.group.WORLD, hooks.allreduce_hook),
+        "a group object": _ddp_grads(rank, pair, hooks.allreduce_hook),
+        "made before init_process_group, pickled": _ddp_grads(
+            rank, pickle.loads(pickled_state), hooks.allreduce_hook),
+        "torch's hook, group state": _ddp_grads(rank, pair, default_hooks.allreduce_hook),
+        "fp16, group state": _ddp_grads(rank, pair, hooks.fp16_compress_hook),
+        "fp16, None": _ddp_grads(rank, None, hooks.fp16_compress_hook),
+    }
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_hooks_take_none_a_process_group_or_a_hook_state_made_before_init():
+    # built here, in a process with no process group, as Lightning builds it
+    assert not dist.is_initialized()
+    state = HookState(prescale=1.0)
+    results = run_ranks(_states_as_torch_takes_them, 2, pickle.dumps(state))
+    for outcome in results:
+        reference = outcome["none"]
+        for name in ("world group", "a group object", "made before init_process_group, pickled",
+                     "torch's hook, group state"):
+            assert all(torch.equal(a, b) for a, b in zip(reference, outcome[name])), name
+        assert all(torch.equal(a, b) for a, b in zip(outcome["fp16, None"],
+                                                     outcome["fp16, group state"]))
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["none"], results[1]["none"]))
+
+
+def test_a_hook_state_is_cheap_checks_what_it_can_and_pickles_without_a_process_group():
+    assert not dist.is_initialized()
+    state = HookState(prescale=0.25, local_size=2, backend="torch")
+    again = pickle.loads(pickle.dumps(state))
+    assert (again.prescale, again.local_size, again.backend, again.group) == \
+        (0.25, 2, "torch", None)
+    # what needs the group waits for it, and then says what is missing
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        again.world_size
+    for kwargs, error in (({"prescale": 0.0}, ValueError), ({"prescale": "1"}, TypeError),
+                          ({"local_size": 0}, ValueError), ({"backend": "cuda"}, ValueError)):
+        with pytest.raises(error):
+            HookState(**kwargs)
+
+
+def _pickled_with_a_subgroup(rank, world_size):
+    solo = dist.new_group([0])
+    if rank != 0:
+        return None
+    state = HookState(solo)
+    again = pickle.loads(pickle.dumps(state))
+    outcome = {"group after unpickling": again.group}
+    try:
+        again.world_size
+        outcome["first use"] = None
+    except RuntimeError as exc:
+        outcome["first use"] = str(exc)
+    again.group = solo
+    outcome["after setting the group"] = again.world_size
+    return outcome
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_state_pickled_with_a_subgroup_asks_for_its_group_instead_of_using_the_world():
+    outcome = run_ranks(_pickled_with_a_subgroup, 2)[0]
+    assert outcome["group after unpickling"] is None
+    assert outcome["first use"] is not None and "state.group" in outcome["first use"] \
+        and "[0]" in outcome["first use"]
+    assert outcome["after setting the group"] == 1
+
+
+# ------------------------------------------------------------------ step(closure)
+
+def _train(rank, world_size, use_closure, passes, steps=4, resume_at=None, lbfgs=False):
+    model = _net(1)
+
+    def optimizer_for(net):
+        inner = torch.optim.LBFGS(net.parameters(), lr=0.5, max_iter=3) if lbfgs else \
+            torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        opt = DistributedOptimizer(inner, backward_passes_per_step=passes)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    opt, sched = optimizer_for(model)
+    losses = []
+    for step in range(steps):
+        if step == resume_at:  # a checkpoint, then a fresh process would load it
+            saved = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "sched": sched.state_dict()}, saved)
+            saved.seek(0)
+            checkpoint = torch.load(saved)
+            model = _net(7)  # other weights: everything must come from the checkpoint
+            model.load_state_dict(checkpoint["model"])
+            opt, sched = optimizer_for(model)
+            opt.load_state_dict(checkpoint["opt"])
+            sched.load_state_dict(checkpoint["sched"])
+        x, y = _batch(rank, step)
+
+        def loss_of(micro):
+            return ((model(x[micro::passes]) - y[micro::passes]) ** 2).sum()
+
+        opt.zero_grad()
+        for micro in range(passes - 1):  # the accumulating passes, outside the step
+            loss_of(micro).backward()
+
+        def closure():
+            if lbfgs:
+                opt.zero_grad()
+            loss = loss_of(passes - 1)
+            loss.backward()
+            return loss
+
+        if use_closure:
+            losses.append(float(opt.step(closure)))
+        else:
+            losses.append(float(closure()))
+            opt.step()
+        sched.step()
+    return [_bytes(p) for p in model.parameters()], losses
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("passes", [1, 2])
+def test_step_with_a_closure_trains_exactly_as_backward_then_step(passes):
+    plain = run_ranks(_train, 2, False, passes)
+    closure = run_ranks(_train, 2, True, passes)
+    for (weights, losses), (weights_c, losses_c) in zip(plain, closure):
+        assert all(torch.equal(a, b) for a, b in zip(weights, weights_c))
+        assert losses == losses_c  # the closure's loss is what step returns
+    assert all(torch.equal(a, b) for a, b in zip(closure[0][0], closure[1][0]))
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_checkpoint_and_resume_with_closures_gives_the_uninterrupted_run_bitwise():
+    uninterrupted = run_ranks(_train, 2, True, 2, 5)
+    resumed = run_ranks(_train, 2, True, 2, 5, 3)
+    for (weights, losses), (weights_r, losses_r) in zip(uninterrupted, resumed):
+        assert all(torch.equal(a, b) for a, b in zip(weights, weights_r))
+        assert losses == losses_r
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_an_optimizer_that_reevaluates_its_closure_works_and_ranks_agree():
+    results = run_ranks(_train, 2, True, 1, 3, None, True)
+    (weights0, losses0), (weights1, _) = results
+    assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))
+    assert all(loss == loss for loss in losses0)  # finite, not NaN
