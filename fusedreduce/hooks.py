@@ -90,6 +90,8 @@ class HookState:
         self._world_size: Optional[int] = None
         self._pickled_ranks: Optional[List[int]] = None
         self._adasum_plans: Dict[tuple, BucketPlan] = {}
+        self._wires: Dict[tuple, list] = {}
+        self._iteration = 0
         if dist.is_available() and dist.is_initialized():
             self._resolve()  # everything checked now, when it can be
 
@@ -130,6 +132,7 @@ class HookState:
         state["_group"] = None
         state["_world_size"] = None
         state["_adasum_plans"] = {}
+        state["_wires"], state["_iteration"] = {}, 0
         if group is not None:
             # a group's members are known only while it exists; record them so
             # that the other side can tell whether the world is the same group
@@ -144,6 +147,27 @@ class HookState:
         default all of the division before the collective, as DDP does."""
         total = 1.0 / self.world_size
         return split_scale(total, self.prescale, total)
+
+    def wire_for(self, bucket: dist.GradBucket, dtype: torch.dtype) -> torch.Tensor:
+        """The kept buffer ``bucket`` travels in as ``dtype`` (the compress hooks').
+
+        Kept per DDP bucket buffer (address, size, dtype), so that every step
+        casts into the same tensor and the kernels' prepared launch for it is
+        found again. A buffer not seen during the last iteration is dropped:
+        DDP replaces its first iteration's one big bucket by the real ones.
+        """
+        buffer = bucket.buffer()
+        if bucket.index() == 0:
+            self._iteration += 1
+            self._wires = {key: entry for key, entry in self._wires.items()
+                           if entry[1] >= self._iteration - 1}
+        key = (buffer.data_ptr(), buffer.numel(), buffer.dtype, dtype, buffer.device)
+        entry = self._wires.get(key)
+        if entry is None:
+            entry = self._wires[key] = [torch.empty(buffer.numel(), dtype=dtype,
+                                                    device=buffer.device), 0]
+        entry[1] = self._iteration
+        return entry[0]
 
     def adasum_plan_for(self, grads) -> BucketPlan:
         """The one-bucket AdaSum plan of a DDP bucket holding ``grads``, kept per
@@ -210,12 +234,13 @@ def _reduce_in(state: HookState, bucket: dist.GradBucket,
             return reduced.mul_(after) if after != 1.0 else reduced
 
         return work.get_future().then(finish_in_place)
-    wire = kernels.flatten_cast_scale([buffer], dtype=dtype, scale=before, backend=state.backend)
+    wire = kernels.flatten_cast_scale([buffer], state.wire_for(bucket, dtype), scale=before,
+                                      backend=state.backend)
     work = dist.all_reduce(wire, group=state.group, async_op=True)
 
     def decompress(future):
-        kernels.unflatten_cast_scale(future.value()[0], [buffer], scale=after,
-                                     backend=state.backend)
+        future.value()  # raises if the collective failed
+        kernels.unflatten_cast_scale(wire, [buffer], scale=after, backend=state.backend)
         return buffer
 
     return work.get_future().then(decompress)

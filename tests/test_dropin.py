@@ -194,3 +194,32 @@ def test_an_optimizer_that_reevaluates_its_closure_works_and_ranks_agree():
     (weights0, losses0), (weights1, _) = results
     assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))
     assert all(loss == loss for loss in losses0)  # finite, not NaN
+
+
+# ------------------------------------------------------------------ steady state
+
+def _compress_hook_wires(rank, world_size):
+    from fusedreduce.kernels import _prepared
+    state = HookState()
+    model = DDP(_net(), bucket_cap_mb=1 / 2 ** 12)  # a few buckets
+    model.register_comm_hook(state, hooks.fp16_compress_hook)
+    seen = []
+    for step in range(4):
+        model.zero_grad()
+        x, y = _batch(rank, step)
+        ((model(x) - y) ** 2).sum().backward()
+        wires = sorted((id(entry[0]) for entry in state._wires.values()))
+        launches = {id(entry.launch) for entry in _prepared.LAUNCHES._entries.values()}
+        seen.append((wires, launches))
+    return seen
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_the_compress_hooks_cast_into_kept_buffers_with_kept_launches():
+    for seen in run_ranks(_compress_hook_wires, 2):
+        # DDP rebuilds its buckets after the first iteration; from then on the
+        # same wire buffers and the same prepared launches serve every step,
+        # and the first iteration's buffer is dropped one iteration later
+        assert seen[2] == seen[3]
+        assert seen[1][0] == sorted(set(seen[0][0]) | set(seen[2][0]))
+        assert not set(seen[0][0]) & set(seen[3][0])
