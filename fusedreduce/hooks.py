@@ -246,7 +246,7 @@ def _reduce_in(state: HookState, bucket: dist.GradBucket,
     return work.get_future().then(decompress)
 
 
-def allreduce_hook(state: Optional[HookState],
+def fusedreduce_allreduce_hook(state: Optional[HookState],
                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket across the group; fp16/bf16 buckets are reduced in fp32.
 
@@ -256,7 +256,7 @@ def allreduce_hook(state: Optional[HookState],
     return _reduce_in(_state(state), bucket, communication_dtype(bucket.buffer().dtype))
 
 
-def fp16_compress_hook(state: Optional[HookState],
+def fusedreduce_fp16_compress_hook(state: Optional[HookState],
                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average in fp16 on the wire: half the bytes of fp32, divided before the sum.
 
@@ -266,13 +266,13 @@ def fp16_compress_hook(state: Optional[HookState],
     return _reduce_in(_state(state), bucket, torch.float16)
 
 
-def bfloat16_compress_hook(state: Optional[HookState],
-                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def fusedreduce_bf16_compress_hook(state: Optional[HookState],
+                                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average in bf16 on the wire (fp32's range, 8 bits of mantissa); works on gloo.
 
-    Registered under this name because DDP refuses any hook *named*
-    ``bf16_compress_hook`` without CUDA and NCCL; ``bf16_compress_hook`` is an
-    alias of this function.
+    Defined under another name because DDP refuses any hook *named*
+    ``bf16_compress_hook`` without CUDA and NCCL; ``bf16_compress_hook`` (and
+    ``bfloat16_compress_hook``) are aliases of this function.
 
     Example:
         >>> ddp.register_comm_hook(None, bf16_compress_hook)      # doctest: +SKIP
@@ -280,10 +280,9 @@ def bfloat16_compress_hook(state: Optional[HookState],
     return _reduce_in(_state(state), bucket, torch.bfloat16)
 
 
-bf16_compress_hook = bfloat16_compress_hook
 
 
-def adasum_hook(state: Optional[HookState],
+def fusedreduce_adasum_hook(state: Optional[HookState],
                 bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """AdaSum across ranks, one segment (and coefficient pair) per parameter.
 
@@ -318,5 +317,16 @@ def adasum_hook(state: Optional[HookState],
     return _future_of(buffer)
 
 
+# The functions carry a ``fusedreduce_`` prefix because DDP logs a hook by its
+# qualified name (``_get_ddp_logging_data()["comm_hook"]``): torch's names
+# would make its logs say that torch's hooks ran. Pickling (spawn) finds them
+# under these names too. The short names are the ones to use.
+allreduce_hook = fusedreduce_allreduce_hook
+fp16_compress_hook = fusedreduce_fp16_compress_hook
+bf16_compress_hook = bfloat16_compress_hook = fusedreduce_bf16_compress_hook
+adasum_hook = fusedreduce_adasum_hook
+
 __all__ = ["HookState", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
-           "bfloat16_compress_hook", "adasum_hook"]
+           "bfloat16_compress_hook", "adasum_hook", "fusedreduce_allreduce_hook",
+           "fusedreduce_fp16_compress_hook", "fusedreduce_bf16_compress_hook",
+           "fusedreduce_adasum_hook"]

@@ -223,3 +223,25 @@ def test_the_compress_hooks_cast_into_kept_buffers_with_kept_launches():
         assert seen[2] == seen[3]
         assert seen[1][0] == sorted(set(seen[0][0]) | set(seen[2][0]))
         assert not set(seen[0][0]) & set(seen[3][0])
+
+
+# ------------------------------------------------------------------ what DDP logs
+
+def _logged_hook_names(rank, world_size):
+    names = {}
+    for name in ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "adasum_hook"):
+        model = DDP(_net())
+        model.register_comm_hook(None, getattr(hooks, name))
+        x, y = _batch(rank, 0)
+        ((model(x) - y) ** 2).sum().backward()
+        names[name] = model._get_ddp_logging_data().get("comm_hook")
+    return names
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_ddp_logs_name_the_fusedreduce_hooks_and_they_pickle():
+    names = run_ranks(_logged_hook_names, 2)[0]
+    assert names == {name: f"fusedreduce_{name}" for name in names}
+    for name in names:  # spawn-started workers receive the hook by pickle
+        hook = getattr(hooks, name)
+        assert pickle.loads(pickle.dumps(hook)) is hook
