@@ -48,16 +48,19 @@ def _time_calls(fn, calls: int) -> List[float]:
 
 
 def time_host(tensors: Sequence, out, dsts: Sequence, direction: str, scale: float,
-              calls: int = CALLS) -> List[float]:
-    """Per-call host times in ms of the Triton path on these buffers (see the module docstring)."""
-    from fusedreduce.kernels import flatten_cast_scale, unflatten_cast_scale
+              calls: int = CALLS, kernels=None) -> List[float]:
+    """Per-call host times in ms of the Triton path on these buffers (see the module
+    docstring). ``kernels``: the kernel package to time (default ``fusedreduce.kernels``;
+    ``versus_revision`` passes another revision's)."""
+    if kernels is None:
+        from fusedreduce import kernels
 
     if direction == "flatten":
         def call():
-            flatten_cast_scale(tensors, out, scale=scale, backend="triton")
+            kernels.flatten_cast_scale(tensors, out, scale=scale, backend="triton")
     else:
         def call():
-            unflatten_cast_scale(out, dsts, scale=scale, backend="triton")
+            kernels.unflatten_cast_scale(out, dsts, scale=scale, backend="triton")
     samples = _time_calls(call, calls)
     if out.is_cuda:
         import torch

@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton: the host-cost rows
@@ -39,7 +38,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import torch  # noqa: E402
 
-from . import common  # noqa: E402
+from . import common, host_cost, timing  # noqa: E402
 from .models import TENSOR_LISTS  # noqa: E402
 
 
@@ -60,16 +59,10 @@ def load_revision_kernels(revision: str, into: Path):
 
 
 def _interleaved(fns, repeats):
+    """Median ms of each function, warmed up, then timed round-robin."""
     for fn in fns.values():
         fn()
-    samples = {name: [] for name in fns}
-    names = list(fns)
-    for round_ in range(repeats):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
-            fns[name]()
-            samples[name].append((time.perf_counter() - start) * 1e3)
+    samples = timing.time_interleaved(fns, repeats, torch.device("cpu"))
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
@@ -99,7 +92,7 @@ def measure(versions, size, repeats, scale=0.125):
         sum(numels)
 
 
-def host_cost(versions, size, calls=300, blocks=4, scale=0.125):
+def host_cost_us(versions, size, calls=300, blocks=4, scale=0.125):
     """Median host µs per steady-state Triton call of each version (kernel execution excluded).
 
     Each function is timed in blocks of ``calls`` consecutive calls, the
@@ -112,21 +105,13 @@ def host_cost(versions, size, calls=300, blocks=4, scale=0.125):
     grads = [torch.zeros(s, dtype=torch.float16) for s in TENSOR_LISTS["resnet50"](size)]
     out = torch.zeros(sum(g.numel() for g in grads))
     dsts = [torch.zeros_like(g) for g in grads]
-    fns = {}
-    for label, kernels in versions.items():
-        fns[f"{label} flatten"] = lambda k=kernels: k.flatten_cast_scale(
-            grads, out, scale=scale, backend="triton")
-        fns[f"{label} unflatten"] = lambda k=kernels: k.unflatten_cast_scale(
-            out, dsts, scale=scale, backend="triton")
-    samples = {name: [] for name in fns}
+    samples = {}
     for _ in range(blocks):
-        for name, fn in fns.items():
-            fn()
-            for _ in range(calls):
-                start = time.perf_counter()
-                fn()
-                samples[name].append((time.perf_counter() - start) * 1e6)
-    return {name: statistics.median(s) for name, s in samples.items()}
+        for label, kernels in versions.items():
+            for direction in ("flatten", "unflatten"):
+                samples.setdefault(f"{label} {direction}", []).extend(
+                    host_cost.time_host(grads, out, dsts, direction, scale, calls, kernels))
+    return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
 
 
 def main(argv=None) -> int:
@@ -151,7 +136,7 @@ def main(argv=None) -> int:
                 cells = "  ".join(f"{k} {v:.3f} ms ({best / v:.2f}x)" for k, v in times.items())
                 print(f"{elements:>11,} elements, {n} tensors, {direction:9s}: {cells}")
         print("# host µs per steady-state call on the Triton path, kernel execution excluded:")
-        for name, us in host_cost(versions, min(args.sizes)).items():
+        for name, us in host_cost_us(versions, min(args.sizes)).items():
             print(f"  {name}: {us:.1f} µs")
     return 0
 

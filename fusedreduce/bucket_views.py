@@ -36,11 +36,9 @@ from .buckets import Bucket, BucketPlan
 
 @dataclass
 class Run:
-    """Consecutive segments of one gradient dtype: ``[start, end)`` of the bucket."""
+    """Consecutive segments of one gradient dtype, over one stretch of the bucket."""
 
     dtype: torch.dtype
-    start: int
-    end: int
     source: torch.Tensor  # the gradients' buffer over the run (the comm buffer's own slice
     comm: torch.Tensor    # when ``dtype`` is the bucket's), and the comm buffer's slice
 
@@ -59,7 +57,7 @@ class BucketViews:
 
     def __init__(self, parameters: Sequence[torch.Tensor], plan: BucketPlan,
                  buffers: Sequence[torch.Tensor], backend: str) -> None:
-        self.plan, self.parameters, self.backend = plan, list(parameters), backend
+        self.parameters, self.backend = list(parameters), backend
         self.views: List[Optional[torch.Tensor]] = [None] * len(self.parameters)
         self.runs: Dict[int, List[Run]] = {}
         self.grad_buffers: Dict[tuple, torch.Tensor] = {}
@@ -79,20 +77,16 @@ class BucketViews:
             if dtype not in sources:
                 sources[dtype] = self.grad_buffers[bucket.index, dtype] = torch.zeros(
                     bucket.size, dtype=dtype, device=bucket.device)
-        runs: List[Run] = []
-        for slot, i, start, numel in zip(range(len(bucket.tensor_indices)),
-                                         bucket.tensor_indices, bucket.offsets, bucket.numels):
+        firsts = []  # (dtype, first element) of each run of one gradient dtype
+        for i, start, numel in zip(bucket.tensor_indices, bucket.offsets, bucket.numels):
             p = self.parameters[i]
             self.views[i] = sources[p.dtype].narrow(0, start, numel).view(p.shape)
-            if runs and runs[-1].dtype == p.dtype:
-                continue
-            runs.append(Run(p.dtype, start, 0, sources[p.dtype], buffer))
+            if not firsts or firsts[-1][0] != p.dtype:
+                firsts.append((p.dtype, start))
         # runs tile the bucket: each ends where the next begins (gaps are zeros)
-        for run, after in zip(runs, runs[1:] + [None]):
-            run.end = after.start if after is not None else bucket.size
-            run.source = run.source.narrow(0, run.start, run.end - run.start)
-            run.comm = run.comm.narrow(0, run.start, run.end - run.start)
-        return runs
+        ends = [start for _, start in firsts[1:]] + [bucket.size]
+        return [Run(dtype, sources[dtype].narrow(0, lo, hi - lo), buffer.narrow(0, lo, hi - lo))
+                for (dtype, lo), hi in zip(firsts, ends)]
 
     def adopt(self, bucket: Bucket) -> None:
         """Make each ``.grad`` of ``bucket`` its view, copying in any gradient that is not."""

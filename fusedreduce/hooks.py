@@ -139,9 +139,6 @@ class HookState:
             state["_pickled_ranks"] = global_ranks(group)
         return state
 
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-
     def scales(self):
         """``(before, after)`` with ``before * after == 1 / world_size``: by
         default all of the division before the collective, as DDP does."""

@@ -165,9 +165,9 @@ class DistributedGradReducer:
         if self._buffers is None:
             self._buffers = self._new_buffers()
         bucket, buffer = self.plan.buckets[index], self._buffers[index]
-        prescale, _ = self._scales[index]
         if self._views is not None and self._views.viewed(bucket):
             # the gradients are the buffer already: no flatten
+            prescale, _ = self._scales[index]
             self._views.adopt(bucket)
             flag = self._views.gather(bucket, prescale, self.check_finite)
             spare = None
@@ -176,19 +176,31 @@ class DistributedGradReducer:
                 spare.copy_(flag)
             return start_all_reduce(bucket, buffer, group=self.group,
                                     world_size=self.world_size, spare=spare)
+        return self._start_flat(bucket, tensors, buffer)
+
+    def _start_flat(self, bucket, tensors: Sequence[Optional[torch.Tensor]],
+                    buffer: torch.Tensor) -> PendingBucket:
+        """Flatten ``bucket``'s tensors into ``buffer`` and start its all-reduce."""
+        prescale, _ = self._scales[bucket.index]
         return start_bucket_all_reduce(
             self.plan, bucket, tensors, buffer, group=self.group,
             world_size=self.world_size, prescale=prescale, backend=self.backend,
             count_nonfinite=self.check_finite)
 
+    def _finish_flat(self, pending: PendingBucket, outputs: Sequence[torch.Tensor]) -> None:
+        """Wait for ``pending`` and write its bucket into ``outputs``, postscaled."""
+        _, postscale = self._scales[pending.bucket.index]
+        finish_bucket(self.plan, pending, outputs, postscale=postscale, backend=self.backend)
+
     def _finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
+        """Finish a backward pass's buckets (the hooks' path)."""
         for p in pending:
-            _, postscale = self._scales[p.bucket.index]
             if self._views is not None and self._views.viewed(p.bucket):
                 wait_for(p)
+                _, postscale = self._scales[p.bucket.index]
                 self._views.scatter(p.bucket, postscale)  # the views are the outputs
             else:
-                finish_bucket(self.plan, p, outputs, postscale=postscale, backend=self.backend)
+                self._finish_flat(p, outputs)
         self._record_nonfinite(pending)
 
     def _record_nonfinite(self, pending: Sequence[PendingBucket]) -> None:
@@ -224,15 +236,10 @@ class DistributedGradReducer:
             if self._buffers is None:
                 self._buffers = self._new_buffers()
             buffers = self._buffers
-        pending = []
-        for bucket, buffer in zip(self.plan.buckets, buffers):
-            prescale, _ = self._scales[bucket.index]
-            pending.append(start_bucket_all_reduce(
-                self.plan, bucket, ordered, buffer, group=self.group, world_size=self.world_size,
-                prescale=prescale, backend=self.backend, count_nonfinite=self.check_finite))
+        pending = [self._start_flat(bucket, ordered, buffer)
+                   for bucket, buffer in zip(self.plan.buckets, buffers)]
         for p in pending:
-            _, postscale = self._scales[p.bucket.index]
-            finish_bucket(self.plan, p, outputs, postscale=postscale, backend=self.backend)
+            self._finish_flat(p, outputs)
         self._record_nonfinite(pending)
         result = [None] * len(grad_list)
         for slot, i in enumerate(self._order):

@@ -53,7 +53,7 @@ class Prepared:
     ``by_shape``: whether the launch depends on the tensors' shapes (the torch
     fallback's views have them) or only on their element counts (the Triton
     kernels read a contiguous tensor in memory order, whatever its shape;
-    comparing counts is three times cheaper than comparing shapes). The
+    comparing counts costs half as much as comparing shapes). The
     shapes and strides of non-contiguous tensors are always compared.
     """
 

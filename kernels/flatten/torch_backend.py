@@ -2,16 +2,17 @@
 
 Used on the CPU and wherever Triton is not wanted; ``prepare_flatten`` and
 ``prepare_unflatten`` take the same arguments as the Triton backend's
-(``kernels/_backends.py``) and return launches that are kept per layout. The element math follows the
-kernels' rule (fp32, or fp64 when either side is fp64; 16-bit results rounded
+(``kernels/_backends.py``) and return launches that are kept per layout.
+The element math follows the kernels' rule (fp32, or fp64 when either side is fp64; 16-bit results rounded
 from fp32). Python overhead per tensor matters as much as bandwidth here (a
 ResNet-50 has 161 gradients), so the work is done by a few ``torch._foreach_*``
 calls over all segments at once wherever the dtypes allow (the routes are
 listed in ``CopyPlan``): a copy that rounds as the kernels do is one
 ``_foreach_copy_`` for every such pair; a scale on an fp32/fp64 destination
-adds one ``_foreach_mul_`` (or one ``mul_`` over the whole flat buffer); a
-scaled 16-bit destination takes one ``torch.mul(src, scale, out=dst)`` per
-pair; only fp64 into 16 bits and fp16<->bf16 with a scale go piece by piece.
+adds one ``_foreach_mul_`` (or, filling a flat buffer, one ``mul_`` per run of
+segments); a scaled 16-bit destination takes one ``torch.mul(src, scale,
+out=dst)`` per pair (from an fp32 buffer: ``ScaledNarrowing``); only fp64
+into 16 bits and fp16<->bf16 with a scale go piece by piece.
 """
 from __future__ import annotations
 
@@ -231,9 +232,10 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
     CPU a view costs microseconds and a model has hundreds of gradients.
     """
     alias = out.detach()  # the views keep the memory, not the caller's tensor object
+    numels = [t.numel() for t in tensors]
     segments = _segment_views(alias, starts, tensors)
-    gaps = _gap_views(alias, starts, [t.numel() for t in tensors], extents)
-    runs = _scale_runs(alias, starts, [t.numel() for t in tensors])
+    gaps = _gap_views(alias, starts, numels, extents)
+    runs = _scale_runs(alias, starts, numels)
     plan = CopyPlan([out.dtype] * len(tensors), [t.dtype for t in tensors])
 
     def launch(tensors, out, scale, check_finite):

@@ -269,16 +269,18 @@ class _Layout:
         # the base of all byte offsets: the flat buffer when it is 16-byte
         # aligned (always, for a fresh allocation), else an aligned tensor of
         # the call (an unaligned base only costs vectorization)
+        # At launch the base is found again: the call's flat buffer, one of the
+        # call's tensors (by index), or a kept staging tensor.
+        self.base_index, self.base_kept = None, None
         if flat.data_ptr() % ALIGN_BYTES == 0 and flat.numel() > 0:
-            self.base_index = None
             base = flat
         else:
             base = _pick_base(seen, flat)
-            self.base_index = next((i - (lead > 0) for i, t in enumerate(seen) if t is base),
-                                   None)
-            if self.base_index is not None and self.base_index in self.staged_indices:
-                self.base_staging = self.staging[self.staged_indices.index(self.base_index)]
-                self.base_index = -1
+            if any(base is s for s in self.staging):
+                self.base_kept = base
+            else:
+                self.base_index = next((i - (lead > 0) for i, t in enumerate(seen)
+                                        if t is base), None)
         self.n_segments = len(seen)
         self.kinds = kinds_mask(t.dtype for t in seen)
         table, self.programs = build_table(seen, starts, extents, flat, base)
@@ -287,12 +289,12 @@ class _Layout:
 
     def base(self, tensors, flat):
         """The tensor of this call at the table's base address, as bytes."""
-        if self.base_index is None:
-            base = flat
-        elif self.base_index == -1:
-            base = self.base_staging
-        else:
+        if self.base_kept is not None:
+            base = self.base_kept
+        elif self.base_index is not None:
             base = tensors[self.base_index]
+        else:
+            base = flat
         return triton.reinterpret(base, tl.uint8)
 
 
