@@ -32,7 +32,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _checks, _prepared
-from ._backends import backend_for, check_backend, resolve_backend, triton_available
+from ._backends import (backend_for, check_backend, resolve_backend, triton_available,
+                        triton_unavailable_reason)
 from ._checks import check_scale
 from ._common import (ADASUM_CHUNK, ADASUM_FP32_LIMIT, ADASUM_NORM_FLOOR, ALIGN_BYTES,
                       SIXTEEN_BIT_DTYPES, SUPPORTED_DTYPES, adasum_chunk_counts as _chunk_counts,
@@ -54,6 +55,7 @@ __all__ = [
     "ADASUM_FP32_LIMIT",
     "ALIGN_BYTES",
     "triton_available",
+    "triton_unavailable_reason",
     "resolve_backend",
     "check_backend",
     "check_scale",

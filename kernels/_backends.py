@@ -30,8 +30,9 @@ on first use.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -62,24 +63,95 @@ class Backend:
 
 TORCH = Backend.of("torch", _flatten_torch, _adasum_torch)
 
+#: the oldest Triton the kernels run on (torch 2.6's CUDA build pins 3.2.0);
+#: pyproject.toml states the same floor, the README the versions tested
+MIN_TRITON = (3, 2)
+#: the newest Triton the test matrix (``tests/triton_matrix.sh``) has run
+NEWEST_TESTED_TRITON = (3, 9)
+
 _triton: Optional[Backend] = None
 _triton_error: Optional[BaseException] = None
 
 
+def parse_version(text: str) -> Tuple[int, ...]:
+    """The leading release numbers of a version string: ``"3.3.1+git"`` -> (3, 3, 1).
+
+    Raises:
+        ValueError: ``text`` does not start with a number.
+    """
+    numbers = re.match(r"\d+(?:\.\d+)*", str(text))
+    if numbers is None:
+        raise ValueError(f"not a version: {text!r}")
+    return tuple(int(n) for n in numbers.group().split("."))
+
+
+def triton_version_problem(version: str) -> Optional[str]:
+    """Why Triton ``version`` cannot run the kernels, or None when it can.
+
+    Example:
+        >>> triton_version_problem("3.1.0") is not None
+        True
+        >>> triton_version_problem("3.6.0") is None
+        True
+    """
+    floor = ".".join(map(str, MIN_TRITON))
+    try:
+        release = parse_version(version)
+    except ValueError:
+        return f"Triton reports an unreadable version {version!r}; fusedreduce needs triton>={floor}"
+    if release[:2] < MIN_TRITON:
+        return (f"Triton {version} is installed but fusedreduce's kernels need triton>={floor} "
+                f"(torch>=2.6's CUDA builds ship one): upgrade torch, or `pip install "
+                f"'triton>={floor}'` where your torch allows it; the torch fallback "
+                f"(backend='torch') works without it")
+    return None
+
+
 def triton_backend() -> Optional[Backend]:
-    """The Triton backend, imported on first use; None when Triton cannot be imported."""
+    """The Triton backend, imported on first use; None when Triton is missing,
+    broken or older than ``MIN_TRITON`` (the reason is kept for error messages)."""
     global _triton, _triton_error
     if _triton is None and _triton_error is None:
         # Triton 3.9 warns once unless this is set explicitly
         os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
         try:
+            import triton
+        except Exception as exc:  # noqa: BLE001 (missing, or broken on import)
+            _triton_error = ImportError(f"Triton cannot be imported ({type(exc).__name__}: "
+                                        f"{exc}); install it with `pip install triton`")
+            return None
+        problem = triton_version_problem(getattr(triton, "__version__", "unknown"))
+        if problem is not None:
+            _triton_error = ImportError(problem)
+            return None
+        try:
             from .adasum import triton_backend as adasum_ops
             from .flatten import triton_backend as flatten_ops
-        except ImportError as exc:  # Triton missing or broken
-            _triton_error = exc
+        except Exception as exc:  # noqa: BLE001 (a Triton this code does not know)
+            _triton_error = ImportError(
+                f"fusedreduce's Triton kernels failed to load with Triton "
+                f"{triton.__version__} ({type(exc).__name__}: {exc}); the versions tested are "
+                f"{_tested_range()}")
         else:
             _triton = Backend.of("triton", flatten_ops, adasum_ops)
     return _triton
+
+
+def _tested_range() -> str:
+    return (".".join(map(str, MIN_TRITON)) + " to "
+            + ".".join(map(str, NEWEST_TESTED_TRITON)))
+
+
+def triton_unavailable_reason() -> Optional[str]:
+    """Why the Triton backend cannot be used here, or None when it can.
+
+    Example:
+        >>> reason = triton_unavailable_reason()
+        >>> reason is None or isinstance(reason, str)
+        True
+    """
+    triton_backend()
+    return None if _triton_error is None else str(_triton_error)
 
 
 def triton_available() -> bool:
@@ -120,9 +192,8 @@ def backend_for(backend: str, device: torch.device) -> Backend:
     chosen = triton_backend()
     if chosen is None:
         raise RuntimeError(
-            f"the Triton backend is needed for tensors on {device} but Triton cannot be "
-            f"imported ({_triton_error}); install it with `pip install triton`, or pass "
-            f"backend='torch' to use the slower torch fallback")
+            f"the Triton backend is needed for tensors on {device} but cannot be used: "
+            f"{_triton_error}. Or pass backend='torch' to use the slower torch fallback")
     if device.type == "cpu" and not _interpreting():
         raise RuntimeError(
             "backend='triton' on CPU tensors needs Triton's interpreter: set "

@@ -14,12 +14,14 @@ subprocess for that reason).
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
 import sys
 import time
 from collections import Counter
+from typing import Optional
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
@@ -83,13 +85,23 @@ def global_accesses(ptx: str) -> dict:
 
 def hinted_values(ttir: str) -> list:
     """[name, op, divisibility or None] for every named scalar load, and every named
-    value that carries a divisibility hint, of the TTIR."""
+    value that carries a divisibility hint, of the TTIR.
+
+    Triton 3.3 on names SSA values after the Python variables; 3.2 numbers them
+    (``%10 = tt.load ... loc(#loc92)``), so there the name is the variable
+    assigned on the source line the value's location points to."""
+    locations = _locations(ttir)
     found = []
     for line in ttir.splitlines():
         match = NAMED_VALUE.match(line)
-        if not match:
-            continue
-        name, op, rest = match.groups()
+        if match:
+            name, op, rest = match.groups()
+        else:
+            numbered = NUMBERED_VALUE.match(line)
+            name = numbered and _assigned_name(locations, numbered.group(3))
+            if not name:
+                continue
+            op, rest = numbered.group(1), numbered.group(2)
         hint = DIVISIBILITY.search(rest)
         scalar_load = op == "tt.load" and "tensor<" not in rest
         if scalar_load or hint:
@@ -97,9 +109,57 @@ def hinted_values(ttir: str) -> list:
     return found
 
 
+# `%10 = tt.load %9 {...} : !tt.ptr<i64> loc(#loc92)`
+NUMBERED_VALUE = re.compile(r"^\s*%\d+ = ([\w.]+)\b(.*) loc\((#loc\d+)\)\s*$")
+# `#loc92 = loc(callsite(#loc13 at #loc2))` or `#loc13 = loc("file.py":108:41)`
+LOCATION = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$")
+ASSIGNED = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?::[^=]*)?=[^=]")
+
+
+def _locations(ttir: str) -> dict:
+    return {m.group(1): m.group(2) for m in map(LOCATION.match, ttir.splitlines()) if m}
+
+
+def _assigned_name(locations: dict, ref: str):
+    """The variable assigned on the source line of location ``ref`` (a call site's
+    callee side), or None."""
+    for _ in range(16):
+        body = locations.get(ref, "")
+        callsite = re.match(r"callsite\((#loc\d*) at", body)
+        if not callsite:
+            break
+        ref = callsite.group(1)
+    place = re.match(r'"(.*)":(\d+):\d+$', locations.get(ref, ""))
+    if not place or not os.path.isfile(place.group(1)):
+        return None
+    with open(place.group(1)) as source:
+        lines = source.read().splitlines()
+    assigned = ASSIGNED.match(lines[int(place.group(2)) - 1])
+    return assigned.group(1) if assigned else None
+
+
 #: PTX instructions the AdaSum tests count: arithmetic by type, branches, atomics
 INSTRUCTION = re.compile(r"\b((?:fma|mul|add|sub|div)(?:\.rn)?\.f(?:32|64)|bra(?:\.uni)?|"
                          r"atom|red)\b")
+
+
+def ast_source(fn, signature: dict, constexprs: dict, attrs: Optional[dict] = None):
+    """``triton.compiler.ASTSource`` in the form this Triton takes.
+
+    3.3 on: every parameter in ``signature`` (constexprs typed "constexpr"),
+    their values in ``constexprs``, hints as ``{(index,): [[name, value]]}``.
+    3.2: only runtime parameters in ``signature``, the values in ``constants``,
+    and divisibility hints in an ``AttrsDescriptor``.
+    """
+    source = triton.compiler.ASTSource
+    if "constexprs" in inspect.signature(source.__init__).parameters:
+        return source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    from triton.backends.compiler import AttrsDescriptor
+
+    hints = {index[0]: value for index, properties in (attrs or {}).items()
+             for name, value in properties if name == "tt.divisibility"}
+    return source(fn=fn, signature={k: v for k, v in signature.items() if v != "constexpr"},
+                  constants=constexprs, attrs=AttrsDescriptor.from_hints(hints))
 
 
 def adasum_variants():
@@ -124,9 +184,8 @@ def main_adasum(capability: int) -> None:
     report = []
     for name, buffer, fn, signature, constexprs, num_warps in adasum_variants():
         start = time.perf_counter()
-        compiled = triton.compile(
-            triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-            target=target, options={"num_warps": num_warps})
+        compiled = triton.compile(ast_source(fn, signature, constexprs),
+                                  target=target, options={"num_warps": num_warps})
         ptx = compiled.asm.get("ptx", "")
         body = ptx[ptx.find(".entry"):]
         report.append({
@@ -152,10 +211,8 @@ def main(kernel: str, capability: int) -> None:
     report = []
     for buffer, signature, constexprs, attrs in variants(kernel):
         start = time.perf_counter()
-        compiled = triton.compile(
-            triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs,
-                                      attrs=attrs),
-            target=target, options={"num_warps": kernels.NUM_WARPS})
+        compiled = triton.compile(ast_source(fn, signature, constexprs, attrs),
+                                  target=target, options={"num_warps": kernels.NUM_WARPS})
         ptx = compiled.asm.get("ptx", "")
         report.append({
             "buffer": buffer,

@@ -8,6 +8,7 @@ shapes of the two implementations are.
 """
 import importlib
 import inspect
+import os
 import subprocess
 import sys
 
@@ -52,3 +53,77 @@ def test_importing_the_kernels_does_not_import_triton_until_a_triton_backend_is_
 
 def test_auto_runs_the_torch_backend_on_the_cpu():
     assert kernels.resolve_backend("auto", torch.device("cpu")) == "torch"
+
+
+# ------------------------------------------------------ which Tritons are accepted
+
+@pytest.mark.parametrize("version, accepted", [
+    ("3.2.0", True), ("3.3.1", True), ("3.6.0", True), ("3.9.0", True), ("3.10.0", True),
+    ("4.0.0", True), ("3.3.1+git8e7ec2a", True), ("3.1.0", False), ("3.0.0", False),
+    ("2.3.1", False), ("unknown", False), ("", False)])
+def test_triton_versions_below_the_floor_or_unreadable_are_refused(version, accepted):
+    problem = kernels._backends.triton_version_problem(version)
+    assert (problem is None) == accepted, problem
+    if not accepted:
+        assert "triton>=3.2" in problem and (f"Triton {version} " in problem
+                                              or repr(version) in problem), problem
+
+
+def test_the_installed_triton_is_usable_when_it_meets_the_floor():
+    # the matrix (tests/triton_matrix.sh, and CI's second environment) runs this
+    # on every supported Triton: a version we claim must load our kernels
+    triton = pytest.importorskip("triton")
+    if kernels._backends.triton_version_problem(triton.__version__) is not None:
+        pytest.skip(f"Triton {triton.__version__} is below the floor")
+    assert kernels.triton_available(), kernels.triton_unavailable_reason()
+    assert kernels.triton_unavailable_reason() is None
+
+
+@pytest.fixture
+def fresh_backend_state(monkeypatch):
+    """The Triton backend forgotten, so the next use checks Triton again; restored after."""
+    monkeypatch.setattr(kernels._backends, "_triton", None)
+    monkeypatch.setattr(kernels._backends, "_triton_error", None)
+
+
+def test_an_old_triton_is_refused_by_name_and_the_torch_fallback_keeps_working(
+        monkeypatch, fresh_backend_state):
+    triton = pytest.importorskip("triton")
+    monkeypatch.setattr(triton, "__version__", "3.1.0")
+    assert not kernels.triton_available()
+    reason = kernels.triton_unavailable_reason()
+    assert "Triton 3.1.0 is installed" in reason and "triton>=3.2" in reason
+    x = torch.arange(5, dtype=torch.float16)
+    flat = kernels.flatten_cast_scale([x], dtype=torch.float32, scale=2.0)
+    assert torch.equal(flat, x.float() * 2)
+    with pytest.raises(RuntimeError, match=r"Triton 3\.1\.0 is installed.*triton>=3\.2"):
+        kernels.flatten_cast_scale([x], dtype=torch.float32, backend="triton")
+
+
+FAKE_TRITONS = {
+    "broken": "raise AttributeError(\"module 'triton' has no attribute 'constexpr_function'\")",
+    "old": "__version__ = '3.1.0'",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FAKE_TRITONS))
+def test_a_broken_or_old_triton_gives_a_message_and_the_cpu_fallback_runs(tmp_path, kind):
+    # a fresh interpreter that finds a fake ``triton`` package first
+    package = tmp_path / "triton"
+    package.mkdir()
+    (package / "__init__.py").write_text(FAKE_TRITONS[kind] + "\n")
+    code = ("import torch, fusedreduce.kernels as k; "
+            "flat = k.flatten_cast_scale([torch.ones(3, dtype=torch.float16)], "
+            "dtype=torch.float32, scale=0.5); "
+            "print(flat.tolist()); print(k.triton_available()); "
+            "print(k.triton_unavailable_reason())")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    flat, available, reason = out.stdout.strip().split("\n", 2)
+    assert flat == "[0.5, 0.5, 0.5]" and available == "False"
+    if kind == "broken":
+        assert "Triton cannot be imported (AttributeError" in reason and "pip install" in reason
+    else:
+        assert "Triton 3.1.0 is installed" in reason and "triton>=3.2" in reason

@@ -64,8 +64,12 @@ def _chunk_stats_kernel(a, b, table, partials, n_segments, CHUNK: tl.constexpr,
     dot = tl.zeros([BLOCK], tl.float64)
     a2 = tl.zeros([BLOCK], tl.float64)
     b2 = tl.zeros([BLOCK], tl.float64)
-    # a fixed walk relative to the chunk's start: the same sums wherever it sits
-    for i in range(start, end, BLOCK):
+    # a fixed walk relative to the chunk's start: the same sums wherever it sits.
+    # A while loop, not range(start, end, BLOCK): Triton's interpreter before 3.7
+    # cannot take loaded values as range bounds under numpy 2 (it calls int() on
+    # a 1-element array); the compiled loop is the same either way.
+    i = start
+    while i < end:
         offs = i + tl.arange(0, BLOCK)
         mask = offs < end
         x = upcast(tl.load(a + seg_start + offs, mask=mask, other=0.0), tl.float64)
@@ -73,6 +77,7 @@ def _chunk_stats_kernel(a, b, table, partials, n_segments, CHUNK: tl.constexpr,
         dot += x * y
         a2 += x * x
         b2 += y * y
+        i += BLOCK
     out = partials + tl.program_id(0) * 3
     tl.store(out, tl.sum(dot, axis=0))
     tl.store(out + 1, tl.sum(a2, axis=0))
@@ -87,9 +92,13 @@ def _reduce_chunks_kernel(partials, first_chunk, stats):
     cols = tl.arange(0, 4)
     keep = cols < 3
     # -0.0 + x is x for every x: the sum is ((p0 + p1) + p2) + ..., one after the other
-    total = tl.full([4], -0.0, tl.float64)
-    for i in range(first, last):
+    # -0.0 from its bits: Triton 3.2's tl.full(-0.0) gives +0.0 (-0.0 == 0 takes
+    # its zero path), and +0.0 + -0.0 would turn a segment of -0.0s positive
+    total = tl.full([4], -(2 ** 63), tl.int64).to(tl.float64, bitcast=True)
+    i = first
+    while i < last:  # not range(first, last): see _chunk_stats_kernel
         total += tl.load(partials + i * 3 + cols, mask=keep, other=-0.0)
+        i += 1
     total = tl.where(last > first, total, 0.0)
     tl.store(stats + seg * 3 + cols, total, mask=keep)
 

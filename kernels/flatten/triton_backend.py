@@ -60,21 +60,11 @@ UNALIGNED_FLAT = 1 << 24
 ALL_KINDS = 15
 
 
-@triton.constexpr_function
-def _dtype_of(code):
-    return (tl.float16, tl.bfloat16, tl.float32, tl.float64)[code]
-
-
-@triton.constexpr_function
-def _compute_dtype(a, b):
-    return tl.float64 if tl.float64 in (a, b) else tl.float32
-
-
 @triton.jit
 def _flag_nonfinite(x, flag, CHECK_FINITE: tl.constexpr):
     if CHECK_FINITE:
         # NaN fails every comparison, so ``|x| < inf`` is false exactly for inf and NaN
-        if tl.max((~(tl.abs(x) < float("inf"))).to(tl.int32), axis=0) > 0:
+        if tl.max(tl.where(tl.abs(x) < float("inf"), 0, 1), axis=0) > 0:
             # every writer stores the same 1: the race is benign and the flag exact
             tl.store(flag, 1)
 
@@ -107,8 +97,21 @@ def _segment(table, n_segments, BLOCK: tl.constexpr, FLAT_VEC: tl.constexpr):
 @triton.jit
 def _gather(base, src_bytes, out, flat_start, start, numel, extent, kind, scale, flag,
             SRC: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK: tl.constexpr):
+    # element math in fp64 when either side is fp64, else fp32 (a static branch:
+    # both conditions are compile-time constants)
+    if (SRC == tl.float64) or (out.dtype.element_ty == tl.float64):
+        _gather_in(base, src_bytes, out, flat_start, start, numel, extent, kind, scale, flag,
+                   SRC, tl.float64, CHECK_FINITE, BLOCK)
+    else:
+        _gather_in(base, src_bytes, out, flat_start, start, numel, extent, kind, scale, flag,
+                   SRC, tl.float32, CHECK_FINITE, BLOCK)
+
+
+@triton.jit
+def _gather_in(base, src_bytes, out, flat_start, start, numel, extent, kind, scale, flag,
+               SRC: tl.constexpr, COMPUTE: tl.constexpr, CHECK_FINITE: tl.constexpr,
+               BLOCK: tl.constexpr):
     OUT: tl.constexpr = out.dtype.element_ty
-    COMPUTE: tl.constexpr = _compute_dtype(SRC, OUT)
     scale = scale.to(COMPUTE)
     lanes = tl.arange(0, BLOCK)
     src_rem = (kind >> 8) & 255
@@ -132,6 +135,25 @@ def _gather(base, src_bytes, out, flat_start, start, numel, extent, kind, scale,
         _flag_nonfinite(x, flag, CHECK_FINITE)
 
 
+@triton.jit
+def _gather_code(base, src_bytes, out, flat_start, start, numel, extent, kind, scale, flag,
+                 CODE: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK: tl.constexpr):
+    # the source dtype of a DTYPE_CODES code, chosen statically (Triton before
+    # 3.5 has no constexpr functions to map the code to a dtype)
+    if CODE == 0:
+        _gather(base, src_bytes, out, flat_start, start, numel, extent, kind, scale, flag,
+                tl.float16, CHECK_FINITE, BLOCK)
+    elif CODE == 1:
+        _gather(base, src_bytes, out, flat_start, start, numel, extent, kind, scale, flag,
+                tl.bfloat16, CHECK_FINITE, BLOCK)
+    elif CODE == 2:
+        _gather(base, src_bytes, out, flat_start, start, numel, extent, kind, scale, flag,
+                tl.float32, CHECK_FINITE, BLOCK)
+    else:
+        _gather(base, src_bytes, out, flat_start, start, numel, extent, kind, scale, flag,
+                tl.float64, CHECK_FINITE, BLOCK)
+
+
 @triton.jit(do_not_specialize=["scale_high", "scale_low"])
 def _flatten_kernel(table, base, out, flag, n_segments, scale_high, scale_low,
                     KINDS: tl.constexpr, CHECK_FINITE: tl.constexpr,
@@ -144,15 +166,26 @@ def _flatten_kernel(table, base, out, flag, n_segments, scale_high, scale_low,
     for CODE in tl.static_range(4):
         if ((KINDS >> CODE) & 1) != 0:
             if (KINDS == (1 << CODE)) or (code == CODE):
-                _gather(base, src_bytes, out, flat_start, start, numel, extent, kind,
-                        scale, flag, _dtype_of(CODE), CHECK_FINITE, BLOCK)
+                _gather_code(base, src_bytes, out, flat_start, start, numel, extent, kind,
+                             scale, flag, CODE, CHECK_FINITE, BLOCK)
 
 
 @triton.jit
 def _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
              DST: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
-    FLAT: tl.constexpr = flat.dtype.element_ty
-    COMPUTE: tl.constexpr = _compute_dtype(DST, FLAT)
+    # as in _gather: fp64 math when either side is fp64
+    if (DST == tl.float64) or (flat.dtype.element_ty == tl.float64):
+        _scatter_in(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
+                    DST, tl.float64, ACCUMULATE, BLOCK)
+    else:
+        _scatter_in(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
+                    DST, tl.float32, ACCUMULATE, BLOCK)
+
+
+@triton.jit
+def _scatter_in(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
+                DST: tl.constexpr, COMPUTE: tl.constexpr, ACCUMULATE: tl.constexpr,
+                BLOCK: tl.constexpr):
     scale = scale.to(COMPUTE)
     lanes = tl.arange(0, BLOCK)
     dst_rem = (kind >> 8) & 255
@@ -174,6 +207,24 @@ def _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
         tl.store(dst + offs, downcast(y, DST), mask=mask)
 
 
+@triton.jit
+def _scatter_code(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
+                  CODE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    # as _gather_code: the destination dtype of a code, chosen statically
+    if CODE == 0:
+        _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
+                 tl.float16, ACCUMULATE, BLOCK)
+    elif CODE == 1:
+        _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
+                 tl.bfloat16, ACCUMULATE, BLOCK)
+    elif CODE == 2:
+        _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
+                 tl.float32, ACCUMULATE, BLOCK)
+    else:
+        _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
+                 tl.float64, ACCUMULATE, BLOCK)
+
+
 @triton.jit(do_not_specialize=["scale_high", "scale_low"])
 def _unflatten_kernel(table, base, flat, n_segments, scale_high, scale_low,
                       KINDS: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -185,8 +236,8 @@ def _unflatten_kernel(table, base, flat, n_segments, scale_high, scale_low,
     for CODE in tl.static_range(4):
         if ((KINDS >> CODE) & 1) != 0:
             if (KINDS == (1 << CODE)) or (code == CODE):
-                _scatter(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
-                         _dtype_of(CODE), ACCUMULATE, BLOCK)
+                _scatter_code(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
+                              CODE, ACCUMULATE, BLOCK)
 
 
 def kinds_mask(dtypes) -> int:
