@@ -25,6 +25,10 @@ How results are compared, and why:
   absolute error of one subnormal step;
 - fusing and determinism are compared bit for bit: both are promises about the
   exact same arithmetic, not about accuracy.
+
+Values are drawn on the CPU and moved to the test device
+(``device_mode.DEVICE()``); the reference, its tolerance and the comparisons
+work on CPU copies.
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ from typing import List, Tuple
 import torch
 from hypothesis import strategies as st
 
+import device_mode
+from device_mode import on_cpu
 from fusedreduce.kernels import adasum_combine, adasum_stats
 from reference import NORM_FLOOR, adasum_coefficient
 from reference import adasum_stats as reference_stats
@@ -49,9 +55,11 @@ BUDGET = 2_600
 # ---------------------------------------------------------------- cases
 
 def values(n, dtype, seed, salt, scale=1.0) -> torch.Tensor:
-    """``n`` standard normal values times ``scale``, drawn in float64 and rounded to ``dtype``."""
+    """``n`` standard normal values times ``scale``, drawn in float64 and rounded to ``dtype``
+    on the CPU (the same values on every device), then moved to the test device."""
     gen = torch.Generator().manual_seed(seed * 7919 + salt)
-    return (torch.randn(n, generator=gen, dtype=torch.float64) * scale).to(dtype)
+    return device_mode.to_device((torch.randn(n, generator=gen, dtype=torch.float64)
+                                  * scale).to(dtype))
 
 
 @dataclass(frozen=True)
@@ -114,7 +122,9 @@ def _per_element(per_segment, bounds) -> torch.Tensor:
 
 
 def reference_adasum(a, b, bounds):
-    """(AdaSum(a, b) in float64, the tolerance of each element of a kernel's result)."""
+    """(AdaSum(a, b) in float64, the tolerance of each element of a kernel's result),
+    both on the CPU."""
+    a, b = on_cpu(a), on_cpu(b)
     stats = reference_stats(a, b, bounds).tolist()
     ca = _per_element([adasum_coefficient(d, na) for d, na, _ in stats], bounds)
     cb = _per_element([adasum_coefficient(d, nb) for d, _, nb in stats], bounds)
@@ -144,6 +154,7 @@ def _tolerance(a, b, bounds, stats, ax, by, result) -> torch.Tensor:
 
 def assert_within(actual, expected, tolerance, what=""):
     """Every element of ``actual`` within ``tolerance`` of the float64 ``expected``."""
+    actual, expected, tolerance = on_cpu(actual), on_cpu(expected), on_cpu(tolerance)
     assert actual.dtype in DTYPES
     error = (actual.double() - expected).abs()
     bad = ~(error <= tolerance)  # NaN counts as bad

@@ -1,16 +1,23 @@
-"""Shared test setup: Triton's interpreter, the backend fixture, Hypothesis profiles."""
+"""Shared test setup: the test device, Triton's interpreter, the backend fixture,
+Hypothesis profiles.
+
+Two modes, chosen by ``pytest --device``:
+
+- ``cpu`` (the default): every test runs on CPU tensors; ``backend="triton"``
+  runs the kernels through Triton's interpreter (``TRITON_INTERPRET=1``).
+- ``cuda``: the tests marked ``device_aware`` run on CUDA tensors with the
+  compiled Triton kernels (and the torch fallback on CUDA), and the
+  ``cuda_only`` tests (large cases, NCCL, DDP hooks and AdaSum on a GPU) run
+  as well; the CPU-only rest is skipped with the reason. Without a GPU every
+  test is skipped, saying so.
+"""
 import os
+import sys
 
-# Before anything imports triton: its interpreter is what lets backend="triton"
-# run on CPU tensors, and the variable is read once, at import time.
-os.environ["TRITON_INTERPRET"] = "1"
-# Triton 3.9 warns once unless this is set explicitly.
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+import pytest
+from hypothesis import HealthCheck, settings
 
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
-
-from fusedreduce.kernels import triton_available  # noqa: E402
+import device_mode
 
 # Interpreted Triton runs each program in numpy (~10 ms per 2048-element
 # block), so example counts, not data sizes, set the suite's run time.
@@ -27,9 +34,66 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device", choices=device_mode.MODES, default="cpu",
+        help="cpu (default): CPU tensors, Triton through its interpreter; cuda: the "
+             "device-aware and CUDA-only tests on the GPU with compiled Triton kernels")
+
+
+def pytest_configure(config):
+    mode = config.getoption("--device")
+    if "triton" in sys.modules and device_mode.interpreting() != (mode == "cpu"):
+        # Triton reads TRITON_INTERPRET when a kernel is decorated: too late now
+        raise pytest.UsageError(
+            f"--device {mode}: triton was imported before the test setup with "
+            f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}; unset it (or run "
+            f"pytest in a fresh process)")
+    device_mode.select(mode)
+    config.addinivalue_line(
+        "markers", "device_aware: runs on the --device (CPU by default, CUDA with --device cuda)")
+    config.addinivalue_line(
+        "markers", "cuda_only: needs a GPU; runs only under --device cuda")
+
+
+def pytest_report_header(config):
+    return f"fusedreduce test device: {device_mode.describe()}"
+
+
+def pytest_collection_modifyitems(config, items):
+    mode = config.getoption("--device")
+    if mode == "cpu":
+        skip = pytest.mark.skip(reason="CUDA test mode only: run `pytest --device cuda` "
+                                       "on a machine with a GPU")
+        for item in items:
+            if "cuda_only" in item.keywords:
+                item.add_marker(skip)
+        return
+    missing = device_mode.cuda_missing()
+    if missing:
+        skip_all = pytest.mark.skip(reason=f"--device cuda: {missing}")
+        for item in items:
+            item.add_marker(skip_all)
+        return
+    cpu_only = pytest.mark.skip(reason="CPU-only test: --device cuda runs the tests marked "
+                                       "device_aware or cuda_only")
+    for item in items:
+        if "device_aware" not in item.keywords and "cuda_only" not in item.keywords:
+            item.add_marker(cpu_only)
+
+
 @pytest.fixture(scope="session", params=["torch", "triton"])
 def backend(request):
-    """Each kernel test runs once per backend; Triton's on CPU through its interpreter."""
+    """Each kernel test runs once per backend: on CPU, Triton's through its
+    interpreter; under ``--device cuda``, the compiled kernels."""
+    from fusedreduce.kernels import triton_available
+
     if request.param == "triton" and not triton_available():
-        pytest.skip("triton cannot be imported here")
+        pytest.skip(f"the Triton backend cannot be used here: {device_mode.triton_problem()}")
     return request.param
+
+
+@pytest.fixture(scope="session")
+def device():
+    """The torch.device the device-aware tests build their tensors on."""
+    return device_mode.DEVICE()

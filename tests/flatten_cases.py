@@ -16,6 +16,10 @@ How results are compared, and why:
 - accumulate is compared within a bound (see ``accumulate_bound``) because
   ``t + x * scale`` may legitimately be contracted into one FMA (Triton's
   default fp fusion on GPUs, vectorized ``add_(alpha=)`` on CPUs).
+
+Tensors are built on the CPU and moved, layout and all, to the test device
+(``device_mode.DEVICE()``); comparisons move both sides back to the CPU, where
+the references are computed.
 """
 from __future__ import annotations
 
@@ -25,6 +29,9 @@ from typing import Callable, Tuple
 
 import torch
 from hypothesis import strategies as st
+
+import device_mode
+from device_mode import on_cpu
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -52,6 +59,7 @@ def _first_mismatch(bad, actual, expected) -> str:
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
     """Same dtype, shape and bits (so -0.0 != +0.0), except that NaN matches any NaN."""
+    actual, expected = on_cpu(actual), on_cpu(expected)
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
     nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
@@ -62,6 +70,7 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "
 def assert_within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor,
                   what: str = "") -> None:
     """``|actual - expected| <= bound`` elementwise; inf and NaN must match exactly."""
+    actual, expected, bound = on_cpu(actual), on_cpu(expected), on_cpu(bound)
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
     a, e = actual.to(torch.float64), expected.to(torch.float64)
     finite = torch.isfinite(e)
@@ -79,6 +88,7 @@ def accumulate_bound(product, expected, flat_dtype, dst_dtype) -> torch.Tensor:
     then to the destination can each land one ulp away (``2 * eps_dst *
     |expected|``, as eps_dst >= eps_c); near zero an ulp is the destination's
     smallest subnormal (``tiny * eps``)."""
+    product, expected = on_cpu(product), on_cpu(expected)
     compute = torch.float64 if torch.float64 in (flat_dtype, dst_dtype) else torch.float32
     eps_c, dst = torch.finfo(compute).eps, torch.finfo(dst_dtype)
     return (eps_c * product.abs() + 2 * dst.eps * expected.to(torch.float64).abs()
@@ -105,7 +115,8 @@ class Spec:
 
 @dataclass
 class Built:
-    """A tensor, the storage it lives in (padding included), and how to re-take the view."""
+    """A tensor, the storage it lives in (padding included), and how to re-take the view;
+    on the test device."""
     tensor: torch.Tensor
     owner: torch.Tensor
     view_of: Callable[[torch.Tensor], torch.Tensor]
@@ -133,7 +144,7 @@ def _ties(values: torch.Tensor, src: torch.dtype) -> torch.Tensor:
 
 
 def make_values(spec: Spec, bound: float, backend: str) -> torch.Tensor:
-    """The spec's row-major values as a contiguous 1-D tensor of its dtype."""
+    """The spec's row-major values as a contiguous 1-D tensor of its dtype, on the CPU."""
     generator = torch.Generator().manual_seed(spec.seed)
     values = torch.randn(spec.numel, generator=generator, dtype=torch.float64)
     values = values * 2.0 ** spec.magnitude
@@ -157,7 +168,9 @@ def lay_out(values: torch.Tensor, shape, layout: str) -> Built:
     """A tensor of ``shape`` holding ``values`` in row-major order, stored as ``layout``:
     contiguous; ``offset``: contiguous one element into its storage (misaligned);
     ``transposed``: last two dims swapped in memory; ``strided``: every other
-    element of a padded last dim. Padding is NaN, so reading it shows."""
+    element of a padded last dim. Padding is NaN, so reading it shows. The storage
+    is built on the CPU, then moved whole to the test device and the view re-taken
+    there, so the layout is the same on every device."""
     ndim = len(shape)
     if layout == "offset":
         owner = torch.full((values.numel() + 1,), math.nan, dtype=values.dtype)
@@ -181,6 +194,7 @@ def lay_out(values: torch.Tensor, shape, layout: str) -> Built:
 
         def view_of(o):
             return o
+    owner = device_mode.to_device(owner)
     return Built(view_of(owner), owner, view_of)
 
 
@@ -225,6 +239,14 @@ shapes = st.one_of(
 )
 
 dtype_mixes = st.one_of(st.sampled_from(DTYPES).map(lambda d: (d,)), st.just(DTYPES))
+
+
+def device_known(specs) -> bool:
+    """False for no tensors under ``--device cuda``: with neither a tensor nor an ``out``
+    to take it from, a call makes its buffer on the CPU, where Triton runs only through
+    the CPU mode's interpreter (test_empty_list_gives_an_empty_buffer_and_a_false_flag
+    covers the empty list)."""
+    return bool(specs) or not device_mode.cuda_mode()
 
 
 def within_budget(specs):
@@ -283,6 +305,11 @@ def layouts(draw, specs):
 
 def owners_snapshot(built):
     return [b.owner.clone() for b in built]
+
+
+def cpu_list(tensors):
+    """The tensors on the CPU, for the references."""
+    return [on_cpu(t) for t in tensors]
 
 
 def assert_owners_unchanged(built, snapshot, what):

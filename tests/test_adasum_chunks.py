@@ -12,6 +12,10 @@ accuracy budgets are those of ``adasum_cases.py``.
 
 Segments here reach two chunks and a bit; the Triton interpreter runs each
 1024 elements of a chunk as one numpy step.
+
+Device-aware: the buffers live on ``device_mode.DEVICE()`` (CUDA under
+``pytest --device cuda``); results are compared, and references computed, on
+the CPU.
 """
 from __future__ import annotations
 
@@ -19,17 +23,21 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+import device_mode
 from adasum_cases import DTYPES, EPS64, values
+from device_mode import on_cpu
 from fusedreduce.kernels import (ADASUM_CHUNK, adasum_chunk_counts, adasum_chunk_stats,
                                  adasum_reduce_chunks, adasum_stats)
 from reference import adasum_stats as reference_stats
 
 CHUNK = ADASUM_CHUNK
 
+pytestmark = pytest.mark.device_aware
+
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """float64 values as their bit patterns: -0.0 differs from 0.0."""
-    return t.contiguous().view(torch.int64)
+    """float64 values as their bit patterns, on the CPU: -0.0 differs from 0.0."""
+    return on_cpu(t).contiguous().view(torch.int64)
 
 
 # lengths on either side of one and two chunk boundaries, and short ones
@@ -75,15 +83,16 @@ def test_chunk_partials_of_pieces_cut_at_chunk_boundaries_add_up_to_the_stats(ba
     assert torch.equal(_bits(torch.cat([first, second])), _bits(rows))
     # as two ranks of the tree: each fills its own rows of an array of -0.0,
     # the arrays are summed, and the sum reduced in chunk order
-    mine, theirs = (torch.full((rows.shape[0], 3), -0.0, dtype=torch.float64) for _ in "ab")
+    mine, theirs = (torch.full((rows.shape[0], 3), -0.0, dtype=torch.float64, device=rows.device)
+                    for _ in "ab")
     mine[:k], theirs[k:] = first, second
     summed = adasum_reduce_chunks(mine + theirs, [0, n], backend=backend)
     assert torch.equal(_bits(summed), _bits(whole))
     assert torch.equal(_bits(adasum_reduce_chunks(rows, [0, n], backend=backend)), _bits(whole))
     # and the statistics are still accurate (the budget of test_adasum_kernels.py's
     # test_stats_match_the_float64_reference)
-    expected = reference_stats(a, b, [0, n])[0]
-    x, y = a.double(), b.double()
+    expected = reference_stats(on_cpu(a), on_cpu(b), [0, n])[0]
+    x, y = on_cpu(a).double(), on_cpu(b).double()
     for j, total in enumerate([(x * y).abs().sum(), (x * x).sum(), (y * y).sum()]):
         assert abs(whole[0, j].item() - expected[j].item()) <= (n + 1) * EPS64 * float(total)
 
@@ -94,7 +103,8 @@ def test_chunk_sums_are_added_one_after_the_other_in_chunk_order(backend):
     # 2^-53 + 2^-53 = 2^-52 and leaves 1: the first column shows the order
     tiny = 2.0 ** -53
     rows = [[1.0, tiny, 0.0], [tiny, tiny, 5.0], [tiny, tiny, -0.0], [tiny, 1.0, 2.0]]
-    partials = torch.tensor(rows + [[-0.0, -0.0, -0.0], [3.0, 4.0, 5.0]], dtype=torch.float64)
+    partials = torch.tensor(rows + [[-0.0, -0.0, -0.0], [3.0, 4.0, 5.0]], dtype=torch.float64,
+                            device=device_mode.DEVICE())
     bounds = [0, 4 * CHUNK, 4 * CHUNK, 5 * CHUNK - 7, 6 * CHUNK - 7]
     got = adasum_reduce_chunks(partials, bounds, backend=backend)
     in_order = [((r0 + r1) + r2) + r3 for r0, r1, r2, r3 in zip(*rows)]
@@ -105,6 +115,8 @@ def test_chunk_sums_are_added_one_after_the_other_in_chunk_order(backend):
         [[0.0] * 3, [-0.0] * 3, [3.0, 4.0, 5.0]], dtype=torch.float64)))
 
 
+@pytest.mark.skipif(device_mode.cuda_mode(),
+                    reason="the thread count is the CPU's: CUDA tensors do not use those threads")
 def test_torch_stats_do_not_depend_on_the_thread_count():
     # the fallback's chunk partials are batched Gram products (whole chunks)
     # and row sums (short ones): the thread count must not move a bit
@@ -140,8 +152,8 @@ def test_torch_whole_chunk_partials_do_not_depend_on_batch_slot_or_alignment(dty
             first = lead_chunks + (1 if odd else 0)
             assert torch.equal(_bits(rows[first:]), _bits(alone)), (lead_chunks, odd)
     # the Gram product's three entries are the exact statistics' near neighbours
-    expected = reference_stats(ours_a[:CHUNK], ours_b[:CHUNK], [0, CHUNK])[0]
-    x, y = ours_a[:CHUNK].double(), ours_b[:CHUNK].double()
+    expected = reference_stats(on_cpu(ours_a[:CHUNK]), on_cpu(ours_b[:CHUNK]), [0, CHUNK])[0]
+    x, y = on_cpu(ours_a[:CHUNK]).double(), on_cpu(ours_b[:CHUNK]).double()
     for j, total in enumerate([(x * y).abs().sum(), (x * x).sum(), (y * y).sum()]):
         assert abs(alone[0, j].item() - expected[j].item()) <= CHUNK * EPS64 * float(total)
 
@@ -151,19 +163,20 @@ def test_triton_launch_tables_are_kept_per_layout_and_stay_right():
     # change afterwards, and a full cache evicts, without a wrong table
     pytest.importorskip("triton")
     from fusedreduce.kernels.adasum import triton_backend as triton_adasum
+    a, b = values(2 * CHUNK + 1, torch.float32, 5, 1), values(2 * CHUNK + 1, torch.float32, 5, 2)
+    # the device exactly as the kernels see it (cuda:0, not cuda): tables are kept per device
+    device = a.device
     segments = [0, 3, 3, 2 * CHUNK + 1]
-    first, programs = triton_adasum.segment_table(segments, torch.device("cpu"), CHUNK)
+    first, programs = triton_adasum.segment_table(segments, device, CHUNK)
     segments[-1] = 5  # the kept table belongs to the old values
-    again, _ = triton_adasum.segment_table([0, 3, 3, 2 * CHUNK + 1], torch.device("cpu"),
-                                               CHUNK)
+    again, _ = triton_adasum.segment_table([0, 3, 3, 2 * CHUNK + 1], device, CHUNK)
     assert again is first and programs == 3
     assert first.tolist() == [0, 3, 3, 3, 0, 2 * CHUNK - 2, 0, 2 << 32, (2 << 32) | 1]
-    changed, programs = triton_adasum.segment_table(segments, torch.device("cpu"), CHUNK)
+    changed, programs = triton_adasum.segment_table(segments, device, CHUNK)
     assert changed.tolist() == [0, 3, 3, 3, 0, 2, 0, 2 << 32] and programs == 2
-    a, b = values(2 * CHUNK + 1, torch.float32, 5, 1), values(2 * CHUNK + 1, torch.float32, 5, 2)
     bounds = [0, 3, 3, 2 * CHUNK + 1]
     kept = adasum_stats(a, b, bounds, backend="triton")
     for extra in range(triton_adasum.TABLES_KEPT + 1):  # evict it
-        triton_adasum.segment_table([0, extra + 1], torch.device("cpu"), CHUNK)
-    assert triton_adasum.segment_table(bounds, torch.device("cpu"), CHUNK)[0] is not first
+        triton_adasum.segment_table([0, extra + 1], device, CHUNK)
+    assert triton_adasum.segment_table(bounds, device, CHUNK)[0] is not first
     assert torch.equal(adasum_stats(a, b, bounds, backend="triton"), kept)

@@ -5,6 +5,9 @@ tolerance model and the reasons for it are): AdaSum's algebraic properties
 within that budget; fused segments, repeated calls and an ``out`` aliasing an
 input bit for bit; the statistics within their summation budget; and the norm
 floor below which a coefficient is 1.
+
+Device-aware: the buffers live on ``device_mode.DEVICE()`` (CUDA under
+``pytest --device cuda``); the references are computed on CPU copies.
 """
 from __future__ import annotations
 
@@ -12,11 +15,15 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+import device_mode
 from adasum_cases import (EPS64, Case, assert_within, cases, kernel_adasum,
                           reference_adasum)
+from device_mode import on_cpu
 from fusedreduce.kernels import ADASUM_NORM_FLOOR, adasum_combine, adasum_stats
 from reference import NORM_FLOOR
 from reference import adasum_stats as reference_stats
+
+pytestmark = pytest.mark.device_aware
 
 
 # ---------------------------------------------------------------- algebra
@@ -42,9 +49,11 @@ def test_adasum_of_a_gradient_with_itself_is_that_gradient(backend, case):
 def test_adasum_of_orthogonal_gradients_is_their_sum(backend, case, data):
     # disjoint supports make a·b exactly 0 in every dtype, whatever the rounding
     gen = torch.Generator().manual_seed(case.seed)
-    on_a = torch.rand(case.size, generator=gen) < data.draw(st.floats(0.0, 1.0), label="share")
-    a = torch.where(on_a, case.randn(1), torch.zeros((), dtype=case.dtype))
-    b = torch.where(on_a, torch.zeros((), dtype=case.dtype), case.randn(2))
+    on_a = device_mode.to_device(
+        torch.rand(case.size, generator=gen) < data.draw(st.floats(0.0, 1.0), label="share"))
+    zero = torch.zeros((), dtype=case.dtype, device=on_a.device)
+    a = torch.where(on_a, case.randn(1), zero)
+    b = torch.where(on_a, zero, case.randn(2))
     out = kernel_adasum(a, b, case.bounds, backend)
     _, tolerance = reference_adasum(a, b, case.bounds)
     assert_within(out, a.double() + b.double(), tolerance, f"{case}")
@@ -55,8 +64,8 @@ magnitudes = st.floats(0.25, 4.0).flatmap(lambda m: st.sampled_from([m, -m]))
 
 @given(case=cases, alpha=magnitudes, beta=magnitudes)
 def test_adasum_of_parallel_gradients_is_their_average(backend, case, alpha, beta):
-    v = case.randn(1, scale=1.0).double()
-    a, b = (alpha * v).to(case.dtype), (beta * v).to(case.dtype)
+    v = on_cpu(case.randn(1, scale=1.0)).double()
+    a, b = (device_mode.to_device((k * v).to(case.dtype)) for k in (alpha, beta))
     out = kernel_adasum(a, b, case.bounds, backend)
     _, tolerance = reference_adasum(a, b, case.bounds)
     # a and b are αv and βv rounded to the buffer's dtype, so not exactly
@@ -107,7 +116,8 @@ def test_adasum_is_equivariant_to_scaling_both_gradients(backend, case, exponent
     # product by k = ±2^e: AdaSum(ka, kb) has exactly the inputs it claims
     def dyadic(salt):
         gen = torch.Generator().manual_seed(case.seed * 31 + salt)
-        return (torch.randint(-64, 65, (case.size,), generator=gen) / 16).to(case.dtype)
+        return device_mode.to_device(
+            (torch.randint(-64, 65, (case.size,), generator=gen) / 16).to(case.dtype))
 
     a, b = dyadic(1), dyadic(2)
     k = (-1.0 if negative else 1.0) * 2.0 ** exponent
@@ -136,8 +146,8 @@ def test_stats_match_the_float64_reference(backend, case):
     a, b = case.randn(1), case.randn(2)
     stats = adasum_stats(a, b, case.bounds, backend=backend)
     assert stats.dtype == torch.float64 and stats.shape == (len(case.lengths), 3)
-    expected = reference_stats(a, b, case.bounds)
-    x, y = a.double(), b.double()
+    expected = reference_stats(on_cpu(a), on_cpu(b), case.bounds)
+    x, y = on_cpu(a).double(), on_cpu(b).double()
     for i, (lo, hi) in enumerate(case.segments()):
         budget = (hi - lo + 1) * EPS64
         sums = [(x[lo:hi] * y[lo:hi]).abs().sum(), (x[lo:hi] ** 2).sum(), (y[lo:hi] ** 2).sum()]
@@ -152,10 +162,11 @@ def test_stats_of_a_segment_of_more_than_256_blocks_add_every_block(backend):
     gen = torch.Generator().manual_seed(5)
     a, b = torch.rand(n, generator=gen), torch.rand(n, generator=gen)
     bounds = [0, 3, n - 5, n]
-    stats = adasum_stats(a, b, bounds, backend=backend)
+    stats = adasum_stats(device_mode.to_device(a), device_mode.to_device(b), bounds,
+                         backend=backend)
     expected = reference_stats(a, b, bounds)
     # positive data: Σ|xy| is the statistic itself, so the bound is relative
-    assert torch.allclose(stats, expected, rtol=(n + 1) * EPS64, atol=0)
+    assert torch.allclose(on_cpu(stats), expected, rtol=(n + 1) * EPS64, atol=0)
 
 
 # the same arithmetic twice: a few examples prove it as well as many
@@ -187,7 +198,7 @@ def test_the_norm_floor_is_the_square_root_of_the_smallest_normal_float64():
 def test_a_squared_norm_below_the_floor_gets_a_coefficient_of_one(backend):
     # sqrt(floor) ≈ 1.2e-77: g² is below the floor, so AdaSum(g, g) = 2g, not g;
     # twice as large a value is above it and gets the ordinary g
-    below = torch.tensor([1e-78, -2e-78], dtype=torch.float64)
-    above = torch.tensor([1e-76, -2e-76], dtype=torch.float64)
+    below = torch.tensor([1e-78, -2e-78], dtype=torch.float64, device=device_mode.DEVICE())
+    above = torch.tensor([1e-76, -2e-76], dtype=torch.float64, device=device_mode.DEVICE())
     assert torch.equal(kernel_adasum(below, below.clone(), [0, 2], backend), 2 * below)
     assert torch.equal(kernel_adasum(above, above.clone(), [0, 2], backend), above)

@@ -4,6 +4,9 @@ The tensor specs, strategies and comparisons these tests use, and why results
 are compared bit for bit (or within a bound for ``accumulate``), are in
 flatten_cases.py. A little over 300 lines: flatten and unflatten are tested
 together because round trips and in-place use need both.
+
+Device-aware: the tensors live on ``device_mode.DEVICE()`` (CUDA under
+``pytest --device cuda``); the references are computed on CPU copies.
 """
 from __future__ import annotations
 
@@ -13,40 +16,46 @@ from typing import Optional, Tuple
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import assume, given, strategies as st
 
+import device_mode
+from device_mode import on_cpu
 from fusedreduce.kernels import flatten_cast_scale, triton_available, unflatten_cast_scale
 from flatten_cases import (DTYPES, Spec, accumulate_bound, assert_owners_unchanged,
-                           assert_same_bits, assert_within, build, gaps, lay_out, layouts,
-                           make_values, offsets_after, owners_snapshot, safe_bound, scales,
-                           shifts, spec_lists)
+                           assert_same_bits, assert_within, build, cpu_list, device_known, gaps,
+                           lay_out, layouts, make_values, offsets_after, owners_snapshot,
+                           safe_bound, scales, shifts, spec_lists)
 from reference import (packed_starts, reference_flatten, reference_nonfinite,
                        reference_unflatten)
 
 # numpy under Triton's interpreter warns about the overflows and inf * 0 that
 # the tests feed it on purpose
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
-                                        "ignore:invalid value encountered:RuntimeWarning")
+pytestmark = [pytest.mark.device_aware,
+              pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                                         "ignore:invalid value encountered:RuntimeWarning")]
 
 # ---------------------------------------------------------------------- flatten
 
 @given(specs=spec_lists(), dtype=st.sampled_from(DTYPES), scale=scales)
 def test_flatten_matches_float64_reference(backend, specs, dtype, scale):
+    assume(device_known(specs))
     built = [build(s, dtype, scale, backend) for s in specs]
     tensors = [b.tensor for b in built]
     flat = flatten_cast_scale(tensors, dtype=dtype, scale=scale, backend=backend)
-    assert flat.dim() == 1 and flat.is_contiguous() and flat.device.type == "cpu"
-    assert_same_bits(flat, reference_flatten(tensors, dtype, scale), "flat")
+    assert flat.dim() == 1 and flat.is_contiguous() \
+        and flat.device.type == device_mode.DEVICE().type
+    assert_same_bits(flat, reference_flatten(cpu_list(tensors), dtype, scale), "flat")
 
 
 @given(specs=spec_lists(with_nonfinite=True), dtype=st.sampled_from(DTYPES), scale=scales)
 def test_nonfinite_flag_is_true_exactly_when_an_input_is_inf_or_nan(backend, specs, dtype, scale):
+    assume(device_known(specs))
     tensors = [build(s, dtype, scale, backend).tensor for s in specs]
     flat, found = flatten_cast_scale(tensors, dtype=dtype, scale=scale, check_finite=True,
                                      backend=backend)
     assert found.dtype == torch.bool and found.shape == () and found.device == flat.device
-    assert bool(found) == reference_nonfinite(tensors)
-    assert_same_bits(flat, reference_flatten(tensors, dtype, scale), "flat")
+    assert bool(found) == reference_nonfinite(cpu_list(tensors))
+    assert_same_bits(flat, reference_flatten(cpu_list(tensors), dtype, scale), "flat")
 
 
 # pairs whose largest finite source value, doubled, overflows the destination
@@ -61,8 +70,8 @@ def test_nonfinite_flag_ignores_overflow_of_finite_inputs(backend, pair, scale, 
     huge = torch.full((3,), torch.finfo(src).max, dtype=src)
     huge[1] = -huge[1]
     tensors = [build(s, dtype, scale, backend).tensor for s in others]
-    tensors.insert(min(position, len(tensors)), huge)
-    expected = reference_flatten(tensors, dtype, scale)
+    tensors.insert(min(position, len(tensors)), device_mode.to_device(huge))
+    expected = reference_flatten(cpu_list(tensors), dtype, scale)
     assert torch.isinf(expected).any(), "the case must overflow to mean anything"
     flat, found = flatten_cast_scale(tensors, dtype=dtype, scale=scale, check_finite=True,
                                      backend=backend)
@@ -71,7 +80,7 @@ def test_nonfinite_flag_ignores_overflow_of_finite_inputs(backend, pair, scale, 
 
 
 def covered(starts, tensors, size) -> torch.Tensor:
-    """Which flat elements belong to a segment (the rest are gaps or tail)."""
+    """Which flat elements belong to a segment (the rest are gaps or tail); on the CPU."""
     mask = torch.zeros(size, dtype=torch.bool)
     for start, t in zip(starts, tensors):
         mask[start:start + t.numel()] = True
@@ -84,12 +93,13 @@ def test_flatten_places_segments_at_offsets_and_zeroes_gaps_and_tail(backend, da
                                                                      use_out, shift, tail,
                                                                      check_finite):
     specs = data.draw(spec_lists(with_nonfinite=check_finite), "specs")
+    assume(use_out or device_known(specs))
     starts, end = offsets_after(specs, data.draw(
         st.lists(gaps, min_size=len(specs), max_size=len(specs)), "gaps"))
     size = end + tail if use_out else end
     tensors = [build(s, dtype, scale, backend).tensor for s in specs]
     # out sits ``shift`` elements into a NaN-filled storage with NaN after it too
-    storage = torch.full((shift + size + 8,), math.nan, dtype=dtype)
+    storage = device_mode.to_device(torch.full((shift + size + 8,), math.nan, dtype=dtype))
     out = storage[shift:shift + size] if use_out else None
     result = flatten_cast_scale(tensors, out, dtype=dtype, scale=scale, offsets=starts,
                                 check_finite=check_finite, backend=backend)
@@ -99,15 +109,15 @@ def test_flatten_places_segments_at_offsets_and_zeroes_gaps_and_tail(backend, da
         assert flat is out
         outside = torch.cat([storage[:shift], storage[shift + size:]])
         assert torch.isnan(outside).all(), "flatten wrote outside out"
-    expected = reference_flatten(tensors, dtype, scale, offsets=starts, size=size)
+    expected = reference_flatten(cpu_list(tensors), dtype, scale, offsets=starts, size=size)
     data_mask = covered(starts, tensors, size)
-    assert_same_bits(flat[data_mask], expected[data_mask], "segments")
+    assert_same_bits(on_cpu(flat)[data_mask], expected[data_mask], "segments")
     # gaps are checked as values here; their sign is
     # test_flatten_writes_gaps_as_positive_zero's business
-    gap_values = flat[~data_mask]
+    gap_values = on_cpu(flat)[~data_mask]
     assert torch.all(gap_values == 0), f"gaps hold {gap_values[gap_values != 0][:5]}"
     if check_finite:
-        assert bool(result[1]) == reference_nonfinite(tensors)
+        assert bool(result[1]) == reference_nonfinite(cpu_list(tensors))
 
 
 @given(first=spec_lists(), second_scale=scales, dtype=st.sampled_from(DTYPES), scale=scales,
@@ -115,22 +125,25 @@ def test_flatten_places_segments_at_offsets_and_zeroes_gaps_and_tail(backend, da
 def test_reused_out_buffer_is_fully_overwritten(backend, first, second_scale, dtype, scale,
                                                 garbage):
     tensors = [build(s, dtype, scale, backend).tensor for s in first]
-    out = torch.full((sum(s.numel for s in first),), garbage, dtype=dtype)
+    out = torch.full((sum(s.numel for s in first),), garbage, dtype=dtype,
+                     device=device_mode.DEVICE())
     flat, found = flatten_cast_scale(tensors, out, scale=scale, check_finite=True,
                                      backend=backend)
     assert flat is out and not bool(found), "the garbage was in out, not in the inputs"
-    assert_same_bits(out, reference_flatten(tensors, dtype, scale), "first fill")
+    assert_same_bits(out, reference_flatten(cpu_list(tensors), dtype, scale), "first fill")
     tensors = [build(s, dtype, second_scale, backend).tensor for s in first]
     flat, found = flatten_cast_scale(tensors, out, scale=second_scale, check_finite=True,
                                      backend=backend)
     assert flat is out and not bool(found)
-    assert_same_bits(out, reference_flatten(tensors, dtype, second_scale), "second fill")
+    assert_same_bits(out, reference_flatten(cpu_list(tensors), dtype, second_scale),
+                     "second fill")
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton cannot be imported here")
 @given(specs=spec_lists(with_nonfinite=True), dtype=st.sampled_from(DTYPES), scale=scales,
        data=st.data())
 def test_backends_agree_bitwise_on_flatten(specs, dtype, scale, data):
+    assume(device_known(specs))
     starts = data.draw(layouts(specs), "offsets")
     tensors = [build(s, dtype, scale, "triton").tensor for s in specs]
     by_torch, found_torch = flatten_cast_scale(tensors, dtype=dtype, scale=scale, offsets=starts,
@@ -140,6 +153,7 @@ def test_backends_agree_bitwise_on_flatten(specs, dtype, scale, data):
                                                  backend="triton")
     assert bool(found_torch) == bool(found_triton)
     data_mask = covered(starts or packed_starts(tensors), tensors, by_torch.numel())
+    by_torch, by_triton = on_cpu(by_torch), on_cpu(by_triton)
     assert_same_bits(by_triton[data_mask], by_torch[data_mask], "triton vs torch")
     # gaps compare as values: their sign is test_flatten_writes_gaps_as_positive_zero's
     assert torch.all(by_triton[~data_mask] == 0) and torch.all(by_torch[~data_mask] == 0)
@@ -149,6 +163,7 @@ def test_backends_agree_bitwise_on_flatten(specs, dtype, scale, data):
        accumulate=st.booleans(), data=st.data())
 def test_flatten_and_unflatten_never_write_to_their_sources(backend, specs, dtype, scale,
                                                             accumulate, data):
+    assume(device_known(specs))
     built = [build(s, dtype, scale, backend) for s in specs]
     before = owners_snapshot(built)
     starts = data.draw(layouts(specs), "offsets")
@@ -157,7 +172,8 @@ def test_flatten_and_unflatten_never_write_to_their_sources(backend, specs, dtyp
                               check_finite=True, backend=backend)[0]
     assert_owners_unchanged(built, before, "flatten source")
     flat_before = flat.clone()
-    destinations = [torch.zeros(s.shape, dtype=s.dtype) for s in specs]
+    destinations = [torch.zeros(s.shape, dtype=s.dtype, device=device_mode.DEVICE())
+                    for s in specs]
     unflatten_cast_scale(flat, destinations, scale=scale, accumulate=accumulate, offsets=starts,
                          backend=backend)
     assert_same_bits(flat, flat_before, "flat after unflatten")
@@ -186,16 +202,17 @@ def unflatten_cases(draw):
 def make_flat(case: UnflattenCase, backend: str) -> torch.Tensor:
     """A flat buffer whose segment for each destination stays in range for it, ``shift``
     elements into its storage; the gaps between segments are NaN, which must never
-    reach a destination."""
+    reach a destination. Filled on the CPU, then moved, storage and all, to the device."""
     starts = case.offsets or offsets_after(case.destinations, [0] * len(case.destinations))[0]
     end = max([s + d.numel for s, d in zip(starts, case.destinations)], default=0)
-    flat = torch.full((case.shift + end,), math.nan, dtype=case.flat_dtype)[case.shift:]
+    storage = torch.full((case.shift + end,), math.nan, dtype=case.flat_dtype)
+    flat = storage[case.shift:]
     for start, d in zip(starts, case.destinations):
         segment = Spec((d.numel,), case.flat_dtype, seed=d.seed + 1, magnitude=d.magnitude,
                        ties=d.ties)
         flat[start:start + d.numel] = make_values(
             segment, safe_bound(case.flat_dtype, d.dtype, case.scale), backend)
-    return flat
+    return device_mode.to_device(storage)[case.shift:]
 
 
 @given(case=unflatten_cases())
@@ -203,8 +220,8 @@ def test_unflatten_matches_float64_reference(backend, case):
     flat = make_flat(case, backend)
     built = [lay_out(torch.full((d.numel,), math.nan, dtype=d.dtype), d.shape, d.layout)
              for d in case.destinations]
-    expected = reference_unflatten(flat, [b.tensor for b in built], case.scale, False,
-                                   case.offsets)
+    expected = reference_unflatten(on_cpu(flat), cpu_list(b.tensor for b in built), case.scale,
+                                   False, case.offsets)
     padding = owners_snapshot(built)
     unflatten_cast_scale(flat, [b.tensor for b in built], scale=case.scale,
                          offsets=case.offsets, backend=backend)
@@ -221,10 +238,12 @@ def test_unflatten_accumulate_matches_float64_reference_up_to_fma(backend, case)
     built = [build(d, d.dtype, case.scale, backend) for d in case.destinations]
     tensors = [b.tensor for b in built]
     padding = owners_snapshot(built)
-    expected = reference_unflatten(flat, tensors, case.scale, True, case.offsets)
+    expected = reference_unflatten(on_cpu(flat), cpu_list(tensors), case.scale, True,
+                                   case.offsets)
     # |x * scale| for the bound (float64 destinations: no rounding to speak of)
-    products = reference_unflatten(flat, [torch.zeros_like(t, dtype=torch.float64)
-                                          for t in tensors], case.scale, False, case.offsets)
+    products = reference_unflatten(on_cpu(flat), [torch.zeros(t.shape, dtype=torch.float64)
+                                                  for t in tensors], case.scale, False,
+                                   case.offsets)
     unflatten_cast_scale(flat, tensors, scale=case.scale, accumulate=True, offsets=case.offsets,
                          backend=backend)
     for i, (t, want, p, owner_before) in enumerate(zip(tensors, expected, products, padding)):
@@ -254,6 +273,7 @@ def lossless_round_trips(draw):
 @given(trip=lossless_round_trips(), data=st.data())
 def test_round_trip_through_a_lossless_buffer_is_bitwise_exact(backend, trip, data):
     specs, buffer, exponent = trip
+    assume(device_known(specs))
     starts = data.draw(layouts(specs), "offsets")
     originals = [build(s, buffer, 1.0, backend).tensor for s in specs]
     flat = flatten_cast_scale(originals, dtype=buffer, scale=2.0 ** exponent, offsets=starts,
@@ -268,23 +288,30 @@ def test_round_trip_through_a_lossless_buffer_is_bitwise_exact(backend, trip, da
 # -------------------------------------------------------- edge cases, by example
 
 def test_empty_list_gives_an_empty_buffer_and_a_false_flag(backend):
+    if backend == "triton" and device_mode.cuda_mode():
+        pytest.skip("an empty list has no device, so its buffer is made on the CPU, where "
+                    "Triton runs only through the interpreter of the CPU test mode")
     flat, found = flatten_cast_scale([], dtype=torch.bfloat16, check_finite=True, backend=backend)
     assert flat.shape == (0,) and flat.dtype == torch.bfloat16 and not bool(found)
     unflatten_cast_scale(flat, [], backend=backend)
 
 
 def test_only_empty_tensors_with_offsets_zero_the_whole_out(backend):
-    out = torch.full((4100,), math.nan)
-    flatten_cast_scale([torch.empty(0), torch.empty(0, 3, dtype=torch.float16)], out,
+    device = device_mode.DEVICE()
+    out = torch.full((4100,), math.nan, device=device)
+    flatten_cast_scale([torch.empty(0, device=device),
+                        torch.empty(0, 3, dtype=torch.float16, device=device)], out,
                        offsets=[5, 4099], backend=backend)
     assert torch.all(out == 0)
 
 
 def test_flatten_reads_broadcast_views(backend):
-    row = torch.arange(5, dtype=torch.float16)
-    tensors = [row.expand(3, 5), torch.tensor(2.5).expand(4), torch.ones(2, 1).expand(2, 3)]
+    device = device_mode.DEVICE()
+    row = torch.arange(5, dtype=torch.float16, device=device)
+    tensors = [row.expand(3, 5), torch.tensor(2.5, device=device).expand(4),
+               torch.ones(2, 1, device=device).expand(2, 3)]
     flat = flatten_cast_scale(tensors, dtype=torch.float32, scale=0.5, backend=backend)
-    assert_same_bits(flat, reference_flatten(tensors, torch.float32, 0.5))
+    assert_same_bits(flat, reference_flatten(cpu_list(tensors), torch.float32, 0.5))
 
 
 @pytest.mark.parametrize("numel", [2047, 2048, 2049, 4097])
@@ -294,11 +321,13 @@ def test_block_and_alignment_boundaries_round_trip(backend, numel, storage_offse
     """Full blocks take the vectorized path only when source and flat are both
     aligned; the rest take the masked path. Both must be exact."""
     storage = torch.randn(numel + storage_offset, generator=torch.Generator().manual_seed(numel))
-    source = storage.to(torch.bfloat16)[storage_offset:]
+    source = device_mode.to_device(storage.to(torch.bfloat16))[storage_offset:]
     flat = flatten_cast_scale([source], dtype=torch.float32, scale=4.0, offsets=[flat_start],
                               backend=backend)
-    assert_same_bits(flat, reference_flatten([source], torch.float32, 4.0, offsets=[flat_start]))
-    back = torch.zeros(numel + storage_offset, dtype=torch.bfloat16)[storage_offset:]
+    assert_same_bits(flat, reference_flatten([on_cpu(source)], torch.float32, 4.0,
+                                             offsets=[flat_start]))
+    back = torch.zeros(numel + storage_offset, dtype=torch.bfloat16,
+                       device=device_mode.DEVICE())[storage_offset:]
     unflatten_cast_scale(flat, [back], scale=0.25, offsets=[flat_start], backend=backend)
     assert_same_bits(back, source)
 
@@ -307,8 +336,9 @@ def test_block_and_alignment_boundaries_round_trip(backend, numel, storage_offse
 def test_flatten_writes_gaps_as_positive_zero(backend, scale):
     """The docs say gaps are "written as zero"; the torch fallback writes +0.0,
     so the Triton kernel must too for the two backends to agree bit for bit."""
-    out = torch.full((4,), math.nan)
-    flatten_cast_scale([torch.ones(1)], out, scale=scale, offsets=[1], backend=backend)
+    out = torch.full((4,), math.nan, device=device_mode.DEVICE())
+    flatten_cast_scale([torch.ones(1, device=out.device)], out, scale=scale, offsets=[1],
+                       backend=backend)
     assert_same_bits(out, torch.tensor([0.0, scale, 0.0, 0.0]))
 
 
@@ -316,9 +346,9 @@ def test_bf16_subnormals_are_read_exactly(backend):
     """bf16 shares fp32's exponent range, so every bf16 value, subnormals included,
     is exactly an fp32 value: widening must not change it."""
     subnormals = torch.tensor([2.0 ** -130, -3 * 2.0 ** -133, 1.5 * 2.0 ** -127],
-                              dtype=torch.bfloat16)
+                              dtype=torch.bfloat16, device=device_mode.DEVICE())
     flat = flatten_cast_scale([subnormals], dtype=torch.float32, backend=backend)
-    assert_same_bits(flat, subnormals.to(torch.float32), "flatten")
-    widened = torch.zeros(3)
+    assert_same_bits(flat, on_cpu(subnormals).to(torch.float32), "flatten")
+    widened = torch.zeros(3, device=device_mode.DEVICE())
     unflatten_cast_scale(subnormals, [widened], backend=backend)
-    assert_same_bits(widened, subnormals.to(torch.float32), "unflatten")
+    assert_same_bits(widened, on_cpu(subnormals).to(torch.float32), "unflatten")
