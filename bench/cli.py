@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from fusedreduce.kernels import resolve_backend
 
-from . import collectives_bench, common, kernels_bench, plot, ranks, reduce_bench
+from . import collectives_bench, common, gpu_check, kernels_bench, plot, ranks, reduce_bench
 from .models import TENSOR_LISTS
 
 # command -> the parts it runs: "kernels" and the collectives' parts
@@ -91,6 +91,7 @@ def build_parser(prog: str = "fusedreduce-bench") -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         subparsers.add_parser(name, parents=[options], help=HELP[name], description=HELP[name])
+    gpu_check.add_parser(subparsers)
     return parser
 
 
@@ -204,6 +205,8 @@ def print_report(results: Sequence[dict], machine: dict, elapsed: float) -> None
 def main(argv: Optional[Sequence[str]] = None, prog: str = "fusedreduce-bench") -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); the exit status."""
     args = build_parser(prog).parse_args(argv)
+    if args.command == "gpu-check":
+        return gpu_check.main(args)
     if args.plot:
         plot.require_matplotlib()  # before any measurement
     parts = COMMANDS[args.command]

@@ -19,6 +19,9 @@ scaled to each ``--sizes`` entry), input dtype and scale there are two cases:
 - ``torch_cat`` (baseline): ``torch.cat(inputs, out=buffer)``, which casts
   while it concatenates (one op; on CUDA one batched kernel), then one
   ``mul_`` (skipped at scale 1).
+- ``torch_chunk_cat`` (baseline): ``torch._chunk_cat(inputs, 0, 1,
+  out=buffer)``, FSDP2's copy-in (one kernel on CUDA that also casts), then
+  one ``mul_`` (skipped at scale 1).
 - ``fusedreduce`` (ours): ``flatten_cast_scale(ts, out, scale=s)`` into a
   preallocated buffer reused every call, the way the library calls it.
 - ``fusedreduce_fresh_out`` (ours): the same with ``out=None``, so the cost
@@ -75,6 +78,7 @@ DEFAULT_SIZES = [1_000_000, 4_000_000, 25_600_000]
 QUICK_SIZES = [250_000, 1_000_000]
 ROLES = {"copy": "reference", "naive": "baseline", "views_then_scale": "baseline",
          "scale_then_views": "baseline", "torch_foreach": "baseline", "torch_cat": "baseline",
+         "torch_chunk_cat": "baseline",
          "torch_split_copy": "baseline", "fusedreduce": "ours",
          "fusedreduce_fresh_out": "ours", "fusedreduce_host": "host"}
 HOST_METHOD = "fusedreduce_host"
@@ -129,6 +133,10 @@ def flatten_methods(w: Workload, scale: float) -> Dict[str, Callable[[], object]
         torch.cat(w.inputs, out=w.out)
         return w.out.mul_(scale) if scale != 1.0 else w.out
 
+    def torch_chunk_cat():
+        torch._chunk_cat(w.inputs, 0, 1, out=w.out.view(1, -1))
+        return w.out.mul_(scale) if scale != 1.0 else w.out
+
     def fusedreduce():
         return flatten_cast_scale(w.tensors, w.out, scale=scale)
 
@@ -136,7 +144,8 @@ def flatten_methods(w: Workload, scale: float) -> Dict[str, Callable[[], object]
         return flatten_cast_scale(w.tensors, dtype=FLAT_DTYPE, scale=scale)
 
     return {"copy": copy, "naive": naive, "views_then_scale": views_then_scale,
-            "torch_foreach": torch_foreach, "torch_cat": torch_cat, "fusedreduce": fusedreduce,
+            "torch_foreach": torch_foreach, "torch_cat": torch_cat,
+            "torch_chunk_cat": torch_chunk_cat, "fusedreduce": fusedreduce,
             "fusedreduce_fresh_out": fusedreduce_fresh_out}
 
 

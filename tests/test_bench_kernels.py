@@ -13,6 +13,7 @@ from fusedreduce.bench.models import (n_elements, resnet50_classes, resnet50_sha
 # every method runs on the CPU; the quick run's lists are fp16, so the
 # same-dtype split_with_sizes_copy baseline does not apply there
 CPU_METHODS = {"flatten": {"copy", "naive", "views_then_scale", "torch_foreach", "torch_cat",
+                           "torch_chunk_cat",
                            "fusedreduce", "fusedreduce_fresh_out", "fusedreduce_host"},
                "unflatten": {"copy", "naive", "scale_then_views", "torch_foreach",
                              "fusedreduce", "fusedreduce_host"}}
