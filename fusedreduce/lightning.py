@@ -12,21 +12,38 @@ fitting starts, on every device::
 
     trainer = pl.Trainer(strategy="ddp", callbacks=[CommHook(hooks.fp16_compress_hook)])
 
+``DistributedOptimizerStrategy`` is for a ``LightningModule`` whose
+``configure_optimizers`` returns ``fusedreduce.DistributedOptimizer``: Lightning's
+DDP strategy (process group, samplers, ``trainer.strategy.reduce``/``barrier``)
+without the DDP wrapper, whose all-reduce would reduce every gradient a second
+time::
+
+    trainer = pl.Trainer(strategy=DistributedOptimizerStrategy(), ...)
+
+    def configure_optimizers(self):        # in the LightningModule
+        return DistributedOptimizer(torch.optim.SGD(self.parameters(), lr=0.1))
+
 Importing this module needs Lightning (``pip install lightning``).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 try:
     from lightning.pytorch import Callback
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("fusedreduce.lightning needs PyTorch Lightning: pip install lightning "
                       "(or pip install \"fusedreduce[integrations]\")") from exc
 
-__all__ = ["CommHook"]
+from .broadcast import broadcast_tensors
+from .optimizer import DistributedOptimizer
+
+__all__ = ["CommHook", "DistributedOptimizerStrategy"]
 
 
 class CommHook(Callback):
@@ -56,3 +73,75 @@ class CommHook(Callback):
         if isinstance(model, DistributedDataParallel) and not self.registered:
             model.register_comm_hook(self.state, self.hook)
             self.registered = True
+
+
+class DistributedOptimizerStrategy(DDPStrategy):
+    """Lightning's DDP strategy with the model left unwrapped, for ``DistributedOptimizer``.
+
+    ``fusedreduce.DistributedOptimizer`` reduces the gradients itself, during
+    backward; under Lightning's ``strategy="ddp"`` the DDP wrapper would
+    all-reduce them as well (twice the communication, and with
+    ``reduce_method="sum"`` the wrong sum). This strategy keeps everything else
+    of ``DDPStrategy`` (the launch, the process group, the distributed
+    samplers, ``reduce``/``broadcast``/``barrier``, checkpointing from rank 0)
+    and, when fitting starts:
+
+    - makes every rank's parameters and buffers bitwise rank 0's (DDP's
+      constructor does this; buffers are not re-broadcast before each forward
+      as DDP's ``broadcast_buffers`` does, so BatchNorm statistics stay per rank);
+    - checks that the optimizers from ``configure_optimizers`` are
+      ``DistributedOptimizer`` instances covering every trainable parameter,
+      each with ``backward_passes_per_step`` equal to the trainer's
+      ``accumulate_grad_batches``, so that no gradient goes unreduced.
+
+    Takes ``DDPStrategy``'s arguments (those about the DDP wrapper have no effect).
+
+    Raises:
+        TypeError: an optimizer is not a ``DistributedOptimizer``.
+        ValueError: a trainable parameter is in no optimizer, or an optimizer's
+            ``backward_passes_per_step`` differs from ``accumulate_grad_batches``.
+
+    Example:
+        >>> trainer = pl.Trainer(strategy=DistributedOptimizerStrategy(), devices=2)  # doctest: +SKIP
+    """
+
+    strategy_name = "fusedreduce_distributed_optimizer"
+
+    def configure_ddp(self) -> None:
+        # no DDP wrapper: the optimizers' hooks reduce the gradients
+        module = self.model
+        tensors = list(module.parameters()) + list(module.buffers())
+        with torch.no_grad():
+            broadcast_tensors([t.data for t in tensors], 0,
+                              names=[f"module state {i}" for i in range(len(tensors))])
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_optimizers(trainer)
+
+    def _check_optimizers(self, trainer) -> None:
+        optimizers: List[object] = [getattr(o, "optimizer", o) for o in self.optimizers]
+        for index, optimizer in enumerate(optimizers):
+            if not isinstance(optimizer, DistributedOptimizer):
+                raise TypeError(
+                    f"DistributedOptimizerStrategy: optimizer {index} from configure_optimizers "
+                    f"is a {type(optimizer).__name__}, not a fusedreduce.DistributedOptimizer, "
+                    f"so its gradients would not be reduced across ranks: return "
+                    f"DistributedOptimizer({type(optimizer).__name__}(...)), or use "
+                    f"strategy=\"ddp\"")
+            if optimizer.backward_passes_per_step != trainer.accumulate_grad_batches:
+                raise ValueError(
+                    f"DistributedOptimizerStrategy: optimizer {index} reduces every "
+                    f"{optimizer.backward_passes_per_step} backward pass(es) "
+                    f"(backward_passes_per_step) but the trainer steps every "
+                    f"{trainer.accumulate_grad_batches} (accumulate_grad_batches): make them "
+                    f"equal")
+        covered = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
+        missing = [name for name, p in self.lightning_module.named_parameters()
+                   if p.requires_grad and id(p) not in covered]
+        if missing:
+            raise ValueError(
+                f"DistributedOptimizerStrategy: trainable parameters in no optimizer, whose "
+                f"gradients nobody would reduce: {', '.join(missing[:5])}"
+                + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
