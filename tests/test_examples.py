@@ -1,8 +1,12 @@
 """The examples run as a user would run them, from a checkout, and report success."""
+import json
+import os
 import subprocess
 import sys
 
-from harness import ROOT
+import pytest
+
+from harness import ROOT, TIMEOUT
 
 
 def test_the_fused_allreduce_example_matches_its_float64_reference_on_two_ranks():
@@ -12,3 +16,71 @@ def test_the_fused_allreduce_example_matches_its_float64_reference_on_two_ranks(
     assert process.returncode == 0, process.stdout + process.stderr
     assert "vs float64 reference   : EQUAL" in process.stdout, process.stdout
     assert "bitwise identical on all ranks: True" in process.stdout
+
+
+# ------------------------------------------------ examples/train_digits.py
+
+DIGITS = "examples/train_digits.py"
+#: the reductions that must train bitwise alike: each is the mean over the
+#: ranks, each rank's gradient divided by 2 (exact) and summed once
+AVERAGING = ("ddp", "allreduce_hook", "reducer", "distributed_optimizer")
+COMPRESSING = ("fp16_compress_hook", "bf16_compress_hook")
+ADASUM = ("adasum_hook", "adasum_delta")
+
+
+def _digits(tmp_path, name, launcher, reductions, steps=20):
+    pytest.importorskip("sklearn", reason='the digits data: pip install "fusedreduce[examples]"')
+    out = tmp_path / f"{name}.json"
+    command = [*launcher, DIGITS, "--reduction", ",".join(reductions), "--steps", str(steps),
+               "--eval-every", "10", "--json", str(out)]
+    process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                             timeout=TIMEOUT)
+    assert process.returncode == 0, process.stdout + process.stderr[-3000:]
+    record = json.loads(out.read_text())
+    return process, {r["reduction"]: r for r in record["results"]}, record
+
+
+def test_the_digits_example_trains_with_every_reduction_on_spawned_ranks(tmp_path):
+    reductions = AVERAGING + COMPRESSING + ADASUM
+    process, results, record = _digits(tmp_path, "spawned", [sys.executable], reductions)
+    assert record["world_size"] == 2 and list(results) == list(reductions)
+    assert "steps to 0.95" in process.stdout and "distributed_optimizer" in process.stdout
+    for result in results.values():
+        assert result["step"] == [10, 20] and len(result["test_accuracy"]) == 2
+        # 20 steps of 32 images lift a 10-class model well above chance (0.1)
+        assert result["final_test_accuracy"] > 0.3, result
+    digests = {name: results[name]["weights_sha256"] for name in AVERAGING}
+    assert len(set(digests.values())) == 1, digests
+    # compression rounds the mean to 16 bits: a different model, close in accuracy
+    for name in COMPRESSING:
+        assert results[name]["weights_sha256"] != digests["ddp"]
+        assert abs(results[name]["final_test_accuracy"]
+                   - results["ddp"]["final_test_accuracy"]) <= 0.05
+    # AdaSum of the gradients and of the weight changes: with momentum-free SGD
+    # a rank's change is -lr times its gradient and AdaSum is scale-equivariant,
+    # so the two train alike up to rounding, and unlike the mean
+    assert results["adasum_hook"]["weights_sha256"] != digests["ddp"]
+    assert abs(results["adasum_hook"]["final_test_accuracy"]
+               - results["adasum_delta"]["final_test_accuracy"]) <= 0.02
+
+
+def test_the_digits_example_under_torchrun_trains_the_spawned_runs_model(tmp_path):
+    _, spawned, _ = _digits(tmp_path, "spawned", [sys.executable], AVERAGING[:2], steps=10)
+    _, launched, record = _digits(
+        tmp_path, "torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node=2"], AVERAGING, steps=10)
+    assert record["world_size"] == 2
+    assert {r["weights_sha256"] for r in launched.values()} == {
+        spawned["ddp"]["weights_sha256"]}
+
+
+def test_the_digits_example_names_the_extra_when_scikit_learn_is_missing(tmp_path):
+    fake = tmp_path / "sklearn"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('No module named sklearn')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    process = subprocess.run([sys.executable, DIGITS, "--steps", "1"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert process.returncode != 0
+    assert 'pip install "fusedreduce[examples]"' in process.stderr
+    assert "scikit-learn" in process.stderr
