@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -87,9 +87,11 @@ def _driver_version() -> Optional[str]:
 
 def environment(device: torch.device) -> dict:
     """The machine record of the other commands, plus what a GPU install depends on."""
-    machine = common.machine_info(device, kernels.resolve_backend("auto", device)
-                                  if device.type == "cuda" or kernels.triton_available()
-                                  else "torch", None)
+    try:
+        backend = kernels.resolve_backend("auto", device)
+    except RuntimeError:  # CUDA without a usable Triton: reported below, and checked
+        backend = "triton (unavailable)"
+    machine = common.machine_info(device, backend, None)
     machine.update(
         cuda=torch.version.cuda,
         driver=_driver_version() if device.type == "cuda" else None,
@@ -519,8 +521,10 @@ def main(args: argparse.Namespace) -> int:
               else torch.device("cpu"))
     machine = environment(device)
     on_cpu = device.type == "cpu"
-    triton_runs = kernels.triton_available() and (
-        not on_cpu or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    # on CUDA the Triton backend is always checked: if it cannot run, its rows
+    # say why and the verdict fails; on the CPU it runs only under the interpreter
+    triton_runs = not on_cpu or (kernels.triton_available() and os.environ.get(
+        "TRITON_INTERPRET", "0") not in ("", "0"))
     backends = ["triton", "torch"] if triton_runs else ["torch"]
     size = QUICK_CHECK_SIZE if (args.quick or on_cpu) else CHECK_SIZE
     bench_config = None

@@ -210,3 +210,19 @@ def test_the_cpu_dry_run_runs_the_checks_and_the_benchmark_end_to_end(tmp_path):
     bench = [r for r in record["results"] if r["benchmark"] == "kernels"]
     methods = {r["method"] for r in bench}
     assert {"copy", "fusedreduce", "torch_foreach", "torch_cat", "torch_chunk_cat"} <= methods
+
+
+def test_an_unusable_triton_backend_fails_its_rows_with_the_reason(monkeypatch):
+    # what a CUDA machine with an old Triton gets: every triton row wrong, saying why
+    from fusedreduce.kernels import _backends
+
+    monkeypatch.setattr(_backends, "_triton", None)
+    monkeypatch.setattr(_backends, "_triton_error",
+                        ImportError("Triton 3.1.0 is installed but fusedreduce's kernels need "
+                                    "triton>=3.2"))
+    records = gpu_check.check_kernels(CPU, ["triton", "torch"], 0, shapes=SHAPES)
+    triton_rows = [r for r in records if r["backend"] == "triton"]
+    assert triton_rows and all(not r["correct"] for r in triton_rows)
+    assert all("Triton 3.1.0 is installed" in r["error"] for r in triton_rows)
+    assert all(r["correct"] for r in records if r["backend"] == "torch")
+    assert not gpu_check.all_correct(records)
