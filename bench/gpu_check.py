@@ -47,7 +47,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from fusedreduce import kernels
+from fusedreduce import communication_dtype, kernels
 from fusedreduce.kernels import (ADASUM_NORM_FLOOR, adasum_combine, adasum_stats,
                                  flatten_cast_scale, unflatten_cast_scale)
 
@@ -180,8 +180,8 @@ def _within(got: torch.Tensor, expected64: torch.Tensor, bound: torch.Tensor) ->
 
 
 def _flat_dtype(dtype: torch.dtype) -> torch.dtype:
-    # the reducer's default: fp64 gradients travel in fp64, the rest in fp32
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    # what the reducer's default fp32 reduce_dtype makes of these gradients
+    return communication_dtype(dtype, torch.float32)
 
 
 def _check_flatten(tensors, dtype, backend):
@@ -204,7 +204,7 @@ def _check_unflatten(tensors, dtype, backend):
     outputs = [torch.empty_like(t) for t in tensors]
     outputs[-2] = torch.empty_like(tensors[-2].t()).t()  # a transposed destination
     unflatten_cast_scale(flat, outputs, scale=CHECK_SCALE, backend=backend)
-    segments = torch.split(flat.cpu(), [t.numel() for t in tensors])
+    segments = torch.split(flat.cpu(), _segments(tensors))
     expected = [reference_cast_scale(s, dtype, CHECK_SCALE) for s in segments]
     got = torch.cat([o.cpu().reshape(-1) for o in outputs])
     return got, _bits_equal(got, torch.cat(expected)), None
@@ -215,10 +215,10 @@ def _check_accumulate(tensors, dtype, backend):
     outputs = [t.clone() for t in tensors]
     unflatten_cast_scale(flat, outputs, scale=CHECK_SCALE, accumulate=True, backend=backend)
     compute = _compute_dtype(dtype, flat.dtype)
+    scale = float(torch.tensor(CHECK_SCALE, dtype=compute))  # as the kernels round it
     worst = 0.0
-    for t, segment, out in zip(tensors, torch.split(flat.cpu(), [t.numel() for t in tensors]),
-                               outputs):
-        product = segment.to(torch.float64) * float(torch.tensor(CHECK_SCALE, dtype=compute))
+    for t, segment, out in zip(tensors, torch.split(flat.cpu(), _segments(tensors)), outputs):
+        product = segment.to(torch.float64) * scale
         before = t.cpu().reshape(-1).to(torch.float64)
         expected = before + product
         # two roundings in the compute dtype (product, sum), then the destination
@@ -231,38 +231,32 @@ def _segments(tensors) -> List[int]:
     return [t.numel() for t in tensors]
 
 
-def _boundaries(segments: Sequence[int]) -> List[int]:
-    """The AdaSum kernels' ``segments`` argument: ``[0, end of segment 0, ...]``."""
-    return kernels.packed_boundaries(segments)
-
-
 def _adasum_operands(tensors, dtype):
+    """``a``, ``b`` on the device in ``dtype``, and their float64 copies on the CPU."""
     a = flatten_cast_scale(tensors, dtype=dtype, backend="torch")
+    a64 = a.cpu().to(torch.float64)
     generator = torch.Generator().manual_seed(3)
     # b partly aligned with a, so the coefficients are not all ~1
     noise = torch.randn(a.numel(), generator=generator, dtype=torch.float64)
-    b = (0.5 * a.cpu().to(torch.float64) + noise).to(dtype).to(a.device)
-    return a, b
+    b = (0.5 * a64 + noise).to(dtype)
+    return a, b.to(a.device), a64, b.to(torch.float64)
 
 
-def _reference_stats(a, b, segments) -> torch.Tensor:
-    rows = []
-    for x, y in zip(torch.split(a.cpu().to(torch.float64), segments),
-                    torch.split(b.cpu().to(torch.float64), segments)):
-        rows.append(torch.stack([(x * y).sum(), (x * x).sum(), (y * y).sum()]))
+def _reference_stats(a64, b64, segments) -> torch.Tensor:
+    rows = [torch.stack([(x * y).sum(), (x * x).sum(), (y * y).sum()])
+            for x, y in zip(torch.split(a64, segments), torch.split(b64, segments))]
     return torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
 
 
 def _check_adasum_stats(tensors, dtype, backend):
-    a, b = _adasum_operands(tensors, dtype)
+    a, b, a64, b64 = _adasum_operands(tensors, dtype)
     segments = _segments(tensors)
-    got = adasum_stats(a, b, _boundaries(segments), backend=backend).cpu()
-    expected = _reference_stats(a, b, segments)
+    got = adasum_stats(a, b, kernels.packed_boundaries(segments), backend=backend).cpu()
+    expected = _reference_stats(a64, b64, segments)
     worst = 0.0
-    for column, (x, y) in enumerate(((a, b), (a, a), (b, b))):
+    for column, (x, y) in enumerate(((a64, b64), (a64, a64), (b64, b64))):
         magnitude = torch.stack([(p * q).abs().sum() for p, q in zip(
-            torch.split(x.cpu().to(torch.float64), segments),
-            torch.split(y.cpu().to(torch.float64), segments))])
+            torch.split(x, segments), torch.split(y, segments))])
         # two float64 sums of the same products, in different orders: each is
         # within (n - 1) half-ulps of the exact sum of magnitudes
         n = torch.tensor(segments, dtype=torch.float64).clamp_min(1)
@@ -273,16 +267,16 @@ def _check_adasum_stats(tensors, dtype, backend):
 
 
 def _check_adasum_combine(tensors, dtype, backend):
-    a, b = _adasum_operands(tensors, dtype)
+    a, b, a64, b64 = _adasum_operands(tensors, dtype)
     segments = _segments(tensors)
-    stats = _reference_stats(a, b, segments)
-    out = adasum_combine(a, b, _boundaries(segments), stats.to(a.device), backend=backend)
+    stats = _reference_stats(a64, b64, segments)
+    out = adasum_combine(a, b, kernels.packed_boundaries(segments), stats.to(a.device),
+                         backend=backend)
     # the coefficients, both products and the sum in fp32 (fp64 for fp64 data,
     # or where the kernels widen): four roundings on |ca·a| + |cb·b|, then dst
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     worst = 0.0
-    for x, y, got, (dot, a2, b2) in zip(torch.split(a.cpu().to(torch.float64), segments),
-                                        torch.split(b.cpu().to(torch.float64), segments),
+    for x, y, got, (dot, a2, b2) in zip(torch.split(a64, segments), torch.split(b64, segments),
                                         torch.split(out.cpu(), segments), stats.tolist()):
         ca = 1.0 if a2 < ADASUM_NORM_FLOOR else 1.0 - dot / (2.0 * a2)
         cb = 1.0 if b2 < ADASUM_NORM_FLOOR else 1.0 - dot / (2.0 * b2)

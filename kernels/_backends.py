@@ -66,7 +66,7 @@ TORCH = Backend.of("torch", _flatten_torch, _adasum_torch)
 #: the oldest Triton the kernels run on (torch 2.6's CUDA build pins 3.2.0);
 #: pyproject.toml states the same floor, the README the versions tested
 MIN_TRITON = (3, 2)
-#: the newest Triton the test matrix (``tests/triton_matrix.sh``) has run
+#: the newest Triton the test matrix (``.ci/triton-matrix``) has run
 NEWEST_TESTED_TRITON = (3, 9)
 
 _triton: Optional[Backend] = None
@@ -94,7 +94,7 @@ def triton_version_problem(version: str) -> Optional[str]:
         >>> triton_version_problem("3.6.0") is None
         True
     """
-    floor = ".".join(map(str, MIN_TRITON))
+    floor = _dotted(MIN_TRITON)
     try:
         release = parse_version(version)
     except ValueError:
@@ -131,15 +131,14 @@ def triton_backend() -> Optional[Backend]:
             _triton_error = ImportError(
                 f"fusedreduce's Triton kernels failed to load with Triton "
                 f"{triton.__version__} ({type(exc).__name__}: {exc}); the versions tested are "
-                f"{_tested_range()}")
+                f"{_dotted(MIN_TRITON)} to {_dotted(NEWEST_TESTED_TRITON)}")
         else:
             _triton = Backend.of("triton", flatten_ops, adasum_ops)
     return _triton
 
 
-def _tested_range() -> str:
-    return (".".join(map(str, MIN_TRITON)) + " to "
-            + ".".join(map(str, NEWEST_TESTED_TRITON)))
+def _dotted(release: Tuple[int, ...]) -> str:
+    return ".".join(map(str, release))
 
 
 def triton_unavailable_reason() -> Optional[str]:

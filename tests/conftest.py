@@ -86,10 +86,10 @@ def pytest_collection_modifyitems(config, items):
 def backend(request):
     """Each kernel test runs once per backend: on CPU, Triton's through its
     interpreter; under ``--device cuda``, the compiled kernels."""
-    from fusedreduce.kernels import triton_available
+    from fusedreduce.kernels import triton_unavailable_reason
 
-    if request.param == "triton" and not triton_available():
-        pytest.skip(f"the Triton backend cannot be used here: {device_mode.triton_problem()}")
+    if request.param == "triton" and triton_unavailable_reason() is not None:
+        pytest.skip(f"the Triton backend cannot be used here: {triton_unavailable_reason()}")
     return request.param
 
 

@@ -59,13 +59,6 @@ def cuda_missing() -> Optional[str]:
     return None
 
 
-def triton_problem() -> str:
-    """Why the Triton backend is unavailable, in the library's own words."""
-    from fusedreduce.kernels import triton_unavailable_reason
-
-    return triton_unavailable_reason() or "none"
-
-
 def describe() -> str:
     if not cuda_mode():
         return "cpu (Triton through its interpreter)"
