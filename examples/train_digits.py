@@ -107,7 +107,13 @@ def weights_digest(model: nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def train(reduction: str, args, data, device: torch.device) -> dict:
+def train(reduction: str, args, data, device: torch.device, probe=None) -> dict:
+    """Train one model with ``reduction``; its curves and final state (rank 0's view).
+
+    ``probe(model, x, y)``, if given, runs at every evaluation step before the
+    step trains, on this rank's batch, and returns a dict of numbers that are
+    recorded in the curves; it must not touch ``.grad`` or the weights.
+    """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     x_train, y_train, x_test, y_test = data
     model = make_model(args.seed, device)
@@ -121,6 +127,10 @@ def train(reduction: str, args, data, device: torch.device) -> dict:
     for step in range(1, args.steps + 1):
         index = batch_indices(step - 1, rank, world_size, args.batch_per_rank, len(x_train),
                               args.seed)
+        evaluating = step % args.eval_every == 0 or step == args.steps
+        if probe is not None and evaluating:
+            for name, value in probe(model, x_train[index], y_train[index]).items():
+                curve.setdefault(name, []).append(value)
         with autocast:
             loss = nn.functional.cross_entropy(module(x_train[index]), y_train[index])
         optimizer.zero_grad()
@@ -131,7 +141,7 @@ def train(reduction: str, args, data, device: torch.device) -> dict:
         else:
             loss.backward()
             optimizer.step()
-        if step % args.eval_every == 0 or step == args.steps:
+        if evaluating:
             # every rank holds the same weights: each evaluates, rank 0 reports
             with torch.no_grad():
                 accuracy = float((model(x_test).argmax(1) == y_test).float().mean())

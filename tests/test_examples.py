@@ -1,12 +1,15 @@
 """The examples run as a user would run them, from a checkout, and report success."""
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from harness import ROOT, TIMEOUT
+from harness import ROOT, TIMEOUT, run_ranks
+from reference import adasum_tree
 
 
 def test_the_fused_allreduce_example_matches_its_float64_reference_on_two_ranks():
@@ -110,3 +113,46 @@ def test_the_adasum_experiment_shows_adasum_holding_where_sum_does_not(tmp_path)
     for mode in ("adasum", "adasum_delta"):
         assert results[mode]["final_test_accuracy"] >= \
             results["sum"]["final_test_accuracy"] + 0.2, results
+    for run in results.values():  # the geometry probe, every evaluation
+        assert len(run["grad_cosine"]) == len(run["adasum_gain"]) == len(run["step"]) == 4
+        assert all(-1.0 <= c <= 1.0 for c in run["grad_cosine"])
+        # between the mean's length (AdaSum of two is never shorter) and the
+        # sum's for orthogonal gradients, 8x the mean's (exceeded only by
+        # opposed gradients, which this seeded run does not meet); fp32 headroom
+        assert all(1.0 - 1e-5 <= g <= 8.0 + 1e-5 for g in run["adasum_gain"]), run
+
+
+def _geometry_on_rank(rank, world_size):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import adasum_scaling
+    import train_digits
+
+    x, y, _, _ = train_digits.load_digits(torch.device("cpu"))
+    model = train_digits.make_model(0, torch.device("cpu"))
+    index = train_digits.batch_indices(3, rank, world_size, 16, len(x), 0)
+    geometry = adasum_scaling.gradient_geometry(model, x[index], y[index])
+    grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x[index]), y[index]),
+                                list(model.parameters()))
+    return geometry, [g.clone() for g in grads]
+
+
+def test_the_experiments_gradient_geometry_matches_a_float64_reference_on_three_ranks():
+    # three ranks: AdaSum's tree folds the odd rank in first
+    pytest.importorskip("sklearn", reason='the digits data: pip install "fusedreduce[examples]"')
+    results = run_ranks(_geometry_on_rank, 3, timeout=TIMEOUT)
+    geometry = results[0][0]
+    assert all(r[0] == geometry for r in results), "every rank reports the same numbers"
+    per_rank = [torch.cat([g.double().reshape(-1) for g in grads]) for _, grads in results]
+    cosines = [float(per_rank[i] @ per_rank[j] / (per_rank[i].norm() * per_rank[j].norm()))
+               for i in range(3) for j in range(3) if i != j]
+    # the same fp32 gradients, products and sums in float64 both ways: only the
+    # order of float64 additions differs
+    assert geometry["grad_cosine"] == pytest.approx(sum(cosines) / 6, rel=1e-12, abs=1e-12)
+    adasum = torch.cat([adasum_tree([grads[t] for _, grads in results]).reshape(-1)
+                        for t in range(len(results[0][1]))])
+    gain = float(adasum.norm() / (sum(per_rank) / 3).norm())
+    # the library combines fp32 gradients into fp32 results, one rounding per
+    # element per tree level (2 levels for 3 ranks): relative error of the
+    # length at most ~2 x 2^-24, with headroom for the fp64 coefficients
+    assert geometry["adasum_gain"] == pytest.approx(gain, rel=8 * 2.0 ** -24)
+    assert 1.0 <= gain <= 3.0 and 0.0 < geometry["grad_cosine"] < 1.0
