@@ -7,7 +7,9 @@ get bitwise the statistics of the whole tensor, whatever the bucket layout:
 a segment's statistics do not depend on where it sits in a buffer, pieces cut
 at chunk boundaries add up to them, the sums go in chunk order, and the torch
 fallback's results depend on neither the thread count nor a chunk's batch slot
-or alignment; the Triton launchers' cached tables stay right. Values and
+or alignment, on the CPU and through the fixed-order sums it takes on CUDA
+(which the CPU tests force, so CI checks them too); the Triton launchers'
+cached tables stay right. Values and
 accuracy budgets are those of ``adasum_cases.py``.
 
 Segments here reach two chunks and a bit; the Triton interpreter runs each
@@ -19,6 +21,8 @@ the CPU.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -26,6 +30,7 @@ from hypothesis import given, strategies as st
 import device_mode
 from adasum_cases import DTYPES, EPS64, values
 from device_mode import on_cpu
+from fusedreduce.kernels.adasum import torch_backend
 from fusedreduce.kernels import (ADASUM_CHUNK, adasum_chunk_counts, adasum_chunk_stats,
                                  adasum_reduce_chunks, adasum_stats)
 from reference import adasum_stats as reference_stats
@@ -40,17 +45,25 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return on_cpu(t).contiguous().view(torch.int64)
 
 
+@contextlib.contextmanager
+def fixed_order_sums():
+    """The torch fallback's fixed-order sums (its path on CUDA) on any device."""
+    saved = torch_backend.sums_in_fixed_order
+    torch_backend.sums_in_fixed_order = lambda device: True
+    try:
+        yield
+    finally:
+        torch_backend.sums_in_fixed_order = saved
+
+
 # lengths on either side of one and two chunk boundaries, and short ones
 chunked_lengths = st.one_of(st.integers(0, 3000), st.integers(CHUNK - 40, CHUNK + 40),
                             st.integers(2 * CHUNK - 40, 2 * CHUNK + 1500))
 
 
-@given(n=chunked_lengths, before=st.lists(st.integers(0, 40), max_size=3),
-       after=st.integers(0, 40), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2 ** 20))
-def test_the_stats_of_a_segment_do_not_depend_on_where_it_sits(backend, n, before, after,
-                                                                 dtype, seed):
-    # the same values alone in their own buffers, and shifted behind other
-    # segments (every alignment) with more after them
+def _check_placement(backend, n, before, after, dtype, seed):
+    """The same values alone in their own buffers, and shifted behind other
+    segments (every alignment) with more after them, give the same bits."""
     a, b = values(n, dtype, seed, 1), values(n, dtype, seed, 2)
     alone = adasum_stats(a, b, [0, n], backend=backend)
     lead = sum(before)
@@ -63,6 +76,25 @@ def test_the_stats_of_a_segment_do_not_depend_on_where_it_sits(backend, n, befor
     bounds += [lead + n, total]
     placed = adasum_stats(big_a, big_b, bounds, backend=backend)
     assert torch.equal(_bits(placed[len(before)]), _bits(alone[0])), (n, before, dtype)
+
+
+placements = dict(n=chunked_lengths, before=st.lists(st.integers(0, 40), max_size=3),
+                  after=st.integers(0, 40), dtype=st.sampled_from(DTYPES),
+                  seed=st.integers(0, 2 ** 20))
+
+
+@given(**placements)
+def test_the_stats_of_a_segment_do_not_depend_on_where_it_sits(backend, n, before, after,
+                                                                 dtype, seed):
+    _check_placement(backend, n, before, after, dtype, seed)
+
+
+@given(**placements)
+def test_fixed_order_stats_do_not_depend_on_where_a_segment_sits(n, before, after, dtype, seed):
+    # the fallback's fixed-order sums, its path on CUDA, which the CPU otherwise
+    # never takes: CI checks that path's arithmetic here
+    with fixed_order_sums():
+        _check_placement("torch", n, before, after, dtype, seed)
 
 
 @given(n=st.integers(CHUNK + 1, 2 * CHUNK + 1500), dtype=st.sampled_from(DTYPES),
@@ -134,15 +166,22 @@ def test_torch_stats_do_not_depend_on_the_thread_count():
     assert all(torch.equal(r, results[0]) for r in results[1:])
 
 
+@pytest.mark.parametrize("order", ["device's own", "fixed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_torch_whole_chunk_partials_do_not_depend_on_batch_slot_or_alignment(dtype):
-    # the fallback takes whole chunks through batched fp64 Gram products in
-    # fixed scratch: a chunk must give the same bits in every slot of a batch,
-    # behind any number of other chunks, from any source alignment
-    from fusedreduce.kernels.adasum import torch_backend
+def test_torch_whole_chunk_partials_do_not_depend_on_batch_slot_or_alignment(dtype, order,
+                                                                              monkeypatch):
+    # the fallback takes chunks through batches in scratch (Gram products on
+    # the CPU, fixed-order sums elsewhere): a chunk must give the same bits in
+    # every slot of a batch, behind any number of other chunks, from any
+    # source alignment
+    if order == "fixed":
+        monkeypatch.setattr(torch_backend, "sums_in_fixed_order", lambda device: True)
+        monkeypatch.setattr(torch_backend, "TREE_BATCH", 4)  # small batches, many slots
+    batch = (torch_backend.TREE_BATCH if torch_backend.sums_in_fixed_order(
+        device_mode.DEVICE()) else torch_backend.GRAM_BATCH)
     ours_a, ours_b = values(3 * CHUNK, dtype, 11, 1), values(3 * CHUNK, dtype, 11, 2)
     alone = adasum_chunk_stats(ours_a, ours_b, [0, 3 * CHUNK], backend="torch")
-    for lead_chunks in range(torch_backend.GRAM_BATCH + 2):
+    for lead_chunks in range(batch + 2):
         for odd in (0, 1, 3):
             lead = lead_chunks * CHUNK + odd
             a = torch.cat([values(lead, dtype, lead, 3), ours_a])
@@ -151,11 +190,38 @@ def test_torch_whole_chunk_partials_do_not_depend_on_batch_slot_or_alignment(dty
             rows = adasum_chunk_stats(a, b, bounds, backend="torch")
             first = lead_chunks + (1 if odd else 0)
             assert torch.equal(_bits(rows[first:]), _bits(alone)), (lead_chunks, odd)
-    # the Gram product's three entries are the exact statistics' near neighbours
+    # the three sums are the exact statistics' near neighbours
     expected = reference_stats(on_cpu(ours_a[:CHUNK]), on_cpu(ours_b[:CHUNK]), [0, CHUNK])[0]
     x, y = on_cpu(ours_a[:CHUNK]).double(), on_cpu(ours_b[:CHUNK]).double()
     for j, total in enumerate([(x * y).abs().sum(), (x * x).sum(), (y * y).sum()]):
         assert abs(alone[0, j].item() - expected[j].item()) <= CHUNK * EPS64 * float(total)
+
+
+@given(lengths=st.lists(st.one_of(st.integers(0, 70), st.integers(CHUNK - 3, CHUNK + 3)),
+                        min_size=1, max_size=6),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2 ** 20))
+def test_fixed_order_sums_are_within_a_pairwise_bound_of_the_exact_statistics(lengths, dtype,
+                                                                               seed):
+    # every product is exact in fp64 and each partial is a pairwise tree of
+    # depth log2(CHUNK) = 14 over at most CHUNK terms (the -0.0 padding adds
+    # exactly), so each partial is within 14 roundings of half an fp64 eps of
+    # its terms' absolute sum; chunk partials then add in order, one more
+    # rounding each. 16 eps per chunk is a safe budget for both.
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + length)
+    a, b = values(bounds[-1], dtype, seed, 1), values(bounds[-1], dtype, seed, 2)
+    with fixed_order_sums():
+        got = on_cpu(adasum_stats(a, b, bounds, backend="torch"))
+    exact = reference_stats(on_cpu(a), on_cpu(b), bounds)
+    x, y = on_cpu(a).double(), on_cpu(b).double()
+    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        chunks = max(1, -(-(hi - lo) // CHUNK))
+        totals = [(x[lo:hi] * y[lo:hi]).abs().sum(), (x[lo:hi] ** 2).sum(),
+                  (y[lo:hi] ** 2).sum()]
+        for j, total in enumerate(totals):
+            budget = 16 * chunks * EPS64 * float(total)
+            assert abs(got[i, j].item() - exact[i, j].item()) <= budget, (i, j, lengths)
 
 
 def test_triton_launch_tables_are_kept_per_layout_and_stay_right():

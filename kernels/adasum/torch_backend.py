@@ -10,6 +10,12 @@ chunk's partial sums, then the fp64 sum of those partials in chunk order. A
 chunk's partial depends only on the chunk's values, never on where it sits in
 a buffer, so a tensor's statistics come out bitwise the same whether it is
 reduced whole, inside any fused bucket, or cut at chunk boundaries across ranks.
+
+On the CPU the partials come from batched Gram products and row sums, whose
+BLAS and reduction paths give a chunk the same bits wherever it sits. On other
+devices they do not (cuBLAS and CUDA's reductions choose their order by batch
+size and alignment), so there each partial is a fixed pairwise tree of
+elementwise adds (``_tree_chunk_stats``); ``sums_in_fixed_order`` decides.
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ from .._common import (ADASUM_CHUNK, ADASUM_FP32_LIMIT, ADASUM_NORM_FLOOR, compu
 
 #: whole chunks per batched Gram product: 2 fp64 rows each, 2 MiB of scratch
 GRAM_BATCH = 8
+#: chunks per pass of the fixed-order sums: 5 fp64 rows each, 40 MiB of scratch
+TREE_BATCH = 64
 # elements of one pass over short chunks: 5 fp64 arrays of this size (x, y, three products)
 _STATS_PASS = 2 * ADASUM_CHUNK
 # elements of one combine pass: its fp32 products stay in cache between the ops
@@ -136,6 +144,80 @@ def _contiguous_spans(group):
     return spans
 
 
+def sums_in_fixed_order(device: torch.device) -> bool:
+    """Whether chunk partials on ``device`` are summed by ``_tree_chunk_stats``.
+
+    On the CPU torch's BLAS and row sums give a chunk the same bits wherever it
+    sits (checked in the tests). On CUDA they do not: cuBLAS picks its batched
+    product's algorithm by batch size, and the row sum's vectorisation follows
+    the address's alignment, so a chunk's bits would change with its place in a
+    buffer (seen on an H100). There the sums are formed from elementwise adds
+    alone, whose order is fixed by the code.
+    """
+    return device.type != "cpu"
+
+
+def _chunk_list(boundaries):
+    """Every chunk as ``(start, length)``, in chunk order."""
+    chunks = []
+    for lo, hi in zip(boundaries[:-1], boundaries[1:]):
+        chunks.extend((start, min(ADASUM_CHUNK, hi - start))
+                      for start in range(lo, hi, ADASUM_CHUNK))
+    return chunks
+
+
+def _row_runs(group):
+    """``group``'s chunks as copies ``(slot, start, rows, length)``: whole chunks
+    that follow each other in the buffers go in one copy of ``rows`` rows."""
+    runs = []
+    for slot, (start, length) in enumerate(group):
+        if runs and length == ADASUM_CHUNK and runs[-1][3] == ADASUM_CHUNK \
+                and runs[-1][1] + runs[-1][2] * ADASUM_CHUNK == start:
+            runs[-1][2] += 1
+        else:
+            runs.append([slot, start, 1, length])
+    return runs
+
+
+def _tree_chunk_stats(a, b, boundaries, out):
+    """Every chunk's partials by a fixed pairwise tree of elementwise fp64 adds.
+
+    A batch of chunks goes into rows of ``ADASUM_CHUNK`` fp64 elements; each
+    row's three products are exact, the tail of a short chunk's row is -0.0
+    (which adds exactly: ``x + -0.0 == x`` for every x, -0.0 included), and
+    halving the row ``log2(ADASUM_CHUNK)`` times (``p[:h] += p[h:]``) leaves
+    its sums. Every add is an elementwise IEEE fp64 add at a position fixed
+    by the code, so a chunk's partial is a function of its values alone, on
+    any device.
+    """
+    chunks = _chunk_list(boundaries)
+    if not chunks:
+        return
+    batch = min(TREE_BATCH, len(chunks))
+    pairs = torch.empty(batch, 2, ADASUM_CHUNK, dtype=torch.float64, device=a.device)
+    products = torch.empty(batch, 3, ADASUM_CHUNK, dtype=torch.float64, device=a.device)
+    for first in range(0, len(chunks), batch):
+        group = chunks[first:first + batch]
+        used = len(group)
+        for slot, start, rows, length in _row_runs(group):
+            span = slice(start, start + rows * length)
+            pairs[slot:slot + rows, 0, :length].copy_(a[span].view(rows, length))
+            pairs[slot:slot + rows, 1, :length].copy_(b[span].view(rows, length))
+        x, y = pairs[:used, 0], pairs[:used, 1]
+        torch.mul(x, y, out=products[:used, 0])
+        torch.mul(x, x, out=products[:used, 1])
+        torch.mul(y, y, out=products[:used, 2])
+        for slot, (_, length) in enumerate(group):
+            if length < ADASUM_CHUNK:
+                products[slot, :, length:].fill_(-0.0)
+        rows = products[:used]
+        width = ADASUM_CHUNK
+        while width > 1:
+            width //= 2
+            rows[..., :width].add_(rows[..., width:2 * width])
+        out[first:first + used].copy_(rows[..., 0])
+
+
 def chunk_stats(a: torch.Tensor, b: torch.Tensor, boundaries: Sequence[int],
                 out: torch.Tensor) -> None:
     """Each chunk's ``(Σxy, Σx², Σy²)`` into ``out`` (float64 ``[n_chunks, 3]``).
@@ -148,8 +230,11 @@ def chunk_stats(a: torch.Tensor, b: torch.Tensor, boundaries: Sequence[int],
     wherever it sits, whatever else is reduced in the same call and whatever
     the thread count (tests/test_adasum_kernels.py checks all three).
     """
-    whole, short = _chunk_runs(boundaries)
     with torch.no_grad():
+        if sums_in_fixed_order(a.device):
+            _tree_chunk_stats(a, b, boundaries, out)
+            return
+        whole, short = _chunk_runs(boundaries)
         _whole_chunk_stats(a, b, whole, out)
         _short_chunk_stats(a, b, short, out)
 
