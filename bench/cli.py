@@ -41,6 +41,7 @@ HELP = {
 }
 QUICK_REPEATS = {"kernels": 10, "collectives": 3}
 FULL_REPEATS = {"kernels": 20, "collectives": 7}
+DEVICE_TIMER = kernels_bench.DEVICE_TIMER
 COLLECTIVE_TIMER = "perf_counter after a barrier, the slowest rank's, round-robin"
 
 
@@ -78,8 +79,8 @@ def build_parser(prog: str = "fusedreduce-bench") -> argparse.ArgumentParser:
                               "resnet50,transformer)")
     options.add_argument("--repeats", type=_positive_int,
                          help="timed calls per method, median kept (default: kernels 20, "
-                              "collectives 7; --quick 10 and 3); on CUDA the kernels are timed "
-                              "by do_bench instead")
+                              "collectives 7; --quick 10 and 3); on CUDA the kernels' device "
+                              "time alone, launch cost excluded")
     options.add_argument("--json", metavar="PATH", help="write machine, config and results here")
     options.add_argument("--plot", metavar="PATH.png",
                          help="write a PNG of GB/s against size per method (needs "
@@ -119,7 +120,8 @@ def _kernel_config(args: argparse.Namespace, device: torch.device) -> dict:
             "repeats": args.repeats or (QUICK_REPEATS if args.quick
                                         else FULL_REPEATS)["kernels"],
             "flat_dtype": common.dtype_name(kernels_bench.FLAT_DTYPE),
-            "timer": "do_bench" if device.type == "cuda" else "perf_counter, round-robin"}
+            "timer": (DEVICE_TIMER if device.type == "cuda"
+                      else "perf_counter, round-robin")}
 
 
 def _collective_config(args: argparse.Namespace, parts: Sequence[str], world_size: int,

@@ -12,8 +12,9 @@ One command for a new GPU machine. In order:
    unflatten must match it bit for bit, and the two backends each other (the
    README's promise); accumulate and AdaSum within bounds derived from the
    dtypes' eps (see ``_bound``).
-2. **The kernel benchmark on the GPU** (``kernels_bench``: do_bench with CUDA
-   events, L2 flushed): GB/s, × a device-to-device copy of the same bytes, and
+2. **The kernel benchmark on the GPU** (``kernels_bench``: each call's device
+   time alone, from CUDA events with the call queued behind a spin kernel, L2
+   flushed): GB/s, × a device-to-device copy of the same bytes, and
    torch's strongest ways to do the same job (``_foreach_copy_`` +
    ``_foreach_mul_``, ``cat(out=)``, ``_chunk_cat(out=)``,
    ``split_with_sizes_copy(out=)``), plus the host µs of one steady-state call.
@@ -529,7 +530,8 @@ def main(args: argparse.Namespace) -> int:
                         "dtypes": BENCH_DTYPES, "scales": [VERDICT_SCALE, 1.0],
                         "repeats": 10 if args.quick else 20,
                         "flat_dtype": common.dtype_name(kernels_bench.FLAT_DTYPE),
-                        "timer": "do_bench" if not on_cpu else "perf_counter, round-robin"}
+                        "timer": (kernels_bench.DEVICE_TIMER if not on_cpu
+                                  else "perf_counter, round-robin")}
     tests_dir = None if args.no_tests or on_cpu else find_tests()
     steps = len(KERNELS) * len(CHECK_DTYPES) * len(backends) + (
         kernels_bench.n_steps(bench_config) if bench_config else 0)

@@ -52,8 +52,11 @@ the data three times).
 Before timing, each method runs once as the warm-up and its result is checked
 against the reference, so a number is never reported for a wrong answer. On
 the CPU each method is then timed ``--repeats`` times with ``perf_counter``,
-round-robin across methods; on CUDA ``triton.testing.do_bench`` times each
-one (L2 flushed between calls).
+round-robin across methods; on CUDA ``timing.time_on_device`` times each
+one's GPU work alone, round-robin, L2 flushed between calls, each call queued
+behind a spin kernel so that the host's launch cost never shows in the device
+figure (it is the ``fusedreduce_host`` row's; a loop of calls runs at the
+larger of the two).
 """
 from __future__ import annotations
 
@@ -82,6 +85,8 @@ ROLES = {"copy": "reference", "naive": "baseline", "views_then_scale": "baseline
          "torch_split_copy": "baseline", "fusedreduce": "ours",
          "fusedreduce_fresh_out": "ours", "fusedreduce_host": "host"}
 HOST_METHOD = "fusedreduce_host"
+#: what the ``timer`` of a CUDA run's config says
+DEVICE_TIMER = "device time alone (CUDA events, call queued behind a spin kernel, L2 flushed)"
 BASELINE = "copy"
 
 
@@ -223,7 +228,7 @@ def measure(w: Workload, size: int, scale: float, direction: str, repeats: int,
         check(w, scale, direction, name, fn())  # doubles as the warm-up
     timing.synchronize(w.device)
     if w.device.type == "cuda":
-        samples = timing.time_do_bench(fns)
+        samples = timing.time_on_device(fns, repeats, w.device)
     else:
         samples = timing.time_interleaved(fns, repeats, w.device)
     dtype_in, dtype_out = ((w.dtype, FLAT_DTYPE) if direction == "flatten"

@@ -33,3 +33,30 @@ def test_bucket_view_memory_reports_every_method():
         line = next(line for line in lines if line.split()[0] == method)
         step_ms, peak_mb = float(line.split()[3]), float(line.split()[-1])
         assert step_ms > 0 and peak_mb >= 0
+
+
+@pytest.mark.cuda_only
+def test_the_device_timer_leaves_out_host_time_and_keeps_device_time():
+    # a call that spends 3 ms on the host before a tiny kernel must time as the
+    # kernel, and a call whose kernel spins a known time as that time: events
+    # alone would give the first ~3 ms
+    import time
+
+    import torch
+
+    from fusedreduce.bench import timing
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.zeros(1, device=device)
+    per_ms = timing._sleep_cycles_per_ms(device)
+
+    def host_heavy():
+        time.sleep(0.003)
+        x.add_(1)
+
+    def device_heavy():
+        torch.cuda._sleep(int(2 * per_ms))
+
+    times = timing.time_on_device({"host": host_heavy, "device": device_heavy}, 5, device)
+    assert max(times["host"]) < 0.5, times["host"]
+    # the spin's length follows the clock, which may move a little between calibration and use
+    assert all(1.5 < t < 3.0 for t in times["device"]), times["device"]
