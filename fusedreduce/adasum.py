@@ -216,11 +216,45 @@ def adasum_flat_unchecked(buffer: torch.Tensor, boundaries: Sequence[int], group
 
 # ------------------------------------------------------------------ the tree
 
+def _through_host(tensor: torch.Tensor, group) -> bool:
+    """Whether the tree's point-to-point messages of ``tensor`` must travel
+    through host memory: gloo moves CUDA tensors in all_reduce and broadcast
+    only, and its send/recv of them fails (seen on an H100: the receiving
+    rank's connection closed)."""
+    return tensor.device.type != "cpu" and dist.get_backend(group) == "gloo"
+
+
+def _host_copy(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """A kept CPU buffer of ``tensor``'s shape and dtype (its contents: not yet)."""
+    return kernels.scratch_buffer(name, tuple(tensor.shape), tensor.dtype, torch.device("cpu"))
+
+
+def _send(tensor: torch.Tensor, peer: int, group) -> None:
+    if _through_host(tensor, group):
+        tensor = _host_copy(tensor, "adasum_host_send").copy_(tensor)
+    dist.send(tensor, peer, group)
+
+
+def _recv(tensor: torch.Tensor, peer: int, group) -> None:
+    if _through_host(tensor, group):
+        staged = _host_copy(tensor, "adasum_host_recv")
+        dist.recv(staged, peer, group)
+        tensor.copy_(staged)
+    else:
+        dist.recv(tensor, peer, group)
+
+
 def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group) -> None:
     """Send ``send`` to and receive ``recv`` from global rank ``peer``, concurrently."""
+    staged = _through_host(send, group)
+    if staged:
+        send = _host_copy(send, "adasum_host_send").copy_(send)
+        target, recv = recv, _host_copy(recv, "adasum_host_recv")
     ops = [dist.P2POp(dist.isend, send, peer, group), dist.P2POp(dist.irecv, recv, peer, group)]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
+    if staged:
+        target.copy_(recv)
 
 
 def _clip(boundaries: Sequence[int], lo: int, hi: int) -> List[int]:
@@ -298,13 +332,13 @@ def _combine_along_tree(buffer: torch.Tensor, boundaries: Sequence[int], ranks: 
         return
     top = 1 << (n.bit_length() - 1)
     if me >= top:
-        dist.send(buffer, ranks[me - top], group)
-        dist.recv(buffer, ranks[me - top], group)
+        _send(buffer, ranks[me - top], group)
+        _recv(buffer, ranks[me - top], group)
         return
     if me + top < n:
         other = kernels.scratch_buffer("adasum_received", (buffer.numel(),), buffer.dtype,
                                        buffer.device)
-        dist.recv(other, ranks[me + top], group)
+        _recv(other, ranks[me + top], group)
         if not exchanges_only:
             stats = kernels.adasum_stats(buffer, other, boundaries, backend=backend)
             kernels.adasum_combine(buffer, other, boundaries, stats, out=buffer, backend=backend)
@@ -331,4 +365,4 @@ def _combine_along_tree(buffer: torch.Tensor, boundaries: Sequence[int], ranks: 
     for keep, give, peer in reversed(levels):
         _exchange(buffer[keep[0]:keep[1]], buffer[give[0]:give[1]], peer, group)
     if me + top < n:
-        dist.send(buffer, ranks[me + top], group)
+        _send(buffer, ranks[me + top], group)

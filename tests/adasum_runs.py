@@ -174,6 +174,24 @@ def _exchanges_only(rank):
     return buffer
 
 
+def _through_host_everywhere(grads):
+    """``adasum_allreduce(grads)`` with every point-to-point message of the tree
+    staged through host memory (the path gloo takes for CUDA tensors), and how
+    many messages took it."""
+    from fusedreduce import adasum as adasum_module
+    saved, staged = adasum_module._through_host, []
+
+    def always(tensor, group):
+        staged.append(tensor.numel())
+        return True
+
+    adasum_module._through_host = always
+    try:
+        return adasum_allreduce(grads), len(staged)
+    finally:
+        adasum_module._through_host = saved
+
+
 def on_rank(rank, world_size):
     """Everything the tests judge for one world size, computed in one start of the ranks."""
     grads = gradients(rank)
@@ -204,6 +222,8 @@ def on_rank(rank, world_size):
                                    for k in (1, 2)}
     if world_size in (2, 4):
         results["exchanges_only"] = _exchanges_only(rank)
+    if world_size in (3, 4):  # send/recv outside the power of two, and the halving's exchanges
+        results["through_host"] = _through_host_everywhere(grads)
     if world_size in (2, 3):
         results["errors"] = _bad_calls(rank, world_size)
         # the ranks are still in step after every refusal

@@ -2,8 +2,8 @@
 
 test_cuda.py starts three runs of ranks once per session: one rank
 (NCCL on the GPU; gloo on the CPU when the logic is checked without one), two
-gloo ranks sharing the GPU, and — only after ``p2p_probe`` showed that gloo
-moves CUDA tensors point to point — two gloo ranks for AdaSum's tree. Each
+gloo ranks sharing the GPU, and two gloo ranks for AdaSum's tree (whose
+point-to-point messages of CUDA tensors travel through host memory). Each
 runs a table of jobs (``run_each``); the parent judges what comes back.
 
 Every function takes the device *kind* (``"cuda"`` or ``"cpu"``) as an
@@ -20,7 +20,6 @@ import copy
 import traceback
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -347,26 +346,6 @@ def adasum_job(rank, world_size, kind, local_size):
     out["devices"] = sorted({t.device.type for key, ts in out.items() if key != "inputs_unchanged"
                              for t in ts})
     return out
-
-
-def p2p_probe(rank, world_size, kind):
-    """Whether this process group moves the device's tensors point to point as
-    AdaSum's tree does (``dist.batch_isend_irecv`` with the peer): None if
-    it does, else what went wrong. gloo documents CUDA tensors for all_reduce
-    and broadcast only."""
-    device = rank_device(kind)
-    peer = world_size - 1 - rank
-    for dtype in (F32, F64):
-        send = torch.arange(4099, dtype=dtype, device=device) + 10_000 * rank
-        received = torch.full_like(send, -1.0)
-        ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, received, peer)]
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-        expected = torch.arange(4099, dtype=dtype) + 10_000 * peer
-        if not torch.equal(received.cpu(), expected):
-            return (f"gloo's point-to-point exchange of {dtype} {device.type} tensors delivered "
-                    f"wrong data (first values {received[:4].tolist()})")
-    return None
 
 
 # ------------------------------------------------------------------ the job tables

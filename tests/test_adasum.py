@@ -115,6 +115,19 @@ def test_adasum_allreduce_is_bitwise_identical_on_every_rank(ranks_once, world_s
                     f"(local_size, cap) {key}: tensor {i} differs on rank {rank}"
 
 
+@pytest.mark.parametrize("world_size", [w for w in WORLD_SIZES if w in (3, 4)])
+def test_messages_staged_through_host_memory_give_bitwise_the_same_result(ranks_once,
+                                                                          world_size):
+    # gloo cannot send or receive CUDA tensors, so the tree stages them through
+    # CPU buffers there; the staged path must change nothing, on every rank
+    results = ranks_once(world_size)
+    for rank in range(world_size):
+        staged, messages = results[rank]["through_host"]
+        assert messages > 0
+        direct = results[rank]["adasum"][1, 25.0]
+        assert all(_same_bits(a, b) for a, b in zip(staged, direct)), rank
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_adasum_allreduce_leaves_its_inputs_alone(ranks_once, world_size):
     assert all(r["inputs_unchanged"] for r in ranks_once(world_size))

@@ -18,8 +18,8 @@ Covered:
   ``DistributedOptimizer``, ``broadcast_tensors``, ``adasum_allreduce``;
 - ``fusedreduce.hooks`` on DDP over both, against DDP's own all-reduce and
   torch's ``allreduce_hook``;
-- AdaSum's tree on two gloo ranks with CUDA tensors, when gloo moves them
-  point to point (``cuda_runs.p2p_probe``; skipped, with gloo's error, if not).
+- AdaSum's tree on two gloo ranks with CUDA tensors (gloo cannot send or
+  receive CUDA tensors; the tree stages its messages through host memory).
 
 Expected values come from the float64 references of reference.py, computed on
 the CPU. The flatten kernels are compared bit for bit (flatten_cases.py says
@@ -42,7 +42,7 @@ import torch
 
 from cuda_runs import (ADASUM_BACKENDS, ADASUM_CAPS, BF16, F16, F32, F64, MIXED,
                        REDUCER_CONFIGS, Net, adasum_gradients, broadcast_values, gradients,
-                       hook_runs, one_rank_jobs, p2p_probe, run_each, tree_jobs, two_rank_jobs)
+                       hook_runs, one_rank_jobs, run_each, tree_jobs, two_rank_jobs)
 from adasum_cases import assert_within as assert_adasum_within
 from adasum_cases import reference_adasum
 from device_mode import on_cpu
@@ -73,10 +73,6 @@ ADASUM_BIG = 257 * 1024 + 77
 #: sizes that end exactly at, or one element around, Triton's 2048-element blocks
 EDGE_SIZES = (1, 2, 3, 7, 8, 9, 2047, 2048, 2049, 4095, 4096, 4097)
 EPS64 = torch.finfo(F64).eps
-# a failing probe waits at most this long on its peer, and its ranks (started,
-# CUDA initialised) at most this long in all
-PROBE_TIMEOUT = 20.0
-PROBE_SPAWN_TIMEOUT = 120.0
 #: what gloo says when it refuses a tensor's device or an operation for it
 #: (a TCP write from a CUDA pointer fails with EFAULT, "Bad address")
 GLOO_REFUSALS = ("not supported", "unsupported", "does not support", "bad address",
@@ -545,9 +541,8 @@ def test_adasum_kernels_on_the_device_match_the_float64_reference(device, backen
 
 def launch_ranks(kind):
     """The three runs of ranks, at once: ``one_rank`` (NCCL on the GPU, gloo on
-    the CPU), ``two_ranks`` (gloo) and ``tree`` (gloo; run only if ``p2p_probe``
-    passed: ``{"refused": None or why, "results": ...}``). A run that failed
-    gives its error as text."""
+    the CPU), ``two_ranks`` (gloo) and ``tree`` (gloo, AdaSum's tree). A run
+    that failed gives its error as text."""
     def spawn(fn, world_size, backend, *args, timeout=TIMEOUT, collective_timeout=60.0):
         try:
             return run_on_local_ranks(fn, world_size, *args, backend=backend, timeout=timeout,
@@ -555,19 +550,11 @@ def launch_ranks(kind):
         except (RankFailure, TimeoutError) as exc:
             return f"{type(exc).__name__}: {exc}"
 
-    def tree():
-        probe = spawn(p2p_probe, 2, "gloo", kind, timeout=PROBE_SPAWN_TIMEOUT,
-                      collective_timeout=PROBE_TIMEOUT)
-        refused = probe if isinstance(probe, str) else next((p for p in probe if p), None)
-        if refused:
-            return {"refused": refused, "results": None}
-        return {"refused": None, "results": spawn(run_each, 2, "gloo", kind, tree_jobs())}
-
     backend, size = ("nccl", 1) if kind == "cuda" else ("gloo", 1)
     with ThreadPoolExecutor(max_workers=3) as pool:
         runs = {"one_rank": pool.submit(spawn, run_each, size, backend, kind, one_rank_jobs()),
                 "two_ranks": pool.submit(spawn, run_each, 2, "gloo", kind, two_rank_jobs()),
-                "tree": pool.submit(tree)}
+                "tree": pool.submit(spawn, run_each, 2, "gloo", kind, tree_jobs())}
         return {name: future.result() for name, future in runs.items()}
 
 
@@ -597,14 +584,8 @@ def fail_or_skip(run, text):
 
 def job_results(results, run, job):
     """Each rank's result of ``job`` in ``run``; fails with the ranks' tracebacks,
-    or skips where gloo refused the CUDA tensors (the tree's jobs: where the
-    probe found gloo cannot move them point to point)."""
+    or skips where gloo refused the CUDA tensors for an operation."""
     ranks = results[run]
-    if run == "tree":
-        if ranks["refused"]:
-            pytest.skip(f"gloo cannot run AdaSum's point-to-point exchanges with these "
-                        f"tensors here: {ranks['refused']}")
-        ranks = ranks["results"]
     if isinstance(ranks, str):
         fail_or_skip(run, f"the {run} ranks failed:\n{ranks}")
     per_rank = [r[job] for r in ranks]
