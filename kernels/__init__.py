@@ -107,7 +107,9 @@ def flatten_cast_scale(
     Steady state: the first call with a layout (these tensors at these
     addresses, this ``out`` object, these offsets) prepares its launch and
     keeps it; later calls with the same layout only compare each tensor's
-    address, size, dtype and contiguity, then launch (see ``_prepared.py``).
+    address, size, dtype and contiguity, then launch; contiguous tensors
+    that only moved are checked for overlap and the kept launch is
+    re-pointed (see ``_prepared.py``).
 
     Example:
         >>> grads = [torch.ones(2, 3, dtype=torch.float16), torch.full((4,), 2.0)]
@@ -205,7 +207,7 @@ def _kept_launch(op: str, backend, buffer, tensors, offsets):
 
 def _keep(op: str, backend: str, chosen, buffer, tensors, offsets, starts, launch) -> None:
     entry = _prepared.Prepared(buffer, offsets, starts, tensors, launch,
-                               by_shape=chosen.name == "torch")
+                               by_shape=chosen.name == "torch", outputs=op == "unflatten")
     _prepared.LAUNCHES.store(op, backend, buffer, entry)
 
 

@@ -21,6 +21,19 @@ New tensor objects at the old addresses are the same layout: gradients that
 ``optimizer.zero_grad()`` set to None come back at the same addresses on CUDA
 (the caching allocator reuses them), and the kept launch serves them.
 
+**Moved tensors.** A training loop that sets gradients to None (torch's
+default ``zero_grad``) gets new gradients every step, and the caching
+allocator hands their blocks out in another order, so same-shaped gradients
+swap addresses between steps. A call whose signature differs from the kept
+one *only in addresses* is the same layout at other places: when every
+tensor is contiguous and the launch can be re-pointed (``launch.rebind``),
+the new addresses are checked against the buffer (and, for outputs, against
+each other) with one sorted pass over their byte spans (``spans_clear``;
+the same rule as the full validation, for contiguous tensors), and the kept
+launch is re-pointed instead of prepared again. Anything else is validated and
+prepared afresh, and an overlap is refused by the full validation, naming
+the tensor.
+
 Entries are kept per buffer object and die with it (a weak reference with a
 callback), and at most ``KEPT`` are kept in all, least recently used first out.
 A torch entry holds views of its buffer; they are made from a detached alias,
@@ -34,10 +47,13 @@ import weakref
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 #: prepared layouts kept at most (per process)
 KEPT = 64
+#: what ``Prepared.matches`` finds: another layout, the same one, or the same one moved
+MISS, SAME, MOVED = 0, 1, 2
 
 _data_ptr = torch.Tensor.data_ptr
 # ``Tensor.size`` builds the same torch.Size as ``.shape`` at half its cost
@@ -59,10 +75,11 @@ class Prepared:
 
     __slots__ = ("buffer_ref", "buffer_ptr", "buffer_numel", "buffer_dtype", "buffer_stride",
                  "offsets", "offsets_source", "ptrs", "sizes", "size_of", "dtypes",
-                 "contiguous", "strided", "launch", "__weakref__")
+                 "contiguous", "strided", "launch", "nbytes", "outputs", "__weakref__")
 
     def __init__(self, buffer: torch.Tensor, offsets, starts: Sequence[int],
-                 tensors: Sequence[torch.Tensor], launch: Callable, by_shape: bool):
+                 tensors: Sequence[torch.Tensor], launch: Callable, by_shape: bool,
+                 outputs: bool = False):
         self.buffer_ref = None  # set by ``store``
         self.buffer_ptr, self.buffer_numel = buffer.data_ptr(), buffer.numel()
         self.buffer_dtype, self.buffer_stride = buffer.dtype, buffer.stride()
@@ -80,27 +97,73 @@ class Prepared:
         self.strided = [(i, t.shape, t.stride()) for i, t in enumerate(tensors)
                         if not t.is_contiguous()]
         self.launch = launch
+        # moved tensors can be served when all are contiguous (their bytes are
+        # one span each) and the launch can be re-pointed
+        self.nbytes = (np.array([t.numel() * t.element_size() for t in tensors], dtype=np.int64)
+                       if not self.strided and hasattr(launch, "rebind") else None)
+        self.outputs = outputs  # the tensors are written: they must not overlap each other
 
-    def matches(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets) -> bool:
-        """Whether a call with these arguments has exactly the prepared layout."""
+    def matches(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets):
+        """``(SAME, None)`` when a call with these arguments has exactly the
+        prepared layout, ``(MOVED, addresses)`` when only tensor addresses
+        differ, else ``(MISS, None)``."""
         if self.buffer_ref() is not buffer or buffer.data_ptr() != self.buffer_ptr \
                 or buffer.numel() != self.buffer_numel or buffer.dtype != self.buffer_dtype \
                 or buffer.stride() != self.buffer_stride:
-            return False
+            return MISS, None
         try:
             if offsets is None or self.offsets is None:
                 if offsets is not self.offsets:
-                    return False
+                    return MISS, None
             elif offsets is not self.offsets_source and tuple(offsets) != self.offsets:
-                return False
-            return (list(map(_data_ptr, tensors)) == self.ptrs
-                    and list(map(self.size_of, tensors)) == self.sizes
+                return MISS, None
+            ptrs = list(map(_data_ptr, tensors))
+            if not (list(map(self.size_of, tensors)) == self.sizes
                     and list(map(_dtype, tensors)) == self.dtypes
                     and list(map(_is_contiguous, tensors)) == self.contiguous
                     and all(tensors[i].shape == shape and tensors[i].stride() == stride
-                            for i, shape, stride in self.strided))
+                            for i, shape, stride in self.strided)):
+                return MISS, None
         except (TypeError, RuntimeError, AttributeError):
-            return False  # not a list of dense tensors: validation names the problem
+            return MISS, None  # not a list of dense tensors: validation names the problem
+        return (SAME, None) if ptrs == self.ptrs else (MOVED, ptrs)
+
+    def rebind(self, tensors: Sequence[torch.Tensor], ptrs: Sequence[int]) -> bool:
+        """Re-point the launch at moved tensors (``ptrs``, their addresses) if
+        the layout allows it and the tensors' bytes are clear of the buffer
+        (and, for outputs, of each other); whether it did."""
+        if self.nbytes is None or len(ptrs) != len(self.nbytes):
+            return False
+        buffer_end = self.buffer_ptr + self.buffer_numel * self.buffer_dtype.itemsize
+        if not spans_clear(ptrs, self.nbytes, (self.buffer_ptr, buffer_end), self.outputs):
+            return False
+        self.launch.rebind(tensors, ptrs)
+        self.ptrs = list(ptrs)
+        return True
+
+
+def spans_clear(ptrs: Sequence[int], nbytes: np.ndarray, buffer_span, pairwise: bool) -> bool:
+    """Whether the byte spans ``[ptrs[i], ptrs[i] + nbytes[i])`` of contiguous
+    tensors miss ``buffer_span`` and, with ``pairwise``, each other (empty
+    tensors occupy nothing).
+
+    Example:
+        >>> spans_clear([0, 8], np.array([8, 8]), (16, 32), pairwise=True)
+        True
+        >>> spans_clear([0, 4], np.array([8, 8]), (16, 32), pairwise=True)
+        False
+    """
+    starts = np.asarray(ptrs, dtype=np.int64)
+    live = nbytes > 0
+    starts, ends = starts[live], starts[live] + nbytes[live]
+    lo, hi = buffer_span
+    if hi > lo and bool(np.any((starts < hi) & (ends > lo))):
+        return False
+    if pairwise and starts.size > 1:
+        order = np.argsort(starts, kind="stable")
+        if bool(np.any(ends[order][:-1] > starts[order][1:])):
+            return False
+    return True
 
 
 class Cache:
@@ -113,10 +176,14 @@ class Cache:
 
     def lookup(self, op: str, backend: str, buffer: torch.Tensor,
                tensors: Sequence[torch.Tensor], offsets) -> Optional[Callable]:
-        """The kept launch for this call, or None if its layout is not the prepared one."""
+        """The kept launch for this call, or None if its layout is not the
+        prepared one (or the same one moved where it cannot be re-pointed)."""
         key = (op, backend, id(buffer))
         entry = self._entries.get(key)
-        if entry is None or not entry.matches(buffer, tensors, offsets):
+        if entry is None:
+            return None
+        found, ptrs = entry.matches(buffer, tensors, offsets)
+        if found == MISS or (found == MOVED and not entry.rebind(tensors, ptrs)):
             return None
         try:
             self._entries.move_to_end(key)

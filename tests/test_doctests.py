@@ -5,7 +5,8 @@ import importlib
 import pytest
 
 MODULES = ["fusedreduce.kernels", "fusedreduce.kernels._checks", "fusedreduce.kernels._common",
-           "fusedreduce.kernels._backends", "fusedreduce.buckets", "fusedreduce.precision"]
+           "fusedreduce.kernels._backends", "fusedreduce.kernels._prepared", "fusedreduce.buckets",
+           "fusedreduce.precision"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -3,8 +3,9 @@
 A call of ``flatten_cast_scale``/``unflatten_cast_scale`` with a persistent
 buffer prepares a launch for its layout once and reuses it while the call's
 *signature* (addresses, sizes, dtypes, contiguity, strides of strided tensors,
-the buffer object and the offsets) stays the same. These tests prove both
-sides of that: a steady-state call really skips the preparation (a spy counts
+the buffer object and the offsets) stays the same, and re-points it when
+only contiguous tensors' addresses changed (gradients set to None come back
+elsewhere). These tests prove every side of that: a steady-state call really skips the preparation (a spy counts
 the backends' ``prepare_*`` calls and the kept launch object stays the same),
 and every change of layout between calls — a tensor replaced, resized,
 re-typed, transposed at the same address, new offsets, another buffer — still
@@ -21,7 +22,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+import device_mode
 import fusedreduce.kernels._backends as backends
+from device_mode import on_cpu
 from fusedreduce.kernels import _prepared, flatten_cast_scale, unflatten_cast_scale
 from fusedreduce.kernels.flatten import torch_backend
 from flatten_cases import (DTYPES, accumulate_bound, assert_same_bits, assert_within, lay_out,
@@ -577,6 +580,107 @@ def test_repeated_round_trips_into_one_buffer_stay_right(backend, data, specs, f
         if launches is None:
             launches = now
         assert now[0] is launches[0] and now[1] is launches[1], "a steady layout was re-prepared"
+
+
+# ------------------------------------- 4. moved tensors: the kept launch re-pointed
+
+def _placed(shape, dtype, pad):
+    """A new contiguous tensor ``pad`` elements into a fresh allocation of its
+    own on the test device: another address, and for ``pad`` not a multiple of
+    16 bytes another alignment (the Triton table keeps each address's remainder)."""
+    n = math.prod(shape)
+    return torch.full((n + pad,), math.nan, dtype=dtype,
+                      device=device_mode.DEVICE())[pad:].view(shape)
+
+
+@pytest.mark.device_aware
+@given(data=st.data(),
+       specs=st.lists(st.tuples(st.sampled_from([(0,), (1,), (7,), (3, 5), (2100,)]),
+                                st.sampled_from(DTYPES), st.sampled_from(DTYPES)),
+                      min_size=1, max_size=5),
+       flat_dtype=st.sampled_from(DTYPES), rounds=st.integers(2, 4))
+def test_moved_contiguous_tensors_are_re_pointed_and_stay_right(backend, data, specs,
+                                                                  flat_dtype, rounds):
+    # gradients set to None come back elsewhere (and same-shaped ones swap
+    # places): the kept launches are re-pointed, never prepared again, and every
+    # result is still bitwise the reference's
+    pads = st.sampled_from([0, 1, 3, 8])
+    sources = [_placed(shape, src, data.draw(pads, "pad")) for shape, src, _ in specs]
+    targets = [_placed(shape, dst, data.draw(pads, "pad")) for shape, _, dst in specs]
+    end = sum(math.prod(shape) for shape, _, _ in specs)
+    out = torch.full((end,), math.nan, dtype=flat_dtype, device=device_mode.DEVICE())
+    launches = None
+    for step in range(rounds):
+        moves = data.draw(st.lists(st.booleans(), min_size=len(specs), max_size=len(specs)),
+                          "which tensors move")
+        if step and data.draw(st.booleans(), "swap two tensors"):
+            moves = [True] * len(specs)
+        for i, (moved, (shape, src, dst)) in enumerate(zip(moves, specs)):
+            if moved and step:
+                sources[i] = _placed(shape, src, data.draw(pads, "pad"))
+                targets[i] = _placed(shape, dst, data.draw(pads, "pad"))
+            sources[i].copy_(randn(shape, src, 1000 * step + i))
+        scale, back = data.draw(scales, "scale"), data.draw(scales, "scale back")
+        flatten_cast_scale(sources, out, scale=scale, backend=backend)
+        assert_same_bits(out, reference_flatten([on_cpu(t) for t in sources], flat_dtype,
+                                                scale, None, end), f"round {step}: out")
+        unflatten_cast_scale(out, targets, scale=back, backend=backend)
+        wants = reference_unflatten(on_cpu(out), [on_cpu(t) for t in targets], back, False, None)
+        for i, (t, want) in enumerate(zip(targets, wants)):
+            assert_same_bits(t, want, f"round {step}: targets[{i}]")
+        now = (kept_launch("flatten", backend, out), kept_launch("unflatten", backend, out))
+        if launches is None:
+            launches = now
+        if end > 0:  # an empty buffer has no address to pin offsets to
+            assert now == launches, "a moved layout was prepared again"
+
+
+@pytest.mark.parametrize("op", ["flatten", "unflatten"])
+def test_a_tensor_moved_onto_the_buffer_is_refused_before_anything_is_written(backend, fresh,
+                                                                               op):
+    tensors = [randn((6,), F32, 1), randn((4,), F32, 2)]
+    buffer = torch.full((10,), math.nan) if op == "flatten" else randn((10,), F32, 3)
+    run(op, backend, buffer, tensors, 0.5, None)
+    moved = [tensors[0], buffer[6:10]]  # same size, dtype and contiguity: only the address
+    before = [t.clone() for t in (buffer, tensors[0])]
+    with pytest.raises(ValueError, match=r"overlaps (out|flat)"):
+        if op == "flatten":
+            flatten_cast_scale(moved, buffer, scale=0.5, backend=backend)
+        else:
+            unflatten_cast_scale(buffer, moved, scale=0.5, backend=backend)
+    assert_same_bits(buffer, before[0], "the buffer")
+    assert_same_bits(tensors[0], before[1], "tensors[0]")
+
+
+def test_destinations_moved_onto_each_other_are_refused(backend, fresh):
+    flat = randn((10,), F32, 3)
+    owner = torch.zeros(20)
+    dsts = [owner[0:6], owner[10:14]]
+    run("unflatten", backend, flat, dsts, 2.0, None)
+    overlapping = [owner[0:6], owner[3:7]]
+    with pytest.raises(ValueError, match="share memory"):
+        unflatten_cast_scale(flat, overlapping, scale=2.0, backend=backend)
+
+
+def test_spans_clear_is_the_validation_rule_for_contiguous_tensors():
+    # against the full validation's own pairwise rule, on random spans
+    import numpy as np
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        count = int(torch.randint(1, 6, (1,), generator=generator))
+        starts = torch.randint(0, 64, (count,), generator=generator).tolist()
+        sizes = torch.randint(0, 9, (count,), generator=generator).tolist()
+        lo = int(torch.randint(0, 64, (1,), generator=generator))
+        hi = lo + int(torch.randint(0, 16, (1,), generator=generator))
+        spans = [(a, a + n) for a, n in zip(starts, sizes) if n]
+        hits_buffer = hi > lo and any(a < hi and e > lo for a, e in spans)
+        overlap = any(a1 < e2 and a2 < e1 for i, (a1, e1) in enumerate(spans)
+                      for a2, e2 in spans[i + 1:])
+        for pairwise in (False, True):
+            want = not hits_buffer and not (pairwise and overlap)
+            got = _prepared.spans_clear(starts, np.array(sizes, dtype=np.int64), (lo, hi),
+                                        pairwise)
+            assert got == want, (starts, sizes, lo, hi, pairwise)
 
 
 # ---------------------------------------------------- calls that must not hit a kept launch

@@ -245,7 +245,14 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
             if gaps:
                 torch._foreach_zero_(gaps)
             return _found_nonfinite(tensors, out) if check_finite else None
+    launch.rebind = _reads_tensors_at_launch
     return launch
+
+
+def _reads_tensors_at_launch(tensors, ptrs) -> None:
+    """``rebind`` of this backend's launches (``_prepared.py``): they keep views
+    of the buffer only and take the tensors at each launch, so moved tensors
+    need nothing."""
 
 
 class ScaledNarrowing:
@@ -334,6 +341,7 @@ def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
     def launch(flat, tensors, scale, accumulate):
         with torch.no_grad():
             plan.run(tensors, segments, scale, accumulate, products=narrowing)
+    launch.rebind = _reads_tensors_at_launch
     return launch
 
 

@@ -284,8 +284,16 @@ def build_table(tensors, starts, extents, flat, base):
     segment_of = np.repeat(np.arange(n, dtype=np.int64), blocks)
     first_block = np.repeat(np.cumsum(blocks) - blocks, blocks)
     work = (segment_of << 32) | (np.arange(programs, dtype=np.int64) - first_block)
-    full = torch.from_numpy(np.concatenate([table, work]))
-    return full, programs
+    return np.concatenate([table, work]), programs
+
+
+def _to_device(table: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The launch table on ``device``; to a GPU from pinned memory, without
+    waiting (the copy is ordered before the launches that read it)."""
+    host = torch.from_numpy(table)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def scale_words(scale: float):
@@ -334,9 +342,28 @@ class _Layout:
                                         if t is base), None)
         self.n_segments = len(seen)
         self.kinds = kinds_mask(t.dtype for t in seen)
-        table, self.programs = build_table(seen, starts, extents, flat, base)
-        self.table = table.to(flat.device)
+        self.host_table, self.programs = build_table(seen, starts, extents, flat, base)
+        self.table = _to_device(self.host_table, flat.device)
         self.flat_vec = ALIGN_BYTES // flat.element_size()
+        # moved tensors are re-pointed (``rebind``) when every offset is from the
+        # flat buffer, whose address the kept layout pins: the call's tensors
+        # are the table's rows from ``first_row`` on
+        self.base_is_flat = base is flat
+        self.base_addr, self.first_row = base.data_ptr(), int(lead > 0)
+
+    def rebind(self, ptrs: Sequence[int]) -> None:
+        """Point the table at the call's tensors now at ``ptrs``: their rows'
+        aligned offsets and their remainders in ``kind`` (see ``build_table``);
+        every other column depends on the layout alone."""
+        n, rows = self.n_segments, slice(self.first_row, self.first_row + len(ptrs))
+        src = np.asarray(ptrs, dtype=np.int64) - self.base_addr
+        remainder = src % ALIGN_BYTES  # numpy's % takes the divisor's sign: 0..15, as Python's
+        table = self.host_table.copy()
+        table[rows] = src - remainder
+        kind = table[4 * n:5 * n]
+        kind[rows] = (kind[rows] & ~np.int64(255 << 8)) | (remainder << 8)
+        self.host_table = table
+        self.table = _to_device(table, self.table.device)
 
     def base(self, tensors, flat):
         """The tensor of this call at the table's base address, as bytes."""
@@ -374,7 +401,7 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
                 KINDS=layout.kinds, CHECK_FINITE=flag is not None, BLOCK=BLOCK,
                 OUT_VEC=layout.flat_vec, num_warps=NUM_WARPS)
         return flag.view(torch.bool)[0] if flag is not None else None
-    return launch
+    return _rebindable(launch, layout)
 
 
 def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
@@ -396,4 +423,12 @@ def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
                     FLAT_VEC=layout.flat_vec, num_warps=NUM_WARPS)
             if staged:
                 torch._foreach_copy_([tensors[i] for i in staged], staging)
+    return _rebindable(launch, layout)
+
+
+def _rebindable(launch: Callable, layout: _Layout) -> Callable:
+    """``launch``, with ``launch.rebind(tensors, ptrs)`` (see ``_prepared.py``)
+    when its layout's offsets all start from the flat buffer and nothing is staged."""
+    if layout.base_is_flat and not layout.staged_indices:
+        launch.rebind = lambda tensors, ptrs: layout.rebind(ptrs)
     return launch
