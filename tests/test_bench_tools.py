@@ -60,3 +60,22 @@ def test_the_device_timer_leaves_out_host_time_and_keeps_device_time():
     assert max(times["host"]) < 0.5, times["host"]
     # the spin's length follows the clock, which may move a little between calibration and use
     assert all(1.5 < t < 3.0 for t in times["device"]), times["device"]
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_one_gpu_step_times_every_api_on_one_rank(tmp_path):
+    # on the CPU here (gloo, one rank); the same command on a GPU runs NCCL
+    import json
+    path = tmp_path / "step.json"
+    process = subprocess.run(
+        [sys.executable, "-m", "fusedreduce.bench.one_gpu_step", "--size", "60K", "--batch", "2",
+         "--image", "32", "--steps", "2", "--device", "cpu", "--json", str(path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert process.returncode == 0, process.stderr
+    from fusedreduce.bench.one_gpu_step import METHODS
+    lines = process.stdout.splitlines()
+    for method in METHODS:
+        assert any(line.split()[:1] == [method] for line in lines), method
+    record = json.loads(path.read_text())
+    assert set(record["median_ms"]) == set(METHODS)
+    assert all(len(v) == 2 and all(t > 0 for t in v) for v in record["record"]["samples"].values())

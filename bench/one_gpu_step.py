@@ -1,0 +1,142 @@
+"""A whole training step with each user API on one device: what a single GPU can show.
+
+    python -m fusedreduce.bench.one_gpu_step [--size 25.6M] [--batch 32] [--image 128]
+                                             [--steps 15] [--device auto|cuda|cpu] [--json PATH]
+
+The ``collectives`` benchmarks need two ranks or more, so a machine with one
+GPU cannot run them. This runs one rank (NCCL on a GPU, gloo on the CPU):
+every reduction is then a copy and a scaling, and what the figures show is the
+per-step work each API adds around it — flattening, launches, hooks, the
+layout checks — against DDP's C++ reducer doing the same. A ResNet-50
+(``bench/models.py``, scaled to ``--size`` parameters) trains on a fixed
+random batch, fp32, ``zero_grad(set_to_none=True)`` (torch's default), SGD:
+
+- ``no_communication``: the plain model (the floor);
+- ``ddp``, ``ddp_bucket_view`` (baselines): ``DistributedDataParallel``
+  (25 MiB buckets), without and with ``gradient_as_bucket_view``;
+- ``ddp_allreduce_hook``: DDP with ``fusedreduce.hooks.allreduce_hook``;
+- ``reducer_hooks``, ``reducer_hooks_bucket_view``:
+  ``DistributedGradReducer.register_hooks()``, without and with
+  ``gradient_as_bucket_view``;
+- ``distributed_optimizer``: ``DistributedOptimizer`` around SGD.
+
+Each method gets its own model, warms up five steps, then the methods are
+timed round-robin (each step synchronised, ``perf_counter``); the table gives
+the median step in ms and DDP's median over the method's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable, Dict
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from fusedreduce import DistributedGradReducer, DistributedOptimizer, hooks
+from fusedreduce.local_ranks import run_on_local_ranks
+
+from . import common
+from .models import resnet50_for_size
+
+METHODS = ("no_communication", "ddp", "ddp_bucket_view", "ddp_allreduce_hook", "reducer_hooks",
+           "reducer_hooks_bucket_view", "distributed_optimizer")
+BASELINE = "ddp"
+BUCKET_CAP_MB = 25.0
+WARMUP = 5
+
+
+def _step(method: str, config: dict, device: torch.device, batch, labels) -> Callable[[], None]:
+    torch.manual_seed(0)  # every method starts from the same weights
+    model = resnet50_for_size(config["size"]).to(device)
+    params = list(model.parameters())
+    net, optimizer = model, None
+    ddp_args = dict(bucket_cap_mb=BUCKET_CAP_MB,
+                    device_ids=[device.index] if device.type == "cuda" else None)
+    if method in ("ddp", "ddp_bucket_view", "ddp_allreduce_hook"):
+        net = DistributedDataParallel(model, gradient_as_bucket_view=method == "ddp_bucket_view",
+                                      **ddp_args)
+        if method == "ddp_allreduce_hook":
+            net.register_comm_hook(None, hooks.allreduce_hook)
+    elif method in ("reducer_hooks", "reducer_hooks_bucket_view"):
+        DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB).register_hooks(
+            gradient_as_bucket_view=method == "reducer_hooks_bucket_view")
+    elif method == "distributed_optimizer":
+        optimizer = DistributedOptimizer(torch.optim.SGD(params, lr=0.01))
+    if optimizer is None:
+        optimizer = torch.optim.SGD(params, lr=0.01)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(net(batch), labels).backward()
+        optimizer.step()
+    return step
+
+
+def rank_body(rank: int, world_size: int, config: dict) -> dict:
+    """Time every method on this (single) rank; the median step per method, in ms."""
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    image = config["image"]
+    batch = torch.randn(config["batch"], 3, image, image, generator=gen).to(device)
+    reference = resnet50_for_size(config["size"])
+    labels = torch.randint(0, reference.num_classes, (config["batch"],), generator=gen).to(device)
+    steps: Dict[str, Callable[[], None]] = {}
+    for method in METHODS:
+        steps[method] = _step(method, config, device, batch, labels)
+        for _ in range(WARMUP):
+            steps[method]()
+    samples: Dict[str, list] = {method: [] for method in METHODS}
+    for round_ in range(config["steps"]):
+        shift = round_ % len(METHODS)
+        for method in METHODS[shift:] + METHODS[:shift]:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            steps[method]()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            samples[method].append((time.perf_counter() - start) * 1e3)
+    return {"device": str(device), "parameters": sum(p.numel() for p in reference.parameters()),
+            "samples": samples}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fusedreduce.bench.one_gpu_step",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", type=common.parse_sizes, default=[25_600_000],
+                        help="the model's parameter count, e.g. 25.6M (default)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--image", type=int, default=128, help="image side in pixels")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per method")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--json", metavar="PATH", help="write the configuration and figures")
+    args = parser.parse_args(argv)
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if on_gpu and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available here")
+    config = {"size": args.size[0], "batch": args.batch, "image": args.image,
+              "steps": args.steps, "backend": "nccl" if on_gpu else "gloo"}
+    record = run_on_local_ranks(rank_body, 1, config, backend=config["backend"],
+                                timeout=3600)[0]
+    medians = {m: statistics.median(v) for m, v in record["samples"].items()}
+    print(f"# one rank ({config['backend']}) on {record['device']}: ResNet-50 with "
+          f"{record['parameters']:,} parameters, batch {args.batch}x3x{args.image}x{args.image}, "
+          f"fp32, median of {args.steps} steps")
+    print(f"{'method':28s} {'step ms':>9s} {'ddp / this':>11s}")
+    for method in METHODS:
+        print(f"{method:28s} {medians[method]:9.2f} {medians[BASELINE] / medians[method]:11.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": config, "record": record, "median_ms": medians}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
