@@ -22,18 +22,17 @@ from accelerate import Accelerator
 from torch import nn
 
 from fusedreduce import hooks
+from train_digits import read_digits  # scikit-learn's digits, read without importing it
 
 HOOKS = ("none", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook")
 
 
 def data(rank: int, batch: int, steps: int):
     """This rank's batches: its own shard of the digits (or of a synthetic set)."""
-    try:
-        from sklearn.datasets import load_digits
-        digits = load_digits()
-        x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-        y = torch.tensor(digits.target)
-    except ImportError:
+    digits = read_digits()
+    if digits is not None:
+        x, y = digits
+    else:  # no scikit-learn: a synthetic set of the same shape
         gen = torch.Generator().manual_seed(0)
         x, y = torch.rand(1797, 64, generator=gen), torch.randint(0, 10, (1797,), generator=gen)
     for step in range(steps):

@@ -24,17 +24,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fusedreduce import DistributedOptimizer, hooks
 from fusedreduce.lightning import CommHook, DistributedOptimizerStrategy
+from train_digits import read_digits  # scikit-learn's digits, read without importing it
 
 HOOKS = ("none", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook")
 
 
 def dataset() -> TensorDataset:
-    try:
-        from sklearn.datasets import load_digits
-        digits = load_digits()
-        x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-        y = torch.tensor(digits.target)
-    except ImportError:
+    digits = read_digits()
+    if digits is not None:
+        x, y = digits
+    else:  # no scikit-learn: a synthetic set of the same shape
         gen = torch.Generator().manual_seed(0)
         x, y = torch.rand(1797, 64, generator=gen), torch.randint(0, 10, (1797,), generator=gen)
     return TensorDataset(x, y)

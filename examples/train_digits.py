@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import sys
 import time
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -49,15 +51,35 @@ REDUCTIONS = ("ddp",) + HOOKS + ("reducer", "distributed_optimizer", "adasum_del
 EXTRA = 'pip install "fusedreduce[examples]"'
 
 
+def read_digits():
+    """scikit-learn's digits as ``(x, y)``: x float32 [1797, 64] with pixels scaled
+    to [0, 1], y int64 labels; None if scikit-learn (and so its data file) is not
+    installed.
+
+    The file is read from the installed package without importing scikit-learn:
+    importing it loads its OpenMP runtime beside torch's, and then about one in
+    five processes launched by torchrun on gloo aborted at exit ("terminate
+    called without an active exception"; seen on the 2-core VM with torch
+    2.13, plain DDP included, never without the import). The values are those
+    of ``sklearn.datasets.load_digits()``.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+    if not os.path.exists(path):
+        return None
+    table = np.loadtxt(path, delimiter=",")
+    return (torch.tensor(table[:, :-1], dtype=torch.float32) / 16.0,
+            torch.tensor(table[:, -1], dtype=torch.long))
+
+
 def load_digits(device: torch.device):
     """(train x, train y, test x, test y): a fixed 80/20 split, pixels scaled to [0, 1]."""
-    try:
-        from sklearn.datasets import load_digits as sklearn_digits
-    except ImportError:
-        raise SystemExit(f"this example needs scikit-learn for its data set: {EXTRA}") from None
-    digits = sklearn_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
+    digits = read_digits()
+    if digits is None:
+        raise SystemExit(f"this example needs scikit-learn for its data set: {EXTRA}")
+    x, y = digits
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     train, test = order[:1437], order[1437:]
     return x[train].to(device), y[train].to(device), x[test].to(device), y[test].to(device)
