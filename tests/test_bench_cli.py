@@ -13,7 +13,7 @@ from importlib import metadata
 import pytest
 
 from bench_utils import check_record, run_bench_once
-from harness import ROOT
+from harness import ROOT, run_torchrun
 from fusedreduce.bench import cli, collectives_bench, common, kernels_bench
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -171,11 +171,10 @@ def test_the_summary_puts_each_of_ours_beside_the_fastest_baseline():
 
 def test_under_torchrun_the_ranks_join_the_launch_and_rank_0_alone_reports(tmp_path):
     path = tmp_path / "torchrun.json"
-    process = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "fusedreduce.bench", "all", "--quick", "--sizes", "20K", "--lists", "resnet50",
-         "--repeats", "1", "--no-progress", "--json", str(path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    process = run_torchrun(
+        ["--standalone", "--nproc_per_node", "2", "-m", "fusedreduce.bench", "all", "--quick",
+         "--sizes", "20K", "--lists", "resnet50", "--repeats", "1", "--no-progress", "--json",
+         str(path)], cwd=tmp_path, timeout=600)
     assert process.returncode == 0, process.stderr
     assert process.stdout.count("## baseline vs ours") == 1
     record = json.loads(path.read_text())

@@ -1,6 +1,5 @@
 """The examples run as a user would run them, from a checkout, and report success."""
 import json
-import math
 import os
 import subprocess
 import sys
@@ -8,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from harness import ROOT, TIMEOUT, run_ranks
+from harness import ROOT, TIMEOUT, run_ranks, run_torchrun
 from reference import adasum_tree
 
 
@@ -32,12 +31,18 @@ ADASUM = ("adasum_hook", "adasum_delta")
 
 
 def _digits(tmp_path, name, launcher, reductions, steps=20):
+    """The digits example's run and its JSON; ``launcher`` is ``"spawn"`` (its own
+    workers) or ``"torchrun"`` (2 ranks)."""
     pytest.importorskip("sklearn", reason='the digits data: pip install "fusedreduce[examples]"')
     out = tmp_path / f"{name}.json"
-    command = [*launcher, DIGITS, "--reduction", ",".join(reductions), "--steps", str(steps),
+    command = [DIGITS, "--reduction", ",".join(reductions), "--steps", str(steps),
                "--eval-every", "10", "--json", str(out)]
-    process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                             timeout=TIMEOUT)
+    if launcher == "torchrun":
+        process = run_torchrun(["--standalone", "--nproc_per_node=2", *command], cwd=ROOT,
+                               timeout=TIMEOUT)
+    else:
+        process = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=TIMEOUT)
     assert process.returncode == 0, process.stdout + process.stderr[-3000:]
     record = json.loads(out.read_text())
     return process, {r["reduction"]: r for r in record["results"]}, record
@@ -45,7 +50,7 @@ def _digits(tmp_path, name, launcher, reductions, steps=20):
 
 def test_the_digits_example_trains_with_every_reduction_on_spawned_ranks(tmp_path):
     reductions = AVERAGING + COMPRESSING + ADASUM
-    process, results, record = _digits(tmp_path, "spawned", [sys.executable], reductions)
+    process, results, record = _digits(tmp_path, "spawned", "spawn", reductions)
     assert record["world_size"] == 2 and list(results) == list(reductions)
     assert "steps to 0.95" in process.stdout and "distributed_optimizer" in process.stdout
     for result in results.values():
@@ -70,11 +75,10 @@ def test_the_digits_example_trains_with_every_reduction_on_spawned_ranks(tmp_pat
 def test_the_digits_example_under_torchrun_trains_the_spawned_runs_models(tmp_path):
     # two launches, two launchers, the same bits: the runs are deterministic
     # (AdaSum's tree included), and the averaging reductions agree bitwise
-    _, spawned, _ = _digits(tmp_path, "spawned", [sys.executable],
-                            AVERAGING[:2] + ("adasum_hook",), steps=10)
-    _, launched, record = _digits(
-        tmp_path, "torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node=2"], AVERAGING + ("adasum_hook",), steps=10)
+    _, spawned, _ = _digits(tmp_path, "spawned", "spawn", AVERAGING[:2] + ("adasum_hook",),
+                            steps=10)
+    _, launched, record = _digits(tmp_path, "torchrun", "torchrun",
+                                  AVERAGING + ("adasum_hook",), steps=10)
     assert record["world_size"] == 2
     assert {launched[name]["weights_sha256"] for name in AVERAGING} == {
         spawned["ddp"]["weights_sha256"]}
@@ -156,3 +160,25 @@ def test_the_experiments_gradient_geometry_matches_a_float64_reference_on_three_
     # length at most ~2 x 2^-24, with headroom for the fp64 coefficients
     assert geometry["adasum_gain"] == pytest.approx(gain, rel=8 * 2.0 ** -24)
     assert 1.0 <= gain <= 3.0 and 0.0 < geometry["grad_cosine"] < 1.0
+
+
+def test_run_torchrun_relaunches_only_after_the_exit_abort(monkeypatch):
+    # the harness's one retry: after torch's exit abort, not after any other failure
+    import harness
+    calls = []
+
+    def fake(outcomes):
+        def run(command, **kwargs):
+            calls.append(command)
+            code, stderr = outcomes[len(calls) - 1]
+            return subprocess.CompletedProcess(command, code, "", stderr)
+        return run
+
+    monkeypatch.setattr(harness.subprocess, "run", fake([(1, harness.EXIT_ABORT), (0, "")]))
+    assert harness.run_torchrun(["x.py"]).returncode == 0 and len(calls) == 2
+    calls.clear()
+    monkeypatch.setattr(harness.subprocess, "run", fake([(1, "Traceback: ValueError")]))
+    assert harness.run_torchrun(["x.py"]).returncode == 1 and len(calls) == 1
+    calls.clear()
+    monkeypatch.setattr(harness.subprocess, "run", fake([(1, harness.EXIT_ABORT)] * 2))
+    assert harness.run_torchrun(["x.py"]).returncode == 1 and len(calls) == 2

@@ -8,13 +8,11 @@ and without gradient accumulation. Skipped, with the reason, where a
 framework is not installed (``pip install "fusedreduce[integrations]"``).
 """
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from harness import ROOT, TIMEOUT
+from harness import ROOT, TIMEOUT, run_torchrun
 
 FRAMEWORKS = {"accelerate": ("accelerate", "examples/accelerate_hooks.py"),
               "lightning": ("lightning", "examples/lightning_hooks.py")}
@@ -23,11 +21,9 @@ LR = 0.2
 
 
 def _train(script, hook, out, *options):
-    process = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--standalone", script, "--hook", hook, "--steps", str(STEPS), "--out", str(out),
-         *options],
-        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    process = run_torchrun(
+        ["--nproc_per_node=2", "--standalone", script, "--hook", hook, "--steps", str(STEPS),
+         "--out", str(out), *options], cwd=ROOT, timeout=TIMEOUT)
     assert process.returncode == 0, process.stderr[-3000:]
     return torch.load(out)
 
