@@ -361,6 +361,10 @@ def _bad_arguments(rank, world_size):
         "grads[2] of the wrong shape": lambda: make()(good[:2] + [torch.ones(6)]),
         "grads[0] of the wrong dtype": lambda: make()([good[0].double()] + good[1:]),
         "sparse grads[1]": lambda: make()(sparse),
+        "grads[1] a numpy array": lambda: make()(
+            [good[0], good[1].numpy(), good[2]]),
+        "grads[2] on another device": lambda: make()(
+            good[:2] + [torch.ones_like(good[2], device="meta")]),
         "passes_per_sync=0": lambda: make().register_hooks(passes_per_sync=0),
         "hooks registered twice": lambda: make().register_hooks().register_hooks(),
         "a parameter without requires_grad": lambda: DistributedGradReducer(
@@ -389,6 +393,8 @@ def test_bad_arguments_raise_on_every_rank_before_any_collective():
         "grads[2] of the wrong shape": ("ValueError", "grads[2]"),
         "grads[0] of the wrong dtype": ("ValueError", "grads[0]"),
         "sparse grads[1]": ("TypeError", "grads[1]"),
+        "grads[1] a numpy array": ("TypeError", "grads[1]"),
+        "grads[2] on another device": ("ValueError", "grads[2]"),
         "passes_per_sync=0": ("ValueError", "passes_per_sync"),
         "hooks registered twice": ("ValueError", "already"),
         "a parameter without requires_grad": ("ValueError", "parameters[0]"),
