@@ -18,6 +18,8 @@ random batch, fp32, ``zero_grad(set_to_none=True)`` (torch's default), SGD:
 - ``reducer_hooks``, ``reducer_hooks_bucket_view``:
   ``DistributedGradReducer.register_hooks()``, without and with
   ``gradient_as_bucket_view``;
+- ``reducer_call``: after backward, ``DistributedGradReducer(params)`` called
+  on the gradients (MindSpore's way), its new tensors set as ``.grad``;
 - ``distributed_optimizer``: ``DistributedOptimizer`` around SGD.
 
 Each method gets its own model, warms up five steps, then the methods are
@@ -43,7 +45,7 @@ from . import common
 from .models import resnet50_for_size
 
 METHODS = ("no_communication", "ddp", "ddp_bucket_view", "ddp_allreduce_hook", "reducer_hooks",
-           "reducer_hooks_bucket_view", "distributed_optimizer")
+           "reducer_hooks_bucket_view", "reducer_call", "distributed_optimizer")
 BASELINE = "ddp"
 BUCKET_CAP_MB = 25.0
 WARMUP = 5
@@ -68,10 +70,15 @@ def _step(method: str, config: dict, device: torch.device, batch, labels) -> Cal
         optimizer = DistributedOptimizer(torch.optim.SGD(params, lr=0.01))
     if optimizer is None:
         optimizer = torch.optim.SGD(params, lr=0.01)
+    reducer = DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB) \
+        if method == "reducer_call" else None
 
     def step():
         optimizer.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(net(batch), labels).backward()
+        if reducer is not None:  # MindSpore's way: reduce after backward, new tensors back
+            for p, g in zip(params, reducer([p.grad for p in params])):
+                p.grad = g
         optimizer.step()
     return step
 
