@@ -6,10 +6,23 @@ every rank issues the same collectives in the same sequence whatever order
 its gradients arrive in). When backward ends, the remaining buckets start and
 every result is written into ``.grad``. ``DistributedGradReducer.register_hooks``
 attaches it; the reducer supplies how a bucket starts and finishes.
+
+A backward pass may run other backward passes inside it: a reentrant
+activation checkpoint (``torch.utils.checkpoint(..., use_reentrant=True)``)
+recomputes its segment and runs a backward of its own from inside the outer
+one, and the hooks of the parameters in that segment fire there. Each graph
+task that fires a hook gets an end callback; a task that ends inside another
+task's node (``torch._C._current_autograd_node()`` is set) hands the end of
+the pass on to that outer task through a post-hook on the node, so the pass
+ends, and the buckets are finished, once, when the outermost backward ends.
+A parameter used both inside and outside such a segment accumulates its
+gradient twice in one pass: its bucket is started again at the end (and,
+from then on, held until the end).
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
@@ -46,8 +59,17 @@ class BackwardOverlap:
         self._passes_per_sync = 1
         self._passes_since_sync = 0
         self._in_backward = False
-        self._backward_task: Optional[int] = None
+        # the graph tasks of this pass that have an end callback, and those
+        # callbacks while their tasks live (autograd drops a task's callbacks,
+        # and with them the last reference, when its backward raises)
+        self._tasks: set = set()
+        self._live_ends: "weakref.WeakSet[_TaskEnd]" = weakref.WeakSet()
         self._syncing = False
+        self._hold_first_pass = False
+        self._learned = False
+        self._fired: List[bool] = []
+        self._twice: set = set()  # slots whose gradient was accumulated twice in a pass
+        self._restart: set = set()  # started buckets a second accumulation made stale
         self._ready: List[int] = []
         self._next_launch = 0
         self._pending: List[PendingBucket] = []
@@ -57,9 +79,16 @@ class BackwardOverlap:
     def attached(self) -> bool:
         return bool(self._handles)
 
-    def attach(self, passes_per_sync: int) -> None:
-        """Hook every parameter; communicate on every ``passes_per_sync``-th backward."""
+    def attach(self, passes_per_sync: int, hold_first_pass: bool = False) -> None:
+        """Hook every parameter; communicate on every ``passes_per_sync``-th backward.
+
+        ``hold_first_pass``: start no bucket before the end of the first
+        communicating pass, which finds the parameters accumulated twice per
+        pass; for buckets whose buffer is the gradients themselves (bucket
+        views), where a second accumulation into a started bucket could not
+        be repaired."""
         self._passes_per_sync = passes_per_sync
+        self._hold_first_pass = hold_first_pass
         for slot, p in enumerate(self.parameters):
             self._handles.append(p.register_post_accumulate_grad_hook(
                 lambda param, slot=slot: self._on_grad_ready(slot)))
@@ -80,16 +109,60 @@ class BackwardOverlap:
 
     def _on_grad_ready(self, slot: int) -> None:
         task = _graph_task_id()
-        if self._in_backward and task != self._backward_task:
-            # the backward these hooks belonged to raised before its end
-            self._abandon_backward()
-        if not self._in_backward:
-            self._begin_backward(task)
+        if not self._in_backward or task not in self._tasks:
+            self._enter(task)
         if not self._syncing:
             return
         bucket_index, _ = self.plan.location[slot]
+        if self._fired[slot]:
+            # accumulated again in this pass (a reentrant checkpoint's segment
+            # and the outer graph both use it): a started bucket is stale
+            self._twice.add(slot)
+            if bucket_index < self._next_launch:
+                self._restart.add(bucket_index)
+            return
+        self._fired[slot] = True
         self._ready[bucket_index] -= 1
         self._launch_ready()
+
+    def _enter(self, task: Optional[int]) -> None:
+        """The first hook of graph task ``task`` in this pass, or of a pass."""
+        if self._in_backward and not self._live_ends:
+            # a task this pass has not seen, and none of its tasks runs: the
+            # backward these hooks belonged to raised before its end
+            self._abandon_backward()
+        if not self._in_backward:
+            self._begin_backward()
+        self._watch(task)
+
+    def _watch(self, task: Optional[int]) -> None:
+        """Give ``task`` (the running graph task) an end callback, once."""
+        if task in self._tasks:
+            return
+        self._tasks.add(task)
+        end = _TaskEnd(self)
+        self._live_ends.add(end)
+        torch.autograd.Variable._execution_engine.queue_callback(end)
+
+    def _task_ended(self) -> None:
+        if not self._in_backward:
+            return
+        node = _current_node()
+        if node is not None:
+            # this backward ran inside a node of an outer one: the pass ends
+            # with the outer task, which the node's post-hook reaches
+            resumed = []
+
+            def outer_resumes(grad_inputs, grad_outputs):
+                if not resumed and self._in_backward:
+                    resumed.append(True)
+                    self._watch(_graph_task_id())
+            try:
+                node.register_hook(outer_resumes)
+                return
+            except (AttributeError, RuntimeError):
+                pass  # a node that takes no hooks: end here, as without nesting
+        self._end_backward()
 
     def _abandon_backward(self) -> None:
         """Forget a backward pass that raised after some buckets started.
@@ -105,18 +178,24 @@ class BackwardOverlap:
         self._pending = []
         self._in_backward = False
 
-    def _begin_backward(self, task: Optional[int] = None) -> None:
-        self._backward_task = task
+    def _begin_backward(self) -> None:
+        self._tasks = set()
+        self._live_ends = weakref.WeakSet()
         self._in_backward = True
         self._syncing = self._sync_enabled and \
             (self._passes_since_sync + 1) % self._passes_per_sync == 0
         self.reduced = False
         if self._syncing:
             self._before_sync()
-            self._ready = [len(b.tensor_indices) for b in self.plan.buckets]
+            hold_all = self._hold_first_pass and not self._learned
+            # a held bucket never becomes ready: it starts when backward ends
+            self._ready = [len(b.tensor_indices) + int(
+                hold_all or (bool(self._twice) and not self._twice.isdisjoint(b.tensor_indices)))
+                for b in self.plan.buckets]
+            self._fired = [False] * len(self.parameters)
+            self._restart = set()
             self._next_launch = 0
             self._pending = []
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _all_grads(self) -> List[torch.Tensor]:
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]
@@ -147,10 +226,55 @@ class BackwardOverlap:
         for p in self.parameters:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if self._restart:
+            self._restart_stale()
+        self._learned = True
         self._finish(self._pending, [p.grad for p in self.parameters])
         self._pending = []
         self._passes_since_sync = 0
         self.reduced = True
+
+
+    def _restart_stale(self) -> None:
+        """Start again, in bucket order, the buckets started before a second
+        accumulation into one of their gradients (found only in a pass that
+        did not hold them)."""
+        if self._hold_first_pass:
+            for pending in self._pending:  # their buffers serve the next pass
+                wait_for(pending)
+            self._pending = []
+            shapes = [tuple(self.parameters[slot].shape) for slot in sorted(self._twice)]
+            raise RuntimeError(
+                f"the gradients of the parameters of shapes {shapes} were accumulated twice "
+                f"in one backward pass after their buckets had started (a parameter used inside "
+                f"and outside a reentrant activation checkpoint, first seen after the first "
+                f"step); with gradient_as_bucket_view=True this pass cannot be reduced exactly. "
+                f"Later passes hold those buckets until backward ends")
+        grads = self._all_grads()
+        for i, pending in enumerate(self._pending):
+            if pending.bucket.index in self._restart:
+                wait_for(pending)  # its buffer is filled again
+                self._pending[i] = self._start(pending.bucket.index, grads)
+
+
+class _TaskEnd:
+    """The end callback of one graph task of a pass; only autograd holds it,
+    so it lives exactly as long as its task."""
+
+    __slots__ = ("overlap", "__weakref__")
+
+    def __init__(self, overlap: BackwardOverlap) -> None:
+        self.overlap = overlap
+
+    def __call__(self) -> None:
+        self.overlap._task_ended()
+
+
+def _current_node():
+    """The autograd node this thread is evaluating (None outside one, or where
+    torch does not expose it)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current() if current is not None else None
 
 
 def _graph_task_id() -> Optional[int]:

@@ -310,7 +310,10 @@ class DistributedGradReducer:
                 self._buffers = self._new_buffers()
             self._views = BucketViews([self.parameters[i] for i in self._order], self.plan,
                                       self._buffers, self.backend)
-        self._overlap.attach(passes_per_sync)
+        # bucket views: a gradient accumulated twice in a pass (a reentrant
+        # checkpoint) would land in a bucket already on the wire, so the first
+        # pass finds such gradients before any bucket starts early
+        self._overlap.attach(passes_per_sync, hold_first_pass=gradient_as_bucket_view)
         return self
 
     def remove_hooks(self) -> None:

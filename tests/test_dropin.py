@@ -245,3 +245,161 @@ def test_ddp_logs_name_the_fusedreduce_hooks_and_they_pickle():
     for name in names:  # spawn-started workers receive the hook by pickle
         hook = getattr(hooks, name)
         assert pickle.loads(pickle.dumps(hook)) is hook
+
+
+# ------------------------------------------- activation checkpointing and torch.compile
+
+class _Blocks(nn.Module):
+    """Three blocks; ``variant`` says which are recomputed in backward:
+    ``"plain"`` checkpoints the middle one (recomputed inside the one backward),
+    the reentrant kinds run a backward of their own inside the outer one:
+    ``"reentrant"`` around the middle block (hooks fire in the outer backward,
+    then the inner one, then the outer again), ``"reentrant_last"`` around the
+    last block (the inner backward fires first), ``"reentrant_shared"`` around
+    the middle block, which is applied again outside it (its gradients are
+    accumulated twice in one pass)."""
+
+    def __init__(self, variant):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.middle, self.last = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.variant = variant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        middle = lambda t: torch.tanh(self.middle(t))  # noqa: E731
+        reentrant = self.variant.startswith("reentrant")
+        x = torch.tanh(self.first(x))
+        if self.variant in ("plain", "reentrant", "reentrant_shared"):
+            x = checkpoint(middle, x, use_reentrant=reentrant)
+        else:
+            x = middle(x)
+        if self.variant == "reentrant_shared":
+            x = middle(x)
+        if self.variant == "reentrant_last":
+            return checkpoint(self.last, x, use_reentrant=True)
+        return self.last(x)
+
+
+def _variant_model(variant):
+    model = _Blocks(variant)
+    # aot_eager traces forward and backward into graphs without generating
+    # code: the reference model compiled the same way computes the same bits
+    return model, (torch.compile(model, backend="aot_eager") if variant == "compiled" else model)
+
+
+def _reduce_in_training_code(rank, world_size, api, passes):
+    from harness import record_collectives
+    events = []
+    record_collectives(events)
+    return {variant: _train_variant(rank, world_size, variant, api, passes, events)
+            for variant in VARIANTS}
+
+
+def _train_variant(rank, world_size, variant, api, passes, events):
+    from fusedreduce import DistributedGradReducer
+    model, run = _variant_model(variant)
+    reference, run_reference = _variant_model(variant)
+    params = list(model.parameters())
+    if api == "distributed_optimizer":
+        opt = DistributedOptimizer(torch.optim.SGD(params, lr=0.1), param_pack_thd=64,
+                                   backward_passes_per_step=passes)
+    else:
+        DistributedGradReducer(params, bucket_cap_mb=1 / 2 ** 14).register_hooks(
+            passes, gradient_as_bucket_view=api == "reducer_bucket_view")
+        opt = torch.optim.SGD(params, lr=0.1)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    mismatches, all_reduces = [], []
+    for step in range(3):
+        opt.zero_grad()
+        reference_opt.zero_grad()
+        for micro in range(passes):
+            x, y = _batch(rank, 10 * step + micro)
+            x.requires_grad_()  # reentrant checkpointing needs an input that requires grad
+            events.clear()
+            ((run(x) - y) ** 2).sum().backward()
+            all_reduces.append(events.count("all_reduce"))
+            ((run_reference(x) - y) ** 2).sum().backward()
+        for p in reference.parameters():  # the reference: all_reduce, then the mean
+            dist.all_reduce(p.grad)
+            p.grad /= world_size  # a power of two: the same bits as the reducer's postscale
+        mismatches += [(step, i) for i, (p, q) in enumerate(zip(params, reference.parameters()))
+                       if not torch.equal(_bytes(p.grad), _bytes(q.grad))]
+        opt.step()
+        reference_opt.step()
+    return mismatches, all_reduces, [_bytes(p) for p in params]
+
+
+VARIANTS = ("plain", "reentrant", "reentrant_last", "reentrant_shared", "compiled")
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+@pytest.mark.parametrize("api,passes", [("reducer", 1), ("reducer", 2),
+                                        ("reducer_bucket_view", 1),
+                                        ("distributed_optimizer", 1)])
+def test_activation_checkpointing_and_torch_compile_reduce_as_an_all_reduce(api, passes):
+    # the hooks fire inside checkpointing's recomputation (for the reentrant
+    # kind, inside a backward that ends before the outer one) and in a
+    # compiled backward; every gradient must be reduced exactly once a step,
+    # with one all_reduce per bucket, and accumulation passes stay local
+    buckets = 6  # one per parameter at these caps
+    by_rank = run_ranks(_reduce_in_training_code, 2, api, passes, timeout=2 * TIMEOUT)
+    for variant in VARIANTS:
+        results = [ranks_results[variant] for ranks_results in by_rank]
+        for mismatches, all_reduces, _ in results:
+            assert mismatches == [], (variant, mismatches)
+            expected = ([0] * (passes - 1) + [buckets]) * 3
+            expected[passes - 1] += 1  # the first reduction checks the ranks' plans
+            if variant == "reentrant_shared" and api != "reducer_bucket_view":
+                # the first pass finds the middle block's two accumulations
+                # after their buckets started, and starts those again
+                expected[passes - 1] += 2
+            assert all_reduces == expected, (variant, all_reduces)
+        assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2])), variant
+
+
+def _shared_from_the_second_step(rank, world_size, bucket_view):
+    """The middle block is also used outside its reentrant checkpoint from the
+    second step on: a gradient accumulated twice that the first pass did not see."""
+    from harness import outcomes, record_collectives
+    from fusedreduce import DistributedGradReducer
+    model, reference = _Blocks("reentrant"), _Blocks("reentrant")
+    params = list(model.parameters())
+    DistributedGradReducer(params, bucket_cap_mb=1 / 2 ** 14).register_hooks(
+        gradient_as_bucket_view=bucket_view)
+    events, steps = [], []
+    record_collectives(events)
+    for step in range(3):
+        model.variant = reference.variant = "reentrant" if step == 0 else "reentrant_shared"
+        for m in (model, reference):
+            m.zero_grad()
+        x, y = _batch(rank, step)
+        x.requires_grad_()
+        events.clear()
+        raised = outcomes({"backward": lambda: ((model(x) - y) ** 2).sum().backward()})
+        all_reduces = events.count("all_reduce")
+        ((reference(x) - y) ** 2).sum().backward()
+        for p in reference.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+        same = [torch.equal(_bytes(p.grad), _bytes(q.grad))
+                for p, q in zip(params, reference.parameters())]
+        steps.append((raised["backward"], all_reduces, same))
+    return steps
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_a_gradient_accumulated_twice_only_from_a_later_step_on(bucket_view):
+    for steps in run_ranks(_shared_from_the_second_step, 2, bucket_view):
+        (error0, count0, same0), (error1, count1, same1), (error2, count2, same2) = steps
+        assert error0 is None and all(same0) and count0 == 6 + 1  # + the plan check
+        if bucket_view:
+            # the middle block's buckets were on the wire when the second
+            # accumulation landed in them: refused, saying why
+            assert error1 is not None and error1[0] == "RuntimeError", error1
+            assert "accumulated twice" in error1[1] and "gradient_as_bucket_view" in error1[1]
+        else:  # started again at the end: exact, two all-reduces more
+            assert error1 is None and all(same1) and count1 == 6 + 2, steps[1]
+        # from then on those buckets wait for the end of backward
+        assert error2 is None and all(same2) and count2 == 6, steps[2]
