@@ -98,6 +98,8 @@ class BucketViews:
                     continue
                 if grad is None:
                     view.zero_()
+                    if not p.requires_grad:
+                        continue  # frozen: contributes zeros, keeps no gradient
                 else:
                     view.copy_(grad)
                 p.grad = view

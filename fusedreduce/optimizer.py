@@ -15,6 +15,8 @@ the original.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ._checks import check_int
@@ -50,6 +52,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     returns every ``.grad`` holds the reduced gradient, bitwise identical on
     all ranks (so a GradScaler sees the same infs everywhere and skips the same
     steps). ``step()`` then runs the wrapped optimizer.
+
+    The trained set may change between steps: ``add_param_group`` adds to
+    the reduction (and broadcasts the new parameters unless ``bcast_period``
+    is -1), and parameters frozen or unfrozen with ``requires_grad_`` are
+    followed at the next ``step()`` (see ``add_param_group`` and ``step``).
 
     Args:
         optimizer: any ``torch.optim.Optimizer``.
@@ -106,16 +113,92 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.reduce_method = reduce_method
         self.bcast_period = bcast_period
         self.backward_passes_per_step = backward_passes_per_step
-        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         # param_pack=False: a one-byte cap puts every gradient in its own bucket
         cap_bytes = param_pack_thd if param_pack else 1
-        self.reducer = DistributedGradReducer(
-            params, mean=reduce_method == "mean", group=group, bucket_cap_mb=cap_bytes / 2 ** 20,
-            reduce_dtype=reduce_dtype).register_hooks(
-                backward_passes_per_step, gradient_as_bucket_view=gradient_as_bucket_view)
+        self._reducer_args = dict(mean=reduce_method == "mean", group=group,
+                                  bucket_cap_mb=cap_bytes / 2 ** 20, reduce_dtype=reduce_dtype)
+        self._gradient_as_bucket_view = gradient_as_bucket_view
+        self._trainable = self._trainable_now()
+        self.reducer = self._hooked_reducer()
         self._steps = 0
         if bcast_period != -1:
             self.broadcast_parameters()
+
+    # ------------------------------------------- which parameters are reduced
+    def _all_params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _trainable_now(self):
+        return [p for p in self._all_params() if p.requires_grad]
+
+    def _hooked_reducer(self) -> DistributedGradReducer:
+        return DistributedGradReducer(self._trainable, **self._reducer_args).register_hooks(
+            self.backward_passes_per_step, gradient_as_bucket_view=self._gradient_as_bucket_view)
+
+    def _check_between_steps(self, what: str) -> None:
+        if self.reducer.accumulated_passes or not self.reducer.syncing:
+            raise RuntimeError(
+                f"{what} between the backward passes of one step (inside no_sync() or before "
+                f"the last of backward_passes_per_step={self.backward_passes_per_step}): the "
+                f"gradients accumulated so far would not be reduced alike; do it after step()")
+
+    def _rehook(self) -> None:
+        """Reduce ``self._trainable`` from the next backward on (a new reducer;
+        the old one's hooks are removed)."""
+        reduced = self.reducer.reduced
+        self.reducer.remove_hooks()
+        self.reducer = self._hooked_reducer()
+        if reduced:
+            self.reducer.mark_reduced()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``, and the group's trainable
+        parameters join the reduction from the next backward on. Every rank
+        must call it alike (it is collective): unless ``bcast_period`` is
+        -1, the new parameters are broadcast from rank 0 at once, as the
+        others were when the optimizer was wrapped.
+
+        Raises:
+            RuntimeError: called between the backward passes of one step
+                (inside ``no_sync()``, or before the last of
+                ``backward_passes_per_step``); nothing is changed.
+            The errors of ``torch.optim.Optimizer.add_param_group``.
+
+        Example:
+            >>> opt.add_param_group({"params": head.parameters(), "lr": 1e-3})  # doctest: +SKIP
+        """
+        if getattr(self, "reducer", None) is None:  # torch.optim.Optimizer's own construction
+            super().add_param_group(param_group)
+            return
+        self._check_between_steps("add_param_group() called")
+        super().add_param_group(param_group)
+        added = self.param_groups[-1]["params"]
+        self._trainable = self._trainable_now()
+        self._rehook()
+        if self.bcast_period != -1 and added:
+            with torch.no_grad():
+                first = len(self._all_params()) - len(added)
+                broadcast_tensors([p.data for p in added], 0, group=self.group,
+                                  names=[f"parameters[{first + i}]" for i in range(len(added))])
+
+    def _follow_requires_grad(self) -> None:
+        """Parameters frozen or unfrozen since the last step: reduce the
+        gradients of newly trainable ones that the hooks did not see (this
+        step's), and hook the new set from the next backward on."""
+        now = self._trainable_now()
+        if len(now) == len(self._trainable) and all(map(operator.is_, now, self._trainable)):
+            return
+        self._check_between_steps("parameters were frozen or unfrozen")
+        hooked = {id(p) for p in self._trainable}
+        unseen = [p for p in now if id(p) not in hooked]
+        self._trainable = now
+        self._rehook()
+        if unseen and self.reducer.reduced:
+            # the backward of this step ran with the old hooks: reduce these now
+            once = DistributedGradReducer(unseen, **self._reducer_args)
+            grads = once([p.grad if p.grad is not None else torch.zeros_like(p) for p in unseen])
+            for p, g in zip(unseen, grads):
+                p.grad = g
 
     def broadcast_parameters(self, src: int = 0) -> None:
         """Copy rank ``src``'s parameters to every rank (fused, bitwise exact)."""
@@ -138,16 +221,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         pass (the others ran before ``step``), as Lightning's gradient
         accumulation does it.
 
+        Parameters frozen or unfrozen since the last step are followed
+        first: the gradients a newly unfrozen parameter got in this step's
+        backward (which ran before the optimizer knew) are reduced here, and
+        from the next backward on the hooks cover exactly the trainable
+        parameters; a frozen parameter without gradient keeps none.
+
         Raises:
             RuntimeError: the gradients were not reduced: ``step()`` (or the
                 closure's backward) came after a backward pass that only
-                accumulated (``backward_passes_per_step`` > 1, or ``no_sync()``).
+                accumulated (``backward_passes_per_step`` > 1, or ``no_sync()``);
+                or parameters were frozen or unfrozen between the backward
+                passes of one step.
 
         Example:
             >>> def closure():                                   # doctest: +SKIP
             ...     opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); return loss
             >>> loss = opt.step(closure)                          # doctest: +SKIP
         """
+        self._follow_requires_grad()
         if closure is None:
             self._check_reduced()
             loss = super().step()

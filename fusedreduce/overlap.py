@@ -76,6 +76,14 @@ class BackwardOverlap:
         self.reduced = False
 
     @property
+    def passes_since_sync(self) -> int:
+        return self._passes_since_sync
+
+    @property
+    def sync_enabled(self) -> bool:
+        return self._sync_enabled
+
+    @property
     def attached(self) -> bool:
         return bool(self._handles)
 
@@ -223,13 +231,20 @@ class BackwardOverlap:
             self._passes_since_sync += 1
             return
         self._launch_ready(everything=True)
+        outputs = []
         for p in self.parameters:
             if p.grad is None:
+                if not p.requires_grad:
+                    # frozen since the hooks were set: it contributes zeros and
+                    # keeps no gradient, so optimizers skip it as they would
+                    outputs.append(torch.zeros_like(p))
+                    continue
                 p.grad = torch.zeros_like(p)
+            outputs.append(p.grad)
         if self._restart:
             self._restart_stale()
         self._learned = True
-        self._finish(self._pending, [p.grad for p in self.parameters])
+        self._finish(self._pending, outputs)
         self._pending = []
         self._passes_since_sync = 0
         self.reduced = True

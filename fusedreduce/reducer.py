@@ -333,6 +333,20 @@ class DistributedGradReducer:
         """Whether ``.grad`` holds reduced gradients not yet ``consume``d."""
         return self._overlap.reduced
 
+    @property
+    def accumulated_passes(self) -> int:
+        """Backward passes accumulated locally since the last reduction."""
+        return self._overlap.passes_since_sync
+
+    @property
+    def syncing(self) -> bool:
+        """False inside ``no_sync()``."""
+        return self._overlap.sync_enabled
+
+    def mark_reduced(self) -> None:
+        """Declare ``.grad`` reduced (it was, by another reducer)."""
+        self._overlap.reduced = True
+
     def consume(self) -> None:
         """Mark the reduced gradients as used (an optimizer step took them)."""
         self._overlap.reduced = False

@@ -440,3 +440,86 @@ def test_a_differently_shaped_parameter_on_one_rank_is_a_runtime_error_on_every_
                          timeout=CRASH_TIMEOUT)
     assert all(e is not None and e[0] == "RuntimeError" and "parameters[0]" in e[1]
                for e in errors), errors
+
+
+# ------------------------------------- parameter groups added, parameters (un)frozen
+def _changing_parameters(rank, world_size, bucket_view):
+    """Six steps of SGD with momentum on a model whose trained set changes:
+    the last layer joins through ``add_param_group`` before step 2 (perturbed
+    on rank 1 first: the broadcast must undo it), the first layer is frozen
+    for steps 3 and 4 and unfrozen for step 5. The reference: the same model
+    and schedule with plain SGD and an all-reduce of its gradients."""
+    model, reference = _mlp(torch.float32), _mlp(torch.float32)
+    first, middle, last = ([*model[i].parameters()] for i in (0, 2, 4))
+    ref_first, ref_middle, ref_last = ([*reference[i].parameters()] for i in (0, 2, 4))
+    opt = DistributedOptimizer(torch.optim.SGD(first + middle, lr=0.05, momentum=0.9),
+                               gradient_as_bucket_view=bucket_view)
+    ref_opt = torch.optim.SGD(ref_first + ref_middle, lr=0.05, momentum=0.9)
+    seen = []
+    for step in range(6):
+        if step == 2:
+            if rank == 1:
+                _perturb(model[4])
+            opt.add_param_group({"params": last, "lr": 0.02})
+            ref_opt.add_param_group({"params": ref_last, "lr": 0.02})
+        frozen = step in (3, 4)
+        for p in first + ref_first:
+            p.requires_grad_(not frozen)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        x, y = _shard(rank, world_size, step, torch.float32)
+        _loss(model, x, y, "mean").backward()
+        _loss(reference, x, y, "mean").backward()
+        for group in ref_opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world_size  # a power of two: the reducer's bits
+        frozen_grads = [p.grad is None for p in first]
+        opt.step()
+        ref_opt.step()
+        seen.append((frozen_grads, [torch.equal(a, b) for a, b in
+                                    zip(_params(model), _params(reference))], _params(model)))
+    return seen
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_added_groups_and_frozen_or_unfrozen_parameters_are_reduced_as_torch_would(bucket_view):
+    ranks = run_ranks(_changing_parameters, 2, bucket_view)
+    for seen in ranks:
+        for step, (no_grad, same, _) in enumerate(seen):
+            assert all(same), (step, same)  # every step matches the reference bitwise
+            # a frozen layer gets no gradient, so SGD skips it (momentum too)
+            assert no_grad == [step in (3, 4)] * 2, (step, no_grad)
+    for (_, _, p0), (_, _, p1) in zip(*ranks):
+        assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+
+
+def _changed_between_passes(rank, world_size):
+    model = _mlp(torch.float32)
+    params = list(model.parameters())
+    opt = DistributedOptimizer(torch.optim.SGD(params[:4], lr=0.05),
+                               backward_passes_per_step=2)
+    x, y = _shard(rank, world_size, 0, torch.float32)
+    _loss(model, x, y, "mean").backward()  # the first of two passes: accumulated locally
+    seen = {}
+    try:
+        opt.add_param_group({"params": params[4:]})
+    except RuntimeError as exc:
+        seen["between passes"] = str(exc)
+    with opt.no_sync():
+        try:
+            opt.add_param_group({"params": params[4:]})
+        except RuntimeError as exc:
+            seen["inside no_sync"] = str(exc)
+    seen["groups"] = len(opt.param_groups)
+    return seen
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_adding_a_group_between_the_passes_of_a_step_is_refused_and_changes_nothing():
+    for seen in run_ranks(_changed_between_passes, 2):
+        assert "between the backward passes of one step" in seen["between passes"]
+        assert "no_sync" in seen["inside no_sync"]
+        assert seen["groups"] == 1
