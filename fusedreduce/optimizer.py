@@ -202,7 +202,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def broadcast_parameters(self, src: int = 0) -> None:
         """Copy rank ``src``'s parameters to every rank (fused, bitwise exact)."""
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = self._all_params()
         with torch.no_grad():
             # verified first: a rank with a differently shaped parameter gets a
             # RuntimeError naming it (on every rank), not a crashed broadcast
@@ -257,7 +257,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _check_reduced(self) -> None:
-        has_grads = any(p.grad is not None for g in self.param_groups for p in g["params"])
+        has_grads = any(p.grad is not None for p in self._all_params())
         if has_grads and not self.reducer.reduced:
             raise RuntimeError(
                 "step() called on gradients that were not reduced across ranks: call it "

@@ -198,15 +198,12 @@ class BackwardOverlap:
             hold_all = self._hold_first_pass and not self._learned
             # a held bucket never becomes ready: it starts when backward ends
             self._ready = [len(b.tensor_indices) + int(
-                hold_all or (bool(self._twice) and not self._twice.isdisjoint(b.tensor_indices)))
+                hold_all or not self._twice.isdisjoint(b.tensor_indices))
                 for b in self.plan.buckets]
             self._fired = [False] * len(self.parameters)
             self._restart = set()
             self._next_launch = 0
             self._pending = []
-
-    def _all_grads(self) -> List[torch.Tensor]:
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]
 
     def _grads_of(self, bucket) -> List[Optional[torch.Tensor]]:
         grads: List[Optional[torch.Tensor]] = [None] * len(self.parameters)
@@ -214,10 +211,12 @@ class BackwardOverlap:
             grads[slot] = self.parameters[slot].grad
         return grads
 
-    def _launch_ready(self, everything: bool = False) -> None:
+    def _launch_ready(self, all_grads: Optional[List[torch.Tensor]] = None) -> None:
+        """Start the ready buckets; with ``all_grads`` (every gradient, plan
+        order), every bucket not started yet."""
         # strictly in bucket order, so every rank issues the same collectives
         # in the same sequence whatever order its gradients arrive in
-        all_grads = self._all_grads() if everything else None
+        everything = all_grads is not None
         while self._next_launch < len(self.plan.buckets) and \
                 (everything or self._ready[self._next_launch] == 0):
             bucket = self.plan.buckets[self._next_launch]
@@ -230,27 +229,26 @@ class BackwardOverlap:
         if not self._syncing:
             self._passes_since_sync += 1
             return
-        self._launch_ready(everything=True)
-        outputs = []
+        grads = []  # what each bucket sends and receives, plan order
         for p in self.parameters:
             if p.grad is None:
                 if not p.requires_grad:
                     # frozen since the hooks were set: it contributes zeros and
                     # keeps no gradient, so optimizers skip it as they would
-                    outputs.append(torch.zeros_like(p))
+                    grads.append(torch.zeros_like(p))
                     continue
                 p.grad = torch.zeros_like(p)
-            outputs.append(p.grad)
+            grads.append(p.grad)
+        self._launch_ready(grads)
         if self._restart:
-            self._restart_stale()
+            self._restart_stale(grads)
         self._learned = True
-        self._finish(self._pending, outputs)
+        self._finish(self._pending, grads)
         self._pending = []
         self._passes_since_sync = 0
         self.reduced = True
 
-
-    def _restart_stale(self) -> None:
+    def _restart_stale(self, grads: List[torch.Tensor]) -> None:
         """Start again, in bucket order, the buckets started before a second
         accumulation into one of their gradients (found only in a pass that
         did not hold them)."""
@@ -265,7 +263,6 @@ class BackwardOverlap:
                 f"and outside a reentrant activation checkpoint, first seen after the first "
                 f"step); with gradient_as_bucket_view=True this pass cannot be reduced exactly. "
                 f"Later passes hold those buckets until backward ends")
-        grads = self._all_grads()
         for i, pending in enumerate(self._pending):
             if pending.bucket.index in self._restart:
                 wait_for(pending)  # its buffer is filled again
