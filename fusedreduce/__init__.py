@@ -3,7 +3,7 @@
 Gradients are gathered from many tensors into a few flat buffers by fused
 kernels (``fusedreduce.kernels``), reduced with one ``torch.distributed``
 collective per buffer, and scattered back, cast and scaled in the same pass.
-The README's "Architecture" section maps the modules.
+docs/architecture.md maps the modules.
 """
 from . import hooks, kernels
 from .adasum import adasum_allreduce, adasum_allreduce_flat
@@ -31,4 +31,6 @@ __all__ = [
     "kernels",
     "parameter_broadcast",
 ]
+# the one place the version is written: pyproject.toml reads it from here (a
+# literal, so setuptools reads it from the source without importing the package)
 __version__ = "0.1.0"

@@ -64,7 +64,7 @@ class Backend:
 TORCH = Backend.of("torch", _flatten_torch, _adasum_torch)
 
 #: the oldest Triton the kernels run on (torch 2.6's CUDA build pins 3.2.0);
-#: pyproject.toml states the same floor, the README the versions tested
+#: pyproject.toml states the same floor, docs/guides/gpu.md the versions tested
 MIN_TRITON = (3, 2)
 #: the newest Triton the test matrix (``.ci/triton-matrix``) has run
 NEWEST_TESTED_TRITON = (3, 9)
@@ -88,7 +88,7 @@ def parse_version(text: str) -> Tuple[int, ...]:
 def triton_version_problem(version: str) -> Optional[str]:
     """Why Triton ``version`` cannot run the kernels, or None when it can.
 
-    Example:
+    Examples:
         >>> triton_version_problem("3.1.0") is not None
         True
         >>> triton_version_problem("3.6.0") is None
@@ -102,7 +102,7 @@ def triton_version_problem(version: str) -> Optional[str]:
     if release[:2] < MIN_TRITON:
         return (f"Triton {version} is installed but fusedreduce's kernels need triton>={floor} "
                 f"(torch>=2.6's CUDA builds ship one): upgrade torch, or `pip install "
-                f"'triton>={floor}'` where your torch allows it; the torch fallback "
+                f"\"triton>={floor}\"` where your torch allows it; the torch fallback "
                 f"(backend='torch') works without it")
     return None
 
@@ -118,7 +118,8 @@ def triton_backend() -> Optional[Backend]:
             import triton
         except Exception as exc:  # noqa: BLE001 (missing, or broken on import)
             _triton_error = ImportError(f"Triton cannot be imported ({type(exc).__name__}: "
-                                        f"{exc}); install it with `pip install triton`")
+                                        f"{exc}); install it with `pip install "
+                                        f"\"triton>={_dotted(MIN_TRITON)}\"`")
             return None
         problem = triton_version_problem(getattr(triton, "__version__", "unknown"))
         if problem is not None:
@@ -144,7 +145,7 @@ def _dotted(release: Tuple[int, ...]) -> str:
 def triton_unavailable_reason() -> Optional[str]:
     """Why the Triton backend cannot be used here, or None when it can.
 
-    Example:
+    Examples:
         >>> reason = triton_unavailable_reason()
         >>> reason is None or isinstance(reason, str)
         True
@@ -156,7 +157,7 @@ def triton_unavailable_reason() -> Optional[str]:
 def triton_available() -> bool:
     """Whether the Triton backend can be imported here.
 
-    Example:
+    Examples:
         >>> isinstance(triton_available(), bool)
         True
     """
@@ -174,7 +175,7 @@ def check_backend(backend) -> str:
     Raises:
         ValueError: any other value.
 
-    Example:
+    Examples:
         >>> check_backend("auto")
         'auto'
     """
@@ -212,7 +213,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             but cannot be imported, or ``"triton"`` was asked for on a CPU
             without the interpreter.
 
-    Example:
+    Examples:
         >>> resolve_backend("auto", torch.device("cpu"))
         'torch'
     """
