@@ -34,6 +34,17 @@ def check_prescale(prescale) -> Optional[float]:
     return prescale
 
 
+def check_instance(value, name: str, kind: type, wanted: str, hint: str = "") -> None:
+    """``value`` is a ``kind`` (``wanted`` spells it for the user, ``hint``
+    says what to do instead).
+
+    Raises:
+        TypeError: anything else, naming ``name`` and what it got.
+    """
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be {wanted}, got {type(value).__name__}{hint}")
+
+
 def tensor_list(value, name: str) -> list:
     """``value`` (any iterable of tensors but a tensor itself) as a list.
 

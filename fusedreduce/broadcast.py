@@ -10,19 +10,21 @@ optimizer has no state yet (nothing stepped) receive the source's full state.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import kernels
-from ._checks import tensor_list
+from ._checks import check_instance, tensor_list
 from .buckets import BucketPlan
 from .process_group import (check_rank, comm_device, global_rank, require_process_group,
                             verify_same_on_all_ranks)
 
 
-def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *, group=None,
+def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *,
+                      group: Optional[dist.ProcessGroup] = None,
                       bucket_cap_mb: float = 25.0, backend: str = "auto",
                       verify: bool = True, names: Optional[Sequence[str]] = None) -> None:
     """Make every rank's ``tensors`` bitwise equal to rank ``src``'s, in place.
@@ -81,7 +83,7 @@ def parameter_broadcast(
     initial_rank: int = 0,
     *,
     src: Optional[int] = None,
-    group=None,
+    group: Optional[dist.ProcessGroup] = None,
     buffers: bool = True,
     bucket_cap_mb: float = 25.0,
 ) -> None:
@@ -105,6 +107,9 @@ def parameter_broadcast(
         bucket_cap_mb: the byte cap of a fused bucket, in MiB.
 
     Raises:
+        TypeError: ``module`` is not a ``torch.nn.Module`` (a list of tensors
+            goes to ``broadcast_tensors``); ``layout`` is a string or not
+            iterable. Raised first, even without a process group.
         RuntimeError: torch.distributed is not initialised; the ranks' modules
             differ in their parameters' (or buffers') names order, shapes or
             dtypes, or ``bucket_cap_mb`` differs (raised on every rank, naming
@@ -113,13 +118,20 @@ def parameter_broadcast(
             or ``src`` is not a rank of ``group``; a ``layout`` name is not in
             ``module.named_parameters()``. Raised before any communication.
 
-    Example:
+    Examples:
         >>> parameter_broadcast(model)            # rank 0's weights everywhere  # doctest: +SKIP
     """
+    check_instance(module, "module", torch.nn.Module, "a torch.nn.Module",
+                   hint="; for tensors (a list, model.parameters()) use "
+                        "fusedreduce.broadcast_tensors(tensors, src)")
+    if layout is not None and (isinstance(layout, (str, torch.Tensor))
+                               or not isinstance(layout, Iterable)):
+        raise TypeError(f"layout must be a dict keyed by parameter name, got "
+                        f"{type(layout).__name__}")
     world_size = require_process_group(group)
     rank = dist.get_rank(group)
     if cur_rank is not None and cur_rank != rank:
-        raise ValueError(f"cur_rank={cur_rank} is not this process's rank ({rank})")
+        raise ValueError(f"cur_rank={cur_rank!r} is not this process's rank ({rank})")
     for name, value in (("initial_rank", initial_rank), ("src", src)):
         if value is not None:
             check_rank(value, name, world_size)
@@ -140,7 +152,8 @@ def parameter_broadcast(
                           bucket_cap_mb=bucket_cap_mb, names=[n for n, _ in chosen])
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0, group=None) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0,
+                              group: Optional[dist.ProcessGroup] = None) -> None:
     """Give every rank rank ``src``'s optimizer state and hyperparameters.
 
     The state's tensors are fused per dtype (one broadcast per bucket), the
@@ -149,13 +162,17 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0, gr
     source's full state, loaded with ``optimizer.load_state_dict``.
 
     Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (its
+            parameters or ``param_groups``, say). Raised first, even without a
+            process group.
         RuntimeError: torch.distributed is not initialised.
         ValueError: ``src`` is not a rank of the group; the ranks' optimizers
             differ in parameter groups (raised on every rank).
 
-    Example:
+    Examples:
         >>> broadcast_optimizer_state(optimizer, src=0)          # doctest: +SKIP
     """
+    check_instance(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
     world_size = require_process_group(group)
     check_rank(src, "src", world_size)
     rank = dist.get_rank(group)

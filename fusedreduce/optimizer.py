@@ -16,10 +16,12 @@ the original.
 from __future__ import annotations
 
 import operator
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 
-from ._checks import check_int
+from ._checks import check_instance, check_int
 from .adasum import adasum_allreduce, check_local_size
 from .broadcast import broadcast_tensors
 from .process_group import require_process_group
@@ -28,9 +30,7 @@ from .reducer import DistributedGradReducer
 
 def _instance_of_both(wrapper: type, optimizer) -> object:
     """A bare instance of a class deriving from ``wrapper`` and ``optimizer``'s class."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
+    check_instance(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
     base = type(optimizer)
     if issubclass(base, (DistributedOptimizer, AdaSumByDeltaWeight)):
         raise TypeError(f"optimizer is already wrapped ({base.__name__})")
@@ -81,7 +81,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
         RuntimeError: torch.distributed is not initialised.
 
-    Example:
+    Examples:
         >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # doctest: +SKIP
         >>> loss.backward(); opt.step(); opt.zero_grad()          # doctest: +SKIP
     """
@@ -93,7 +93,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         reduce_method: str = "mean",
-        group=None,
+        group: Optional[dist.ProcessGroup] = None,
         bcast_period: int = 0,
         param_pack: bool = True,
         param_pack_thd: int = 10 * 1024 * 1024,
@@ -162,9 +162,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             RuntimeError: called between the backward passes of one step
                 (inside ``no_sync()``, or before the last of
                 ``backward_passes_per_step``); nothing is changed.
-            The errors of ``torch.optim.Optimizer.add_param_group``.
+            TypeError, ValueError: as ``torch.optim.Optimizer.add_param_group``
+                raises them.
 
-        Example:
+        Examples:
             >>> opt.add_param_group({"params": head.parameters(), "lr": 1e-3})  # doctest: +SKIP
         """
         if getattr(self, "reducer", None) is None:  # torch.optim.Optimizer's own construction
@@ -234,7 +235,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 or parameters were frozen or unfrozen between the backward
                 passes of one step.
 
-        Example:
+        Examples:
             >>> def closure():                                   # doctest: +SKIP
             ...     opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); return loss
             >>> loss = opt.step(closure)                          # doctest: +SKIP
@@ -296,7 +297,7 @@ class AdaSumByDeltaWeight(torch.optim.Optimizer):
         ValueError: ``local_size`` does not divide the world size.
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
 
-    Example:
+    Examples:
         >>> opt = AdaSumByDeltaWeight(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))  # doctest: +SKIP
         >>> loss.backward(); opt.step(); opt.zero_grad()   # doctest: +SKIP
     """
@@ -304,7 +305,8 @@ class AdaSumByDeltaWeight(torch.optim.Optimizer):
     def __new__(cls, optimizer: torch.optim.Optimizer, *args, **kwargs):
         return _instance_of_both(cls, optimizer)
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group=None, *, local_size: int = 1,
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 group: Optional[dist.ProcessGroup] = None, *, local_size: int = 1,
                  bucket_cap_mb: float = 25.0) -> None:
         world_size = require_process_group(group)
         check_local_size(local_size, world_size)

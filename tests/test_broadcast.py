@@ -153,6 +153,35 @@ def test_without_a_process_group_the_errors_say_how_to_start_one():
         broadcast_optimizer_state(optimizer)
 
 
+def test_what_is_not_a_module_or_an_optimizer_is_a_type_error_before_any_communication():
+    # the type checks come first: no process group needed, none started, and
+    # nothing passed in is touched
+    assert not dist.is_initialized()
+    module = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    params = list(module.parameters())
+    before = [p.detach().clone() for p in params]
+    not_modules = {"a list of tensors": params, "model.parameters()": module.parameters(),
+                   "a state_dict": module.state_dict(), "None": None, "a tensor": params[0]}
+    for what, value in not_modules.items():
+        with pytest.raises(TypeError, match=r"module must be a torch\.nn\.Module.*"
+                                            r"broadcast_tensors") as raised:
+            parameter_broadcast(value)
+        assert type(value).__name__ in str(raised.value), what
+    for layout in ("weight", 3, params[0]):  # a string, an int, a tensor
+        with pytest.raises(TypeError, match="layout must be a dict keyed by parameter name"):
+            parameter_broadcast(module, layout=layout)
+    not_optimizers = {"a list of parameters": params, "param_groups": optimizer.param_groups,
+                      "a state_dict": optimizer.state_dict(), "None": None, "a module": module}
+    for value in not_optimizers.values():
+        with pytest.raises(TypeError, match=f"optimizer must be a torch.optim.Optimizer, got "
+                                            f"{type(value).__name__}"):
+            broadcast_optimizer_state(value)
+    assert not dist.is_initialized()
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+    assert not optimizer.state
+
+
 def _bad_arguments(rank, world_size):
     module = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
