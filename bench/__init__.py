@@ -3,6 +3,6 @@
 Installed as ``fusedreduce.bench`` with the console script ``fusedreduce-bench``
 (``python -m bench`` from a checkout); ``bench/cli.py`` is the command line.
 Every command prints aligned tables and, with ``--json PATH``, writes
-``{"machine", "config", "results"}`` (the schema is in the README,
-"Benchmarks"); ``--plot PATH.png`` draws GB/s against size.
+``{"machine", "config", "results"}`` (the schema is in docs/benchmarks/index.md,
+"The JSON"); ``--plot PATH.png`` draws GB/s against size.
 """

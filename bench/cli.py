@@ -84,7 +84,7 @@ def build_parser(prog: str = "fusedreduce-bench") -> argparse.ArgumentParser:
     options.add_argument("--json", metavar="PATH", help="write machine, config and results here")
     options.add_argument("--plot", metavar="PATH.png",
                          help="write a PNG of GB/s against size per method (needs "
-                              "matplotlib: pip install \"fusedreduce[bench]\")")
+                              "matplotlib: pip install matplotlib)")
     options.add_argument("--no-progress", action="store_true",
                          help="no progress bar or per-case lines on stderr")
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,

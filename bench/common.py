@@ -67,7 +67,7 @@ def format_count(n: int) -> str:
 def result(benchmark: str, case: str, size: int, method: str, role: str, baseline: str,
            world_size: int, n_tensors: int, n_elements: int, nbytes: int,
            samples: Mapping[str, Sequence[float]], **extra) -> dict:
-    """One result record in the JSON's schema (README, "Benchmarks").
+    """One result record in the JSON's schema (docs/benchmarks/index.md, "The JSON").
 
     ``samples`` holds every method's times in ms from the same run; the
     record's ``time_ms`` is the median of ``samples[method]``, ``gbps`` is

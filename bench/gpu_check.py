@@ -10,7 +10,7 @@ One command for a new GPU machine. In order:
    transposed and a misaligned view). Each result is compared with a reference
    computed on the CPU that does exactly the documented roundings: flatten and
    unflatten must match it bit for bit, and the two backends each other (the
-   README's promise); accumulate and AdaSum within bounds derived from the
+   docs' promise); accumulate and AdaSum within bounds derived from the
    dtypes' eps (see ``_bound``).
 2. **The kernel benchmark on the GPU** (``kernels_bench``: each call's device
    time alone, from CUDA events with the call queued behind a spin kernel, L2
@@ -56,7 +56,7 @@ from . import common, kernels_bench, plot
 
 KERNELS = ("flatten", "unflatten", "unflatten_accumulate", "adasum_stats", "adasum_combine")
 CHECK_DTYPES = ("float16", "bfloat16", "float32", "float64")
-#: kernels whose two backends must agree bit for bit (README, "Numerics")
+#: kernels whose two backends must agree bit for bit (docs/concepts/how-it-works.md, "Numerics")
 BITWISE = ("flatten", "unflatten")
 #: the scale of the checks: 1/3 is not exact in fp32, so a scale used unrounded shows
 CHECK_SCALE = 1 / 3
@@ -493,7 +493,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--json", metavar="PATH", help="write machine, config and results here")
     parser.add_argument("--plot", metavar="PATH.png",
                         help="write a PNG of x copy per kernel and dtype (needs matplotlib: "
-                             "pip install \"fusedreduce[bench]\")")
+                             "pip install matplotlib)")
     parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
 
 

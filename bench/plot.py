@@ -10,7 +10,8 @@ import math
 import os
 from typing import List, Sequence
 
-INSTALL_HINT = 'pip install "fusedreduce[bench]"'
+# fusedreduce is installed from a checkout, not by name from an index
+INSTALL_HINT = 'pip install matplotlib (the "bench" extra: pip install -e ".[bench]" in a checkout)'
 # ours solid, the baselines dashed, the copy reference dotted
 LINE_STYLES = {"ours": "-", "baseline": "--", "reference": ":"}
 

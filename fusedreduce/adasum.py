@@ -47,7 +47,7 @@ def check_local_size(local_size, world_size: int) -> int:
     return local_size
 
 
-def adasum_allreduce(tensors: Sequence[torch.Tensor], group=None, *, local_size: int = 1,
+def adasum_allreduce(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup] = None, *, local_size: int = 1,
                      bucket_cap_mb: float = 25.0, backend: str = "auto") -> List[torch.Tensor]:
     """AdaSum of every rank's ``tensors``, per tensor; new tensors, the same on all ranks.
 
@@ -80,7 +80,7 @@ def adasum_allreduce(tensors: Sequence[torch.Tensor], group=None, *, local_size:
             or a single tensor instead of a list.
         ValueError: ``local_size`` does not divide the world size.
 
-    Example:
+    Examples:
         >>> averaged = adasum_allreduce([p.grad for p in model.parameters()])  # doctest: +SKIP
     """
     tensors = tensor_list(tensors, "tensors")
@@ -110,7 +110,7 @@ def adasum_allreduce(tensors: Sequence[torch.Tensor], group=None, *, local_size:
 
 
 def adasum_allreduce_plan(plan: BucketPlan, tensors: Sequence[torch.Tensor],
-                          outputs: Sequence[torch.Tensor], *, group=None, local_size: int = 1,
+                          outputs: Sequence[torch.Tensor], *, group: Optional[dist.ProcessGroup] = None, local_size: int = 1,
                           backend: str = "auto") -> None:
     """The AdaSum of ``tensors`` across ranks into ``outputs``, bucket by bucket.
 
@@ -142,7 +142,7 @@ def _combined_buckets(plan: BucketPlan, tensors: Sequence[torch.Tensor], group,
         yield bucket, buffer
 
 
-def adasum_allreduce_flat(buffer: torch.Tensor, segments: Sequence[int], *, group=None,
+def adasum_allreduce_flat(buffer: torch.Tensor, segments: Sequence[int], *, group: Optional[dist.ProcessGroup] = None,
                           local_size: int = 1, backend: str = "auto", prescaled: bool = False,
                           exchanges_only: bool = False) -> None:
     """The AdaSum of every rank's ``buffer``, in place, one coefficient pair per segment.
@@ -182,7 +182,7 @@ def adasum_allreduce_flat(buffer: torch.Tensor, segments: Sequence[int], *, grou
         ValueError: ``buffer`` is not 1-D contiguous, bad ``segments``, or
             ``local_size`` does not divide the world size.
 
-    Example:
+    Examples:
         >>> adasum_allreduce_flat(bucket.buffer(), [0, 10, 25])         # doctest: +SKIP
     """
     world_size = require_process_group(group)

@@ -103,7 +103,7 @@ def all_reduce_plan(
     tensors: Sequence[torch.Tensor],
     *,
     outputs: Optional[Sequence[torch.Tensor]] = None,
-    group=None,
+    group: Optional[dist.ProcessGroup] = None,
     prescale: float = 1.0,
     postscale: float = 1.0,
     buffers: Optional[Sequence[torch.Tensor]] = None,
@@ -123,7 +123,8 @@ def all_reduce_plan(
             are also the ``outputs``.
         outputs: where the sums go (default: ``tensors``, in place).
         group: the process group (default: the world).
-        prescale, postscale: finite factors applied before and after the sum.
+        prescale: a finite factor applied before the sum.
+        postscale: a finite factor applied after the sum.
         buffers: persistent flat buffers, one per bucket (default: fresh ones).
         backend: the kernels' backend (``"auto"``, ``"triton"``, ``"torch"``).
 
@@ -135,7 +136,7 @@ def all_reduce_plan(
         TypeError, ValueError: tensors, outputs or buffers do not match the
             plan, or a bad scale; raised before any collective starts.
 
-    Example:
+    Examples:
         >>> plan = BucketPlan(grads, comm_dtype=torch.float32)      # doctest: +SKIP
         >>> all_reduce_plan(plan, grads, postscale=1 / dist.get_world_size())  # doctest: +SKIP
     """

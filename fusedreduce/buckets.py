@@ -104,7 +104,7 @@ class BucketPlan:
         ValueError: a non-positive ``bucket_cap_mb`` or ``fusion_ids`` of the
             wrong length.
 
-    Example:
+    Examples:
         >>> ts = [torch.zeros(1000), torch.zeros(10, dtype=torch.float16), torch.zeros(3)]
         >>> plan = BucketPlan(ts, comm_dtype=torch.float32)
         >>> [(b.tensor_indices, b.offsets, b.size) for b in plan.buckets]

@@ -69,14 +69,15 @@ class HookState:
             a member of ``group``, or an unpickled state's group is not the
             world.
 
-    Example:
+    Examples:
         >>> state = HookState(prescale=1 / 8)          # before init_process_group too
         >>> state.prescale
         0.125
         >>> ddp.register_comm_hook(state, fp16_compress_hook)  # doctest: +SKIP
     """
 
-    def __init__(self, group=None, *, prescale: Optional[float] = None, local_size: int = 1,
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, *,
+                 prescale: Optional[float] = None, local_size: int = 1,
                  backend: str = "auto") -> None:
         check_prescale(prescale)
         check_int(local_size, "local_size")
@@ -247,7 +248,7 @@ def fusedreduce_allreduce_hook(state: Optional[HookState],
                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket across the group; fp16/bf16 buckets are reduced in fp32.
 
-    Example:
+    Examples:
         >>> ddp.register_comm_hook(None, allreduce_hook)          # doctest: +SKIP
     """
     return _reduce_in(_state(state), bucket, communication_dtype(bucket.buffer().dtype))
@@ -257,7 +258,7 @@ def fusedreduce_fp16_compress_hook(state: Optional[HookState],
                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average in fp16 on the wire: half the bytes of fp32, divided before the sum.
 
-    Example:
+    Examples:
         >>> ddp.register_comm_hook(None, fp16_compress_hook)      # doctest: +SKIP
     """
     return _reduce_in(_state(state), bucket, torch.float16)
@@ -271,7 +272,7 @@ def fusedreduce_bf16_compress_hook(state: Optional[HookState],
     ``bf16_compress_hook`` without CUDA and NCCL; ``bf16_compress_hook`` (and
     ``bfloat16_compress_hook``) are aliases of this function.
 
-    Example:
+    Examples:
         >>> ddp.register_comm_hook(None, bf16_compress_hook)      # doctest: +SKIP
     """
     return _reduce_in(_state(state), bucket, torch.bfloat16)
@@ -290,7 +291,7 @@ def fusedreduce_adasum_hook(state: Optional[HookState],
     dependent point-to-point steps, so this hook runs it before returning (an
     already completed future): it does not overlap with the rest of backward.
 
-    Example:
+    Examples:
         >>> ddp.register_comm_hook(HookState(local_size=8), adasum_hook)  # doctest: +SKIP
     """
     state = _state(state)

@@ -38,7 +38,8 @@ try:
     from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("fusedreduce.lightning needs PyTorch Lightning: pip install lightning "
-                      "(or pip install \"fusedreduce[integrations]\")") from exc
+                      "(the \"integrations\" extra: pip install -e \".[integrations]\" in a "
+                      "fusedreduce checkout)") from exc
 
 from .broadcast import broadcast_tensors
 from .optimizer import DistributedOptimizer
@@ -57,7 +58,7 @@ class CommHook(Callback):
     Raises:
         TypeError: ``hook`` is not callable.
 
-    Example:
+    Examples:
         >>> trainer = pl.Trainer(strategy="ddp", callbacks=[CommHook(hooks.allreduce_hook)])  # doctest: +SKIP
     """
 
@@ -101,7 +102,7 @@ class DistributedOptimizerStrategy(DDPStrategy):
         ValueError: a trainable parameter is in no optimizer, or an optimizer's
             ``backward_passes_per_step`` differs from ``accumulate_grad_batches``.
 
-    Example:
+    Examples:
         >>> trainer = pl.Trainer(strategy=DistributedOptimizerStrategy(), devices=2)  # doctest: +SKIP
     """
 

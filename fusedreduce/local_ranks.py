@@ -90,7 +90,7 @@ def run_on_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
         TimeoutError: some ranks did not finish within ``timeout`` (they are
             killed; the message names them and holds any failures).
 
-    Example:
+    Examples:
         >>> def total(rank, world_size):                        # doctest: +SKIP
         ...     t = torch.ones(1) * rank
         ...     torch.distributed.all_reduce(t)

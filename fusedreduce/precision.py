@@ -22,7 +22,7 @@ def communication_dtype(grad_dtype: torch.dtype,
     With the default, 16-bit gradients are reduced in fp32 and fp32/fp64 in
     their own dtype (what AdaSum and ``allreduce_hook`` do).
 
-    Example:
+    Examples:
         >>> communication_dtype(torch.bfloat16), communication_dtype(torch.float64)
         (torch.float32, torch.float64)
         >>> communication_dtype(torch.float32, torch.float16)
@@ -40,7 +40,7 @@ def split_scale(total: float, prescale: Optional[float], default: float) -> Tupl
     before the collective (``prescale``, or ``default`` when it is None) and
     the rest of ``total`` after it.
 
-    Example:
+    Examples:
         >>> split_scale(0.25, None, 1.0)
         (1.0, 0.25)
     """

@@ -15,6 +15,7 @@ import operator
 from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 
 from . import kernels
 from ._checks import check_distinct, check_int, check_prescale, tensor_list
@@ -63,7 +64,7 @@ class DistributedGradReducer:
             parameter passed twice, a bad ``fusion_type`` length,
             ``bucket_cap_mb`` or ``prescale``.
 
-    Example:
+    Examples:
         >>> reducer = DistributedGradReducer(model.parameters())          # doctest: +SKIP
         >>> loss.backward()                                                # doctest: +SKIP
         >>> grads = reducer([p.grad for p in model.parameters()])          # doctest: +SKIP
@@ -75,7 +76,7 @@ class DistributedGradReducer:
         mean: bool = True,
         degree: Optional[int] = None,
         fusion_type: Union[int, Sequence[int]] = 1,
-        group=None,
+        group: Optional[dist.ProcessGroup] = None,
         *,
         bucket_cap_mb: float = 25.0,
         reduce_dtype: torch.dtype = torch.float32,
@@ -294,7 +295,7 @@ class DistributedGradReducer:
                 ready), ``passes_per_sync`` is not a positive int, or hooks are
                 already registered.
 
-        Example:
+        Examples:
             >>> reducer = DistributedGradReducer(params).register_hooks()  # doctest: +SKIP
             >>> loss.backward()  # .grad now holds the mean over the ranks  # doctest: +SKIP
         """
@@ -330,7 +331,7 @@ class DistributedGradReducer:
 
     @property
     def reduced(self) -> bool:
-        """Whether ``.grad`` holds reduced gradients not yet ``consume``d."""
+        """Whether ``.grad`` holds reduced gradients that ``consume`` has not taken yet."""
         return self._overlap.reduced
 
     @property

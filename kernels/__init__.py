@@ -111,7 +111,7 @@ def flatten_cast_scale(
     that only moved are checked for overlap and the kept launch is
     re-pointed (see ``_prepared.py``).
 
-    Example:
+    Examples:
         >>> grads = [torch.ones(2, 3, dtype=torch.float16), torch.full((4,), 2.0)]
         >>> flatten_cast_scale(grads, scale=0.5).tolist()
         [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0]
@@ -173,7 +173,7 @@ def unflatten_cast_scale(
     Steady state: as ``flatten_cast_scale``, the launch is kept per ``flat``
     object and layout.
 
-    Example:
+    Examples:
         >>> grads = [torch.zeros(2, 2, dtype=torch.float16), torch.zeros(3)]
         >>> unflatten_cast_scale(torch.arange(7.0), grads, scale=2.0)
         >>> grads[1]
@@ -217,7 +217,7 @@ def adasum_chunk_counts(segments: Sequence[int]) -> List[int]:
     Raises:
         TypeError: a boundary that is not an int.
 
-    Example:
+    Examples:
         >>> adasum_chunk_counts([0, 5, 5, ADASUM_CHUNK + 5])
         [1, 0, 1]
     """
@@ -232,7 +232,7 @@ def check_segments(segments: Sequence[int], size: Optional[int] = None) -> List[
         TypeError: a boundary that is not an int.
         ValueError: not from 0 to ``size``, or decreasing.
 
-    Example:
+    Examples:
         >>> check_segments([0, 3, 3, 5], 5)
         [0, 3, 3, 5]
     """
@@ -261,14 +261,15 @@ def adasum_stats(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int], *,
     or torch's), so the two backends may differ in the last bits.
 
     Args:
-        a, b: 1-D contiguous buffers of one floating dtype, device and size.
+        a: a 1-D contiguous buffer of a floating dtype.
+        b: a buffer of ``a``'s dtype, device and size.
         segments: ``n + 1`` non-decreasing boundaries from 0 to ``a.numel()``.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Raises:
         TypeError/ValueError: as for the flatten kernels; bad ``segments``.
 
-    Example:
+    Examples:
         >>> a, b = torch.tensor([3.0, 4.0, 1.0]), torch.tensor([1.0, 0.0, 2.0])
         >>> adasum_stats(a, b, [0, 2, 3])
         tensor([[ 3., 25.,  1.],
@@ -299,7 +300,7 @@ def adasum_chunk_stats(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int]
     Raises:
         TypeError/ValueError: as ``adasum_stats``.
 
-    Example:
+    Examples:
         >>> a = torch.ones(ADASUM_CHUNK + 2)
         >>> adasum_chunk_stats(a, 2 * a, [0, ADASUM_CHUNK + 2])[:, 0].tolist()
         [32768.0, 4.0]
@@ -326,7 +327,7 @@ def adasum_reduce_chunks(partials: torch.Tensor, segments: Sequence[int], *,
         TypeError/ValueError: bad ``segments`` (any non-decreasing boundaries
             from 0), or ``partials`` not float64 ``[n_chunks, 3]``.
 
-    Example:
+    Examples:
         >>> rows = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64)
         >>> adasum_reduce_chunks(rows, [0, ADASUM_CHUNK + 1])
         tensor([[5., 7., 9.]], dtype=torch.float64)
@@ -361,7 +362,8 @@ def adasum_combine(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int],
     Written in the buffers' dtype (16-bit via fp32).
 
     Args:
-        a, b: 1-D contiguous buffers of one floating dtype, device and size.
+        a: a 1-D contiguous buffer of a floating dtype.
+        b: a buffer of ``a``'s dtype, device and size.
         segments: ``n + 1`` boundaries, as for ``adasum_stats``.
         stats: float64 ``[n, 3]`` on the buffers' device.
         out: where to write (may be ``a`` or ``b``); default a new buffer.
@@ -369,7 +371,7 @@ def adasum_combine(a: torch.Tensor, b: torch.Tensor, segments: Sequence[int],
     Raises:
         TypeError/ValueError: bad buffers, ``segments``, ``stats`` or ``out``.
 
-    Example:
+    Examples:
         >>> a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
         >>> adasum_combine(a, b, [0, 2], adasum_stats(a, b, [0, 2]))  # orthogonal: a + b
         tensor([1., 1.])

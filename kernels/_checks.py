@@ -24,7 +24,7 @@ def check_scale(scale, name: str = "scale") -> float:
         TypeError: not a Python int or float (bools included), naming ``name``.
         ValueError: not finite.
 
-    Example:
+    Examples:
         >>> check_scale(1)
         1.0
     """

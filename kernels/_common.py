@@ -47,7 +47,7 @@ def packed_boundaries(numels: Sequence[int]) -> List[int]:
     """The ``n + 1`` boundaries of segments of these sizes packed densely:
     ``[0, n0, n0 + n1, ...]``.
 
-    Example:
+    Examples:
         >>> packed_boundaries([3, 0, 2])
         [0, 3, 3, 5]
     """
@@ -75,7 +75,7 @@ def scratch_buffer(name: str, shape: Sequence[int], dtype: torch.dtype,
     caching allocator already reuses memory. Two users of one ``name`` in the
     same thread share the memory, so a name belongs to one use at a time.
 
-    Example:
+    Examples:
         >>> scratch_buffer("example", (2, 3), torch.float64, torch.device("cpu")).shape
         torch.Size([2, 3])
     """

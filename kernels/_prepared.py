@@ -147,7 +147,7 @@ def spans_clear(ptrs: Sequence[int], nbytes: np.ndarray, buffer_span, pairwise: 
     tensors miss ``buffer_span`` and, with ``pairwise``, each other (empty
     tensors occupy nothing).
 
-    Example:
+    Examples:
         >>> spans_clear([0, 8], np.array([8, 8]), (16, 32), pairwise=True)
         True
         >>> spans_clear([0, 4], np.array([8, 8]), (16, 32), pairwise=True)

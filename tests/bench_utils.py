@@ -16,7 +16,7 @@ import pytest
 
 from harness import ROOT, once_per_session, shared_directory
 
-# the JSON's documented keys (README, "Benchmarks")
+# the JSON's documented keys (docs/benchmarks/index.md, "The JSON")
 MACHINE_KEYS = {"cpu_model", "cores", "torch_threads", "loadavg_1min", "gpu", "gpu_count",
                 "device", "kernel_backend", "dist_backend", "python", "torch", "triton"}
 RESULT_KEYS = {"benchmark", "case", "size", "method", "role", "baseline", "world_size",

@@ -24,7 +24,7 @@ Covered:
 Expected values come from the float64 references of reference.py, computed on
 the CPU. The flatten kernels are compared bit for bit (flatten_cases.py says
 why no freedom is left), and Triton's results also bit for bit with the torch
-fallback's on the same CUDA data, as the README promises; ``accumulate`` and
+fallback's on the same CUDA data, as the docs promise; ``accumulate`` and
 AdaSum within bounds derived from the dtypes' eps (see each). Every check is
 a module-level function of the device (and backend, and for the large cases
 the size), so its logic also runs on CPU tensors with small sizes; the rank
@@ -99,7 +99,7 @@ def on_device(tensors, device):
 
 def both_ways(backend, run):
     """``run(backend)``: a list of CPU tensors. For Triton, also ``run("torch")``
-    on the same device data: the README promises the two backends' flatten and
+    on the same device data: the docs promise the two backends' flatten and
     unflatten bit for bit."""
     got = run(backend)
     if backend != "torch":
@@ -469,7 +469,7 @@ def check_adasum_kernels(device, backend, big=ADASUM_BIG):
     segments of several AdaSum chunks and one of more than 256 1024-element
     blocks, against the float64 reference (adasum_cases.py's tolerance model);
     Triton's results within that tolerance of the torch fallback's (the
-    backends' fp64 sums may differ in the last bits, README)."""
+    backends' fp64 sums may differ in the last bits, docs/concepts/how-it-works.md)."""
     lengths = [5, 2 * ADASUM_CHUNK + 77, 0, big, 3, 1300]
     bounds = [0]
     for n in lengths:
@@ -683,7 +683,7 @@ def adasum_tolerance(expected, per_rank, local_size, dtype):
 
 def reducer_scales(dtype, world_size, kwargs):
     """(wire, before, after, total) of DistributedGradReducer with ``kwargs``,
-    as the README states them: 16-bit communication divides fully before the
+    as the docs state them: 16-bit communication divides fully before the
     sum, wider communication after it."""
     wire = communication_dtype(dtype, kwargs.get("reduce_dtype", F32))
     degree = kwargs.get("degree", world_size)
@@ -833,7 +833,7 @@ def check_adasum_collective(results, run, kind, local_size):
 def kernel_tree_of_two(a, b, backend, device):
     """AdaSum of two ranks' whole tensors by the kernels on ``device``, in the
     communication dtype, cast back: what the tree computes, whatever the
-    halving cut (README, "Canonical statistics")."""
+    halving cut (docs/guides/adasum.md, "Canonical statistics")."""
     wide = F64 if a.dtype == F64 else F32
     x, y = a.reshape(-1).to(wide).to(device), b.reshape(-1).to(wide).to(device)
     n = x.numel()
@@ -863,7 +863,7 @@ def check_adasum_tree(results, device):
                                  f"{what}: vs the kernels on the whole tensors")
                 # the bucketing never changes a result, bitwise
                 assert_same_bits(got, fused[i], f"{what}: vs one bucket")
-    # the backends' statistics may differ in the last bits (README): Triton's
+    # the backends' statistics may differ in the last bits (docs, "Numerics"): Triton's
     # result within the float64 reference's tolerance of the fallback's
     for i, (a, b) in enumerate(zip(first["triton", ADASUM_CAPS[0]],
                                    first["torch", ADASUM_CAPS[0]])):
