@@ -1,6 +1,7 @@
 """Accelerate with fusedreduce's DDP communication hooks.
 
     torchrun --nproc_per_node=2 examples/accelerate_hooks.py --hook allreduce_hook
+    torchrun --nproc_per_node=2 examples/accelerate_hooks.py --hook fp16_compress_hook --compare-ddp
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_hooks.py   # the same
 
 Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` takes only
@@ -10,8 +11,14 @@ hook on the module ``accelerator.prepare`` returns (a
 (gloo) and on GPUs (NCCL) alike.
 
 Trains a small MLP on scikit-learn's digits when scikit-learn is installed
-(``pip install "fusedreduce[examples]"``), else on a fixed synthetic set, and
-with ``--out PATH`` saves the final weights (rank 0).
+(``pip install -e ".[examples]"``), else on a fixed synthetic set, and
+with ``--out PATH`` saves the final weights (rank 0). Rank 0 prints the
+training loss (the batch's, averaged over the ranks) every 5 steps, then the
+final one and a digest of the final weights (``train_digits.py``'s: equal
+digests, bitwise equal weights). ``--compare-ddp`` then trains Accelerate's
+own DDP, without a hook, from the same start on the same batches and prints
+its loss and digest and how the two compare: ``allreduce_hook`` gives its
+weights bitwise, ``fp16_compress_hook`` within fp16's rounding.
 """
 from __future__ import annotations
 
@@ -22,7 +29,8 @@ from accelerate import Accelerator
 from torch import nn
 
 from fusedreduce import hooks
-from train_digits import read_digits  # scikit-learn's digits, read without importing it
+# scikit-learn's digits (read without importing it), the report of weights digests
+from train_digits import final_report, read_digits
 
 HOOKS = ("none", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook")
 
@@ -40,21 +48,16 @@ def data(rank: int, batch: int, steps: int):
         yield x[start:start + batch], y[start:start + batch]
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hook", choices=HOOKS, default="allreduce_hook")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--out", help="save the final weights here (rank 0)")
-    args = parser.parse_args(argv)
-
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+def train(accelerator: Accelerator, hook: str, args, report: bool):
+    """A model trained from the fixed start with ``hook``: (its final training
+    loss, the model). ``report``: rank 0 prints the loss every 5 steps. Each
+    loss is the batch's, averaged over the ranks."""
     torch.manual_seed(0)  # the same initial weights on every rank
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     model, optimizer = accelerator.prepare(model, optimizer)
-    if args.hook != "none" and accelerator.num_processes > 1:
-        model.register_comm_hook(None, getattr(hooks, args.hook))
+    if hook != "none" and accelerator.num_processes > 1:
+        model.register_comm_hook(None, getattr(hooks, hook))
 
     for step, (x, y) in enumerate(data(accelerator.process_index, args.batch, args.steps)):
         x, y = x.to(accelerator.device), y.to(accelerator.device)
@@ -62,10 +65,33 @@ def main(argv=None) -> None:
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        if accelerator.is_main_process and (step % 5 == 4 or step == args.steps - 1):
-            print(f"step {step + 1}: loss {loss.item():.4f}")
-    if args.out and accelerator.is_main_process:
-        torch.save(accelerator.unwrap_model(model).state_dict(), args.out)
+        if report and step % 5 == 4 and step < args.steps - 1:
+            mean = accelerator.reduce(loss.detach(), "mean")  # a collective: every rank
+            if accelerator.is_main_process:
+                print(f"step {step + 1}: loss {float(mean):.4f}")
+    return float(accelerator.reduce(loss.detach(), "mean")), accelerator.unwrap_model(model)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hook", choices=HOOKS, default="allreduce_hook")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--compare-ddp", action="store_true",
+                        help="also train Accelerate's own DDP (no hook) and compare the weights")
+    parser.add_argument("--out", help="save the final weights here (rank 0)")
+    args = parser.parse_args(argv)
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    label = "DDP, no hook" if args.hook == "none" else args.hook
+    loss, model = train(accelerator, args.hook, args, report=True)
+    if accelerator.is_main_process and args.out:
+        torch.save(model.state_dict(), args.out)
+    runs = [(label, loss, model)]
+    if args.compare_ddp:
+        runs.append(("Accelerate's DDP", *train(accelerator, "none", args, report=False)))
+    if accelerator.is_main_process:
+        print(final_report(runs))
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

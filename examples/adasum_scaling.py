@@ -2,9 +2,9 @@
 
     python examples/adasum_scaling.py --sweep "" --json adasum.json --plot adasum.png  # ~20 min
     python examples/adasum_scaling.py --quick                                # ~1 min
-    python examples/adasum_scaling.py --momentum 0.9 --lr 0.1 --sweep-seeds 0 ...       # see README
+    python examples/adasum_scaling.py --momentum 0.9 --lr 0.1 --sweep-seeds 0 ...  # docs/adasum-study.md
 
-(times on a 2-core CPU; the README's AdaSum section has every configuration
+(times on a 2-core CPU; docs/adasum-study.md has every configuration
 measured, with its command.)
 
 The training of ``train_digits.py`` (scikit-learn's digits, a 64-128-10 MLP,

@@ -23,7 +23,7 @@ Rank 0 prints progress and a table (test accuracy, loss, steps to
 ``--target`` accuracy, time per step) and writes ``--json`` (every curve, and a
 digest of the final weights: equal digests mean bitwise equal models) and
 ``--plot`` (test accuracy and loss against steps, one line per reduction).
-Needs ``pip install "fusedreduce[examples]"`` (scikit-learn, matplotlib).
+Needs scikit-learn and matplotlib: ``pip install -e ".[examples]"`` in the checkout.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from fusedreduce.local_ranks import run_on_local_ranks
 
 HOOKS = ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "adasum_hook")
 REDUCTIONS = ("ddp",) + HOOKS + ("reducer", "distributed_optimizer", "adasum_delta")
-EXTRA = 'pip install "fusedreduce[examples]"'
+EXTRA = 'pip install scikit-learn matplotlib (the "examples" extra: pip install -e ".[examples]")'
 
 
 def read_digits():
@@ -127,6 +127,28 @@ def weights_digest(model: nn.Module) -> str:
     for p in model.parameters():
         digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def weights_comparison(model: nn.Module, reference: nn.Module) -> str:
+    """``"bitwise equal"``, or how far ``model``'s parameters are from ``reference``'s."""
+    pairs = [(p.detach().cpu().contiguous(), q.detach().cpu().contiguous())
+             for p, q in zip(model.parameters(), reference.parameters(), strict=True)]
+    if all(torch.equal(p.view(torch.uint8), q.view(torch.uint8)) for p, q in pairs):
+        return "bitwise equal"
+    difference = max(float((p.double() - q.double()).abs().max()) for p, q in pairs)
+    return f"not bitwise equal, max abs difference {difference:.2e}"
+
+
+def final_report(runs: list) -> str:
+    """The lines the Lightning and Accelerate examples end with (rank 0): per run
+    ``(label, final loss, model)`` its loss and weights digest; with a second
+    run (the framework's own DDP), how the first run's weights compare with it."""
+    lines = [f"{label}: final loss {loss:.4f}, weights {weights_digest(model)}"
+             for label, loss, model in runs]
+    if len(runs) == 2:
+        (label, _, model), (reference, _, reference_model) = runs
+        lines.append(f"{label} vs {reference}: {weights_comparison(model, reference_model)}")
+    return "\n".join(lines)
 
 
 def train(reduction: str, args, data, device: torch.device, probe=None) -> dict:

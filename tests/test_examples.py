@@ -33,7 +33,7 @@ ADASUM = ("adasum_hook", "adasum_delta")
 def _digits(tmp_path, name, launcher, reductions, steps=20):
     """The digits example's run and its JSON; ``launcher`` is ``"spawn"`` (its own
     workers) or ``"torchrun"`` (2 ranks)."""
-    pytest.importorskip("sklearn", reason='the digits data: pip install "fusedreduce[examples]"')
+    pytest.importorskip("sklearn", reason='the digits data: pip install -e ".[examples]"')
     out = tmp_path / f"{name}.json"
     command = [DIGITS, "--reduction", ",".join(reductions), "--steps", str(steps),
                "--eval-every", "10", "--json", str(out)]
@@ -93,7 +93,7 @@ def test_the_digits_example_names_the_extra_when_scikit_learn_is_missing(tmp_pat
     process = subprocess.run([sys.executable, DIGITS, "--steps", "1"], cwd=ROOT,
                              capture_output=True, text=True, timeout=120, env=env)
     assert process.returncode != 0
-    assert 'pip install "fusedreduce[examples]"' in process.stderr
+    assert 'pip install -e ".[examples]"' in process.stderr
     assert "scikit-learn" in process.stderr
 
 
@@ -104,7 +104,7 @@ def test_the_adasum_experiment_shows_adasum_holding_where_sum_does_not(tmp_path)
     # at 8 x 0.2 = 1.6, which this model does not survive, while AdaSum at 0.2
     # trains (measured: sum 0.49 vs AdaSum 0.90 after 60 steps). Repeatability
     # run to run is the torchrun test's (the same digests from two launches)
-    pytest.importorskip("sklearn", reason='the digits data: pip install "fusedreduce[examples]"')
+    pytest.importorskip("sklearn", reason='the digits data: pip install -e ".[examples]"')
     out = tmp_path / "adasum.json"
     process = subprocess.run(
         [sys.executable, "examples/adasum_scaling.py", "--world-sizes", "8", "--seeds", "0",
@@ -142,7 +142,7 @@ def _geometry_on_rank(rank, world_size):
 
 def test_the_experiments_gradient_geometry_matches_a_float64_reference_on_three_ranks():
     # three ranks: AdaSum's tree folds the odd rank in first
-    pytest.importorskip("sklearn", reason='the digits data: pip install "fusedreduce[examples]"')
+    pytest.importorskip("sklearn", reason='the digits data: pip install -e ".[examples]"')
     results = run_ranks(_geometry_on_rank, 3, timeout=TIMEOUT)
     geometry = results[0][0]
     assert all(r[0] == geometry for r in results), "every rank reports the same numbers"

@@ -4,10 +4,15 @@ Each framework's own default (DDP without a hook) is the reference: the
 all-reduce hook must give its weights bitwise, the fp16 compression hook
 close to them (and not bitwise: that proves the hook ran), and Lightning with
 ``DistributedOptimizer`` under ``DistributedOptimizerStrategy`` bitwise, with
-and without gradient accumulation. Skipped, with the reason, where a
-framework is not installed (``pip install "fusedreduce[integrations]"``).
+and without gradient accumulation. The examples' own report (the final loss,
+a weights digest and, with ``--compare-ddp``, the comparison with the
+framework's DDP trained in the same run) must say the same. Skipped, with the
+reason, where a framework is not installed
+(``pip install -e ".[integrations]"``).
 """
+import hashlib
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -16,16 +21,38 @@ from harness import ROOT, TIMEOUT, run_torchrun
 
 FRAMEWORKS = {"accelerate": ("accelerate", "examples/accelerate_hooks.py"),
               "lightning": ("lightning", "examples/lightning_hooks.py")}
+REFERENCES = {"accelerate": "Accelerate's DDP", "lightning": "Lightning's DDP"}
 STEPS = 12
 LR = 0.2
+# what rank 0 prints at the end: per run "<what>: final loss <x>, weights <digest>",
+# and with --compare-ddp "<what> vs <reference>: <verdict>"
+FINAL = re.compile(r"^(.+): final loss (\d+\.\d{4}), weights ([0-9a-f]{16})$", re.MULTILINE)
+VERSUS = re.compile(r"^(.+) vs (.+): (bitwise equal|not bitwise equal, max abs difference "
+                    r"(\S+))$", re.MULTILINE)
 
 
 def _train(script, hook, out, *options):
+    """(the saved weights, {what: (final loss, digest)}, [(what, reference,
+    verdict, max abs difference or None)]) of one launch."""
     process = run_torchrun(
         ["--nproc_per_node=2", "--standalone", script, "--hook", hook, "--steps", str(STEPS),
          "--out", str(out), *options], cwd=ROOT, timeout=TIMEOUT)
     assert process.returncode == 0, process.stderr[-3000:]
-    return torch.load(out)
+    weights = torch.load(out)
+    finals = FINAL.findall(process.stdout)
+    # the first report is of the run whose weights were saved
+    assert finals and finals[0][2] == _digest(weights), process.stdout
+    comparisons = [(what, reference, verdict, float(difference) if difference else None)
+                   for what, reference, verdict, difference in VERSUS.findall(process.stdout)]
+    return weights, {what: (float(loss), digest) for what, loss, digest in finals}, comparisons
+
+
+def _digest(weights: dict) -> str:
+    """examples/train_digits.py's weights digest, of a state dict holding only parameters."""
+    digest = hashlib.sha256()
+    for weight in weights.values():
+        digest.update(weight.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -33,10 +60,13 @@ def _train(script, hook, out, *options):
 def test_the_hooks_train_like_the_framework_s_own_ddp(framework, tmp_path):
     module, script = FRAMEWORKS[framework]
     if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{framework} is not installed (pip install \"fusedreduce[integrations]\")")
-    default = _train(script, "none", tmp_path / "none.pt")
-    hooked = _train(script, "allreduce_hook", tmp_path / "allreduce.pt")
-    compressed = _train(script, "fp16_compress_hook", tmp_path / "fp16.pt")
+        pytest.skip(f"{framework} is not installed (pip install -e \".[integrations]\")")
+    reference = REFERENCES[framework]
+    default, default_report, _ = _train(script, "none", tmp_path / "none.pt")
+    hooked, hooked_report, hooked_versus = _train(script, "allreduce_hook",
+                                                  tmp_path / "allreduce.pt", "--compare-ddp")
+    compressed, compressed_report, compressed_versus = _train(
+        script, "fp16_compress_hook", tmp_path / "fp16.pt", "--compare-ddp")
     for name, weight in default.items():
         assert torch.equal(weight.view(-1).view(torch.uint8),
                            hooked[name].view(-1).view(torch.uint8)), name
@@ -46,6 +76,19 @@ def test_the_hooks_train_like_the_framework_s_own_ddp(framework, tmp_path):
     differences = [float((default[n] - compressed[n]).abs().max()) for n in default]
     assert max(differences) <= STEPS * LR * 2 ** -11
     assert max(differences) > 0, "the fp16 hook did not run"
+
+    # the report: the framework's DDP, in its own launch and beside each hook,
+    # prints the same loss and digest; the all-reduce hook's are the same bits
+    ddp = default_report["DDP, no hook"]
+    assert hooked_report == {"allreduce_hook": ddp, reference: ddp}, hooked_report
+    assert hooked_versus == [("allreduce_hook", reference, "bitwise equal", None)]
+    assert compressed_report[reference] == ddp
+    assert compressed_report["fp16_compress_hook"][1] != ddp[1]
+    [(what, versus, verdict, difference)] = compressed_versus
+    assert (what, versus) == ("fp16_compress_hook", reference), compressed_versus
+    assert verdict.startswith("not bitwise equal"), verdict
+    # printed with 3 significant digits: the saved weights' own difference, rounded
+    assert difference == pytest.approx(max(differences), rel=1e-2)
 
 
 def _same_bits(a: dict, b: dict) -> None:
@@ -61,12 +104,14 @@ def test_distributed_optimizer_in_lightning_trains_like_lightnings_ddp(accumulat
     # configure_optimizers returns DistributedOptimizer(SGD with momentum); the
     # strategy leaves out DDP, so each gradient is reduced once, by the optimizer
     if importlib.util.find_spec("lightning") is None:
-        pytest.skip("lightning is not installed (pip install \"fusedreduce[integrations]\")")
+        pytest.skip("lightning is not installed (pip install -e \".[integrations]\")")
     script = FRAMEWORKS["lightning"][1]
     options = ("--accumulate", str(accumulate))
-    default = _train(script, "none", tmp_path / "ddp.pt", *options)
-    ours = _train(script, "none", tmp_path / "ours.pt", "--distributed-optimizer", *options)
+    default, default_report, _ = _train(script, "none", tmp_path / "ddp.pt", *options)
+    ours, ours_report, _ = _train(script, "none", tmp_path / "ours.pt", "--distributed-optimizer",
+                                  *options)
     _same_bits(default, ours)
+    assert ours_report == {"DistributedOptimizer": default_report["DDP, no hook"]}, ours_report
 
 
 def _strategy_checks(rank, world_size):
@@ -109,7 +154,7 @@ def _strategy_checks(rank, world_size):
 
 def test_the_strategy_refuses_optimizers_that_would_leave_gradients_unreduced():
     if importlib.util.find_spec("lightning") is None:
-        pytest.skip("lightning is not installed (pip install \"fusedreduce[integrations]\")")
+        pytest.skip("lightning is not installed (pip install -e \".[integrations]\")")
     from harness import run_ranks
 
     seen = run_ranks(_strategy_checks, 1)[0]
