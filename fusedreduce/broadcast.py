@@ -27,7 +27,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *,
                       group: Optional[dist.ProcessGroup] = None,
                       bucket_cap_mb: float = 25.0, backend: str = "auto",
                       verify: bool = True, names: Optional[Sequence[str]] = None) -> None:
-    """Make every rank's ``tensors`` bitwise equal to rank ``src``'s, in place.
+    """Make every rank's ``tensors`` bitwise equal to those of ``group``'s rank ``src``, in place.
 
     Floating tensors go through fused buckets of their own dtype (one
     ``broadcast`` per bucket, no cast, so the copy is exact); other dtypes
@@ -35,16 +35,24 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *,
     broadcast once per dtype. Tensors on a device the backend cannot use
     (CPU tensors under NCCL) travel through a staging copy.
 
-    ``src`` is a global rank, as in ``torch.distributed.broadcast``. With
+    ``src`` is a rank of ``group`` (its group rank, as every rank fusedreduce
+    takes; the same as the global rank for the default group). With
     ``verify`` (the default), one small all-reduce first checks that every
     rank passes the same shapes and dtypes and the same bucket cap; ``names``
     (one per tensor) label the first mismatch in the error.
 
     Raises:
-        RuntimeError: with ``verify``: the ranks' tensor lists or bucket
-            layouts differ (raised on every rank before any broadcast).
+        RuntimeError: torch.distributed is not initialised; with ``verify``:
+            the ranks' tensor lists or bucket layouts differ (raised on every
+            rank before any broadcast).
+        ValueError: ``src`` is not a rank of ``group``.
+
+    Examples:
+        >>> broadcast_tensors([p.data for p in model.parameters()], src=0)   # doctest: +SKIP
     """
     tensors = tensor_list(tensors, "tensors")
+    check_rank(src, "src", require_process_group(group))
+    src_global = global_rank(group, src)
     device = comm_device(group)
     floating = [t for t in tensors if t.dtype in kernels.SUPPORTED_DTYPES]
     others = [t for t in tensors if t.dtype not in kernels.SUPPORTED_DTYPES]
@@ -61,7 +69,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *,
     with torch.no_grad():
         for bucket in plan.buckets:
             buffer = plan.flatten(bucket, staged, backend=backend)
-            dist.broadcast(buffer, src, group=group)
+            dist.broadcast(buffer, src_global, group=group)
             plan.unflatten(bucket, buffer, staged, backend=backend)
         for t, s in zip(floating, staged):
             if s is not t:
@@ -69,7 +77,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *,
         for dtype in sorted({t.dtype for t in others}, key=str):
             same = [t for t in others if t.dtype == dtype]
             flat = torch.cat([t.reshape(-1).to(device) for t in same])
-            dist.broadcast(flat, src, group=group)
+            dist.broadcast(flat, src_global, group=group)
             start = 0
             for t in same:
                 t.copy_(flat[start:start + t.numel()].view(t.shape))
@@ -148,7 +156,7 @@ def parameter_broadcast(
             chosen += [(f"buffer {n}", b) for n, b in module.named_buffers()]
     source = initial_rank if src is None else src
     with torch.no_grad():
-        broadcast_tensors([t.data for _, t in chosen], global_rank(group, source), group=group,
+        broadcast_tensors([t.data for _, t in chosen], source, group=group,
                           bucket_cap_mb=bucket_cap_mb, names=[n for n, _ in chosen])
 
 
@@ -203,7 +211,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0,
     tensors = [v for k in sorted(received["state"]) for _, v in sorted(received["state"][k].items())
                if isinstance(v, torch.Tensor)]
     # the shapes come from the source's skeleton: nothing left to verify
-    broadcast_tensors(tensors, global_src, group=group, verify=False)
+    broadcast_tensors(tensors, src, group=group, verify=False)
     if rank != src:
         optimizer.load_state_dict(received)
 
