@@ -13,6 +13,7 @@ from .buckets import Bucket, BucketPlan, TensorSpec
 from .optimizer import AdaSumByDeltaWeight, DistributedOptimizer
 from .precision import communication_dtype
 from .reducer import DistributedGradReducer
+from .sharded import PartRange, all_gather_plan, part_ranges, reduce_scatter_plan
 
 __all__ = [
     "AdaSumByDeltaWeight",
@@ -23,6 +24,8 @@ __all__ = [
     "adasum_allreduce_flat",
     "DistributedGradReducer",
     "DistributedOptimizer",
+    "PartRange",
+    "all_gather_plan",
     "all_reduce_plan",
     "broadcast_optimizer_state",
     "broadcast_tensors",
@@ -30,6 +33,8 @@ __all__ = [
     "hooks",
     "kernels",
     "parameter_broadcast",
+    "part_ranges",
+    "reduce_scatter_plan",
 ]
 # the one place the version is written: pyproject.toml reads it from here (a
 # literal, so setuptools reads it from the source without importing the package)

@@ -48,6 +48,8 @@ class Bucket:
         offsets: each tensor's first element in the buffer (aligned).
         numels: each tensor's element count.
         size: the buffer's element count, padding included.
+        shards: how many equal contiguous parts the buffer splits into (the
+            plan's ``shards``); ``size`` is a multiple of it.
     """
 
     index: int
@@ -58,10 +60,16 @@ class Bucket:
     offsets: Tuple[int, ...]
     numels: Tuple[int, ...]
     size: int
+    shards: int = 1
 
     @property
     def nbytes(self) -> int:
         return self.size * _itemsize(self.dtype)
+
+    @property
+    def part_size(self) -> int:
+        """The element count of each of the ``shards`` parts."""
+        return self.size // self.shards
 
     def segments(self) -> List[Tuple[int, int]]:
         """``(start, end)`` of each tensor's elements in the buffer."""
@@ -97,18 +105,25 @@ class BucketPlan:
         comm_dtype: the communication dtype: None keeps each tensor's dtype, a
             dtype applies to all, a callable maps each tensor's dtype.
         fusion_ids: one int per tensor; default: all in group 0.
+        shards: split every bucket into this many equal contiguous parts (the
+            group's world size, for ``reduce_scatter_plan``): each bucket is
+            padded at its end only, to a multiple of ``shards`` times the
+            16-byte alignment, so every part starts aligned.
 
     Raises:
         TypeError: a non-tensor, sparse or non-floating entry, or a bad
             ``comm_dtype`` (the index is named).
-        ValueError: a non-positive ``bucket_cap_mb`` or ``fusion_ids`` of the
-            wrong length.
+        ValueError: a non-positive ``bucket_cap_mb`` or ``shards``, or
+            ``fusion_ids`` of the wrong length.
 
     Examples:
         >>> ts = [torch.zeros(1000), torch.zeros(10, dtype=torch.float16), torch.zeros(3)]
         >>> plan = BucketPlan(ts, comm_dtype=torch.float32)
         >>> [(b.tensor_indices, b.offsets, b.size) for b in plan.buckets]
         [((0, 1, 2), (0, 1000, 1012), 1016)]
+        >>> [(b.size, b.part_size) for b in BucketPlan(ts, comm_dtype=torch.float32,
+        ...                                            shards=3).buckets]
+        [(1020, 340)]
     """
 
     def __init__(
@@ -118,7 +133,11 @@ class BucketPlan:
         bucket_cap_mb: float = 25.0,
         comm_dtype: DtypeRule = None,
         fusion_ids: Optional[Sequence[int]] = None,
+        shards: int = 1,
     ) -> None:
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"shards must be a positive int, got {shards!r}")
+        self.shards = shards
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
                 or not bucket_cap_mb > 0 or not math.isfinite(bucket_cap_mb):
             raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
@@ -165,10 +184,14 @@ class BucketPlan:
         for i in members:
             offsets.append(position)
             position += -(-self.specs[i].numel // align) * align
+        # sharded: padding at the end only, so that each part starts aligned
+        stride = align * self.shards
+        size = -(-position // stride) * stride
         return Bucket(index=index, device=self.specs[members[0]].device, dtype=dtype,
                       fusion_id=self.fusion_ids[members[0]], tensor_indices=tuple(members),
                       offsets=tuple(offsets),
-                      numels=tuple(self.specs[i].numel for i in members), size=position)
+                      numels=tuple(self.specs[i].numel for i in members), size=size,
+                      shards=self.shards)
 
     def _locate(self) -> Tuple[Tuple[int, int], ...]:
         where = [None] * len(self.specs)

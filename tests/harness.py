@@ -116,13 +116,15 @@ def runs_per_world_size(tmp_path_factory, name: str, fn, world_sizes: Iterable[i
 
 # ------------------------------------------------- helpers for rank functions
 
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather_object", "broadcast_object_list")
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather_object", "broadcast_object_list",
+               "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
+               "all_gather_single")
 
 
 def record_collectives(events):
     """From now on, append the name of every torch.distributed collective this
     process issues to ``events`` (the rank process exits afterwards)."""
-    for name in COLLECTIVES:
+    for name in (n for n in COLLECTIVES if hasattr(dist, n)):
         def recording(*args, _real=getattr(dist, name), _name=name, **kwargs):
             events.append(_name)
             return _real(*args, **kwargs)

@@ -1,0 +1,268 @@
+"""The sharded pipelines over a ``BucketPlan(..., shards=world_size)``.
+
+- reduce-scatter: flatten (cast and prescale in the same pass) → one
+  reduce-scatter per bucket → this rank's part of the sum, postscaled;
+- all-gather: this rank's part → one all-gather per bucket → unflatten into
+  the tensors (cast and scaled in the same pass).
+
+A sharded plan pads each bucket at its end only, so the bucket splits into
+``shards`` equal contiguous parts, each starting on a 16-byte boundary; rank
+``r`` of the group owns part ``r``, whatever parameter bounds it cuts
+(Megatron's distributed optimizer splits its buckets the same way, where FSDP2
+pads every parameter). ``part_ranges`` maps a part back to the elements of the
+tensors it holds: the one table a sharded optimizer reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import kernels
+from ._checks import check_instance, tensor_list
+from .allreduce import PendingBucket, check_buffers, wait_for
+from .buckets import Bucket, BucketPlan
+from .process_group import require_process_group
+
+
+
+def _reduce_scatter(part: torch.Tensor, buffer: torch.Tensor, group):
+    # the *_single names replace the *_tensor ones (which warn) where they exist
+    collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return collective(part, buffer, group=group, async_op=True)
+
+
+def _all_gather(buffer: torch.Tensor, part: torch.Tensor, group):
+    collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return collective(buffer, part, group=group, async_op=True)
+
+
+@dataclass(frozen=True)
+class PartRange:
+    """The elements of one tensor that one part of a bucket holds.
+
+    Attributes:
+        tensor: the tensor's index in the plan.
+        start: its first element held (in the tensor's flattened order).
+        end: one past its last element held.
+        offset: where ``start`` sits in the part.
+    """
+
+    tensor: int
+    start: int
+    end: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def part_ranges(bucket: Bucket, part: int) -> List[PartRange]:
+    """The tensor elements held by part ``part`` of ``bucket``, in bucket order.
+
+    Padding (alignment gaps and the bucket's end) belongs to no tensor and is
+    left out; a tensor cut by a part boundary appears in both parts.
+
+    Raises:
+        ValueError: ``part`` is not one of the bucket's ``shards`` parts.
+
+    Examples:
+        >>> plan = BucketPlan([torch.zeros(10), torch.zeros(3)], shards=2)
+        >>> part_ranges(plan.buckets[0], 1)
+        [PartRange(tensor=0, start=8, end=10, offset=0), PartRange(tensor=1, start=0, end=3, offset=4)]
+    """
+    if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < bucket.shards:
+        raise ValueError(f"part={part!r} is not a part of a bucket in {bucket.shards} parts")
+    first, last = part * bucket.part_size, (part + 1) * bucket.part_size
+    ranges = []
+    for tensor, offset, numel in zip(bucket.tensor_indices, bucket.offsets, bucket.numels):
+        start, end = max(offset, first), min(offset + numel, last)
+        if start < end:
+            ranges.append(PartRange(tensor, start - offset, end - offset, start - first))
+    return ranges
+
+
+def new_part(bucket: Bucket) -> torch.Tensor:
+    """An uninitialised buffer for one part of ``bucket``."""
+    return torch.empty(bucket.part_size, dtype=bucket.dtype, device=bucket.device)
+
+
+def start_bucket_reduce_scatter(plan: BucketPlan, bucket: Bucket, tensors: Sequence[torch.Tensor],
+                                buffer: torch.Tensor, part: torch.Tensor, *, group,
+                                world_size: int, prescale: float = 1.0,
+                                backend: str = "auto") -> PendingBucket:
+    """Flatten ``bucket`` into ``buffer`` (times ``prescale``) and start the
+    reduce-scatter that leaves this rank's part of the sum in ``part``; a
+    world of one rank flattens straight into ``part``."""
+    if world_size == 1:
+        plan.flatten(bucket, tensors, out=part, scale=prescale, backend=backend)
+        return PendingBucket(bucket, part, None)
+    plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=backend)
+    work = _reduce_scatter(part, buffer, group) if bucket.size else None
+    return PendingBucket(bucket, part, work)
+
+
+def start_bucket_all_gather(bucket: Bucket, part: torch.Tensor, buffer: torch.Tensor, *, group,
+                            world_size: int) -> PendingBucket:
+    """Start gathering every rank's ``part`` of ``bucket`` into ``buffer``."""
+    if world_size == 1:
+        return PendingBucket(bucket, part, None)
+    work = _all_gather(buffer, part, group) if bucket.size else None
+    return PendingBucket(bucket, buffer, work)
+
+
+def reduce_scatter_plan(
+    plan: BucketPlan,
+    tensors: Sequence[torch.Tensor],
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    parts: Optional[Sequence[torch.Tensor]] = None,
+    buffers: Optional[Sequence[torch.Tensor]] = None,
+    backend: str = "auto",
+) -> List[torch.Tensor]:
+    """Sum ``tensors`` over ``group`` and keep this rank's part of each bucket.
+
+    Each bucket is flattened into a flat buffer (cast to the bucket's
+    communication dtype and times ``prescale`` in the same pass), one
+    reduce-scatter per bucket leaves part ``r`` of the sum on group rank
+    ``r``, and the part is multiplied by ``postscale``. A mean is
+    ``postscale=1/world_size`` (or ``prescale``, for 16-bit communication).
+    ``part_ranges(bucket, rank)`` says which tensor elements a part holds.
+
+    Args:
+        plan: a plan made with ``shards`` equal to the group's world size
+            from tensors shaped like ``tensors``, the same on every rank.
+        tensors: this rank's tensors, in plan order; not modified.
+        group: the process group (default: the world).
+        prescale: a finite factor applied before the sum.
+        postscale: a finite factor applied to the part after the sum.
+        parts: where the parts go, one per bucket (``bucket.part_size``
+            elements of the bucket's dtype); default: new tensors.
+        buffers: persistent flat buffers, one per bucket (default: fresh ones).
+        backend: the kernels' backend (``"auto"``, ``"triton"``, ``"torch"``).
+
+    Returns:
+        This rank's part of each bucket, in the bucket's dtype.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: the plan's ``shards`` is not the group's world size;
+            ``tensors``, ``parts`` or ``buffers`` do not match the plan; a
+            scale is not finite.
+        TypeError: an entry of ``tensors`` is not a dense tensor.
+
+    Examples:
+        >>> plan = BucketPlan(grads, shards=dist.get_world_size(),              # doctest: +SKIP
+        ...                   comm_dtype=torch.float32)
+        >>> parts = reduce_scatter_plan(plan, grads, postscale=1 / dist.get_world_size())  # doctest: +SKIP
+    """
+    tensors = tensor_list(tensors, "tensors")
+    world_size = _check_sharded(plan, tensors, "tensors", group, prescale=prescale,
+                                postscale=postscale)
+    parts = [new_part(b) for b in plan.buckets] if parts is None else list(parts)
+    _check_parts(plan, parts)
+    buffers = _buffers(plan, buffers, world_size)
+    pending = [start_bucket_reduce_scatter(plan, bucket, tensors, buffer, part, group=group,
+                                           world_size=world_size, prescale=prescale,
+                                           backend=backend)
+               for bucket, buffer, part in zip(plan.buckets, buffers, parts)]
+    for p in pending:
+        wait_for(p)
+        if postscale != 1.0:
+            p.flat.mul_(postscale)
+    return list(parts)
+
+
+def all_gather_plan(
+    plan: BucketPlan,
+    parts: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    scale: float = 1.0,
+    buffers: Optional[Sequence[torch.Tensor]] = None,
+    backend: str = "auto",
+) -> None:
+    """Gather every rank's part of each bucket and write the buckets into ``outputs``.
+
+    The inverse of ``reduce_scatter_plan``'s split: group rank ``r`` passes
+    part ``r`` of each bucket; one all-gather per bucket assembles the flat
+    buffer on every rank, and one unflatten writes it into ``outputs`` (cast
+    to each output's dtype and times ``scale`` in the same pass). Every
+    rank's ``outputs`` end bitwise equal.
+
+    Args:
+        plan: a plan made with ``shards`` equal to the group's world size.
+        parts: this rank's part of each bucket (``bucket.part_size`` elements
+            of the bucket's dtype).
+        outputs: the tensors to write, shaped like the plan's tensors.
+        group: the process group (default: the world).
+        scale: a finite factor applied in the unflatten.
+        buffers: persistent flat buffers, one per bucket (default: fresh ones).
+        backend: the kernels' backend (``"auto"``, ``"triton"``, ``"torch"``).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: the plan's ``shards`` is not the group's world size;
+            ``outputs``, ``parts`` or ``buffers`` do not match the plan; a
+            non-finite ``scale``.
+        TypeError: an entry of ``outputs`` is not a dense tensor.
+
+    Examples:
+        >>> all_gather_plan(plan, parts, list(model.parameters()))        # doctest: +SKIP
+    """
+    outputs = tensor_list(outputs, "outputs")
+    world_size = _check_sharded(plan, outputs, "outputs", group, scale=scale)
+    parts = list(parts)
+    _check_parts(plan, parts)
+    buffers = _buffers(plan, buffers, world_size)
+    pending = [start_bucket_all_gather(bucket, part, buffer, group=group, world_size=world_size)
+               for bucket, part, buffer in zip(plan.buckets, parts, buffers)]
+    with torch.no_grad():
+        for p in pending:
+            wait_for(p)
+            plan.unflatten(p.bucket, p.flat, outputs, scale=scale, backend=backend)
+
+
+def _check_sharded(plan: BucketPlan, tensors: List[torch.Tensor], name: str, group,
+                   **scales: float) -> int:
+    """The group's world size, once the plan, the tensors and the scales are checked."""
+    check_instance(plan, "plan", BucketPlan, "a BucketPlan")
+    world_size = require_process_group(group)
+    if plan.shards != world_size:
+        raise ValueError(f"plan has shards={plan.shards} but the group has {world_size} ranks: "
+                         f"make the plan with BucketPlan(..., shards={world_size})")
+    for scale_name, value in scales.items():
+        kernels.check_scale(value, scale_name)
+    plan.check(tensors, name)
+    return world_size
+
+
+def _buffers(plan: BucketPlan, buffers: Optional[Sequence[torch.Tensor]],
+             world_size: int) -> List[Optional[torch.Tensor]]:
+    """The flat buffers the collectives use, checked; none on a world of one
+    rank, where the parts are the buckets."""
+    if world_size == 1:
+        return [None] * len(plan.buckets)
+    buffers = [plan.new_buffer(b) for b in plan.buckets] if buffers is None else list(buffers)
+    check_buffers(plan, buffers)
+    return buffers
+
+
+def _check_parts(plan: BucketPlan, parts: Sequence[torch.Tensor]) -> None:
+    if len(parts) != len(plan.buckets):
+        raise ValueError(f"parts has {len(parts)} entries for {len(plan.buckets)} buckets")
+    for bucket, part in zip(plan.buckets, parts):
+        if not isinstance(part, torch.Tensor) or part.dtype != bucket.dtype \
+                or part.device != bucket.device or part.shape != (bucket.part_size,) \
+                or not part.is_contiguous():
+            raise ValueError(
+                f"parts[{bucket.index}] must be a contiguous {bucket.dtype} tensor of shape "
+                f"({bucket.part_size},) on {bucket.device}")
+
+
