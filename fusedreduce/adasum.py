@@ -13,6 +13,8 @@ Entry points, from the highest level down:
 - ``adasum_allreduce_plan(plan, tensors, outputs)``: bucket by bucket, no checks;
 - ``adasum_allreduce_flat(buffer, segments)``: one flat buffer, in place (what
   ``adasum_hook`` runs on a DDP bucket);
+- ``AdaSumReducer``: a ``DistributedGradReducer`` whose buckets combine by
+  AdaSum during backward (``DistributedOptimizer(reduce_method="adasum")``);
 - ``_combine_along_tree``: the tree itself over an explicit list of ranks.
 
 A little over 300 lines: the tree and its entry points are one concept, and
@@ -28,10 +30,12 @@ import torch.distributed as dist
 
 from . import kernels
 from ._checks import tensor_list
+from .allreduce import PendingBucket
 from .buckets import Bucket, BucketPlan
 from .precision import communication_dtype
 from .process_group import (consecutive_block, global_ranks, require_process_group,
                             verify_same_on_all_ranks)
+from .reducer import DistributedGradReducer
 
 
 def check_local_size(local_size, world_size: int) -> int:
@@ -47,8 +51,9 @@ def check_local_size(local_size, world_size: int) -> int:
     return local_size
 
 
-def adasum_allreduce(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup] = None, *, local_size: int = 1,
-                     bucket_cap_mb: float = 25.0, backend: str = "auto") -> List[torch.Tensor]:
+def adasum_allreduce(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup] = None,
+                     *, local_size: int = 1, bucket_cap_mb: float = 25.0,
+                     backend: str = "auto") -> List[torch.Tensor]:
     """AdaSum of every rank's ``tensors``, per tensor; new tensors, the same on all ranks.
 
     For two gradients of a tensor, ``AdaSum(a, b) = (1 - a·b/(2‖a‖²))·a +
@@ -110,7 +115,8 @@ def adasum_allreduce(tensors: Sequence[torch.Tensor], group: Optional[dist.Proce
 
 
 def adasum_allreduce_plan(plan: BucketPlan, tensors: Sequence[torch.Tensor],
-                          outputs: Sequence[torch.Tensor], *, group: Optional[dist.ProcessGroup] = None, local_size: int = 1,
+                          outputs: Sequence[torch.Tensor], *,
+                          group: Optional[dist.ProcessGroup] = None, local_size: int = 1,
                           backend: str = "auto") -> None:
     """The AdaSum of ``tensors`` across ranks into ``outputs``, bucket by bucket.
 
@@ -119,6 +125,56 @@ def adasum_allreduce_plan(plan: BucketPlan, tensors: Sequence[torch.Tensor],
     """
     for bucket, buffer in _combined_buckets(plan, tensors, group, local_size, backend):
         plan.unflatten(bucket, buffer, outputs, backend=backend)
+
+
+class AdaSumReducer(DistributedGradReducer):
+    """A ``DistributedGradReducer`` whose buckets combine by AdaSum, not by a sum.
+
+    Each bucket, once its gradients are ready (or on a call), is flattened
+    into an fp32/fp64 buffer times ``1/local_size`` and combined along
+    AdaSum's tree (``adasum_allreduce_flat``), one coefficient pair per
+    parameter: the result is bitwise ``adasum_allreduce`` of the gradients,
+    whatever the bucketing. The tree is a chain of dependent point-to-point
+    steps, run when the bucket starts (as ``adasum_hook`` runs it).
+
+    Args:
+        parameters: as ``DistributedGradReducer``'s.
+        group: the process group; default: the world.
+        local_size: average inside consecutive blocks of this many ranks
+            first (a node's GPUs), then AdaSum across the blocks.
+        bucket_cap_mb: the byte cap of a fused bucket, in MiB.
+        reduce_dtype: float32 (16-bit gradients are combined in fp32) or
+            float64.
+        backend: the kernels' backend.
+
+    Raises:
+        ValueError: ``reduce_dtype`` is 16-bit (AdaSum's statistics and
+            combine need fp32 or fp64 buffers), or ``local_size`` does not
+            divide the world size; and ``DistributedGradReducer``'s errors.
+    """
+
+    def __init__(self, parameters, group: Optional[dist.ProcessGroup] = None, *,
+                 local_size: int = 1, bucket_cap_mb: float = 25.0,
+                 reduce_dtype: torch.dtype = torch.float32, backend: str = "auto") -> None:
+        if reduce_dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"AdaSum combines in float32 or float64 buffers: reduce_dtype="
+                             f"{reduce_dtype} cannot be used with it")
+        super().__init__(parameters, mean=False, group=group, bucket_cap_mb=bucket_cap_mb,
+                         reduce_dtype=reduce_dtype, backend=backend)
+        self.local_size = check_local_size(local_size, self.world_size)
+        # prescaled by 1/local_size in the flatten, as adasum_allreduce does
+        self._scales = [(1.0 / local_size, 1.0)] * len(self.plan.buckets)
+
+    def _start_flat(self, bucket, tensors, buffer: torch.Tensor) -> PendingBucket:
+        prescale, _ = self._scales[bucket.index]
+        self.plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=self.backend)
+        return self._communicate(bucket, buffer, None)
+
+    def _communicate(self, bucket, buffer: torch.Tensor, spare) -> PendingBucket:
+        adasum_flat_unchecked(buffer, adasum_bucket_boundaries(bucket), self.group,
+                              self.local_size, self.backend, prescaled=True,
+                              exchanges_only=False)
+        return PendingBucket(bucket, buffer, None)
 
 
 def adasum_bucket_boundaries(bucket: Bucket) -> List[int]:
@@ -142,8 +198,9 @@ def _combined_buckets(plan: BucketPlan, tensors: Sequence[torch.Tensor], group,
         yield bucket, buffer
 
 
-def adasum_allreduce_flat(buffer: torch.Tensor, segments: Sequence[int], *, group: Optional[dist.ProcessGroup] = None,
-                          local_size: int = 1, backend: str = "auto", prescaled: bool = False,
+def adasum_allreduce_flat(buffer: torch.Tensor, segments: Sequence[int], *,
+                          group: Optional[dist.ProcessGroup] = None, local_size: int = 1,
+                          backend: str = "auto", prescaled: bool = False,
                           exchanges_only: bool = False) -> None:
     """The AdaSum of every rank's ``buffer``, in place, one coefficient pair per segment.
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_instance, check_int
-from .adasum import adasum_allreduce, check_local_size
+from .adasum import AdaSumReducer, adasum_allreduce, check_local_size
 from .broadcast import broadcast_tensors
 from .process_group import require_process_group
 from .reducer import DistributedGradReducer
@@ -60,11 +60,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Args:
         optimizer: any ``torch.optim.Optimizer``.
-        reduce_method: ``"mean"`` or ``"sum"`` across ranks.
+        reduce_method: ``"mean"`` or ``"sum"`` across ranks, or ``"adasum"``
+            (Horovod's ``op=Adasum``): each bucket's gradients combine along
+            AdaSum's tree during backward, bitwise ``adasum_allreduce`` of the
+            gradients (per-parameter coefficients).
         group: the process group; default: the world.
-        bcast_period: ``0``: broadcast the parameters from rank 0 once, now;
-            ``k > 0``: also every ``k`` steps (restores diverged replicas);
-            ``-1``: never.
+        bcast_period: ``0``: broadcast the parameters from rank 0 of ``group``
+            (a group rank) once, now; ``k > 0``: also every ``k`` steps
+            (restores diverged replicas); ``-1``: never.
         param_pack: fuse gradients into buckets (``False``: one all-reduce per
             gradient).
         param_pack_thd: the byte cap of a fused bucket.
@@ -74,10 +77,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         gradient_as_bucket_view: keep each ``.grad`` as a view of its fused
             bucket (DDP's option; see ``DistributedGradReducer.register_hooks``):
             no flatten copy, one gradient copy less in memory, same results.
+        local_size: with ``reduce_method="adasum"``: average inside
+            consecutive blocks of this many ranks first (a node's GPUs), then
+            AdaSum across the blocks, as ``hooks.adasum_hook``'s ``local_size``.
 
     Raises:
-        ValueError: ``reduce_method`` is not "sum" or "mean"; a bad
-            ``bcast_period``, ``param_pack_thd`` or ``backward_passes_per_step``.
+        ValueError: ``reduce_method`` is not "sum", "mean" or "adasum"; a bad
+            ``bcast_period``, ``param_pack_thd`` or ``backward_passes_per_step``;
+            ``local_size`` other than 1 without AdaSum, or not dividing the
+            world size; a 16-bit ``reduce_dtype`` with AdaSum.
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
         RuntimeError: torch.distributed is not initialised.
 
@@ -101,13 +109,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         *,
         reduce_dtype: torch.dtype = torch.float32,
         gradient_as_bucket_view: bool = False,
+        local_size: int = 1,
     ) -> None:
-        if reduce_method not in ("sum", "mean"):
-            raise ValueError(f"reduce_method must be 'sum' or 'mean', got {reduce_method!r}")
+        if reduce_method not in ("sum", "mean", "adasum"):
+            raise ValueError(f"reduce_method must be 'sum', 'mean' or 'adasum', got "
+                             f"{reduce_method!r}")
+        if reduce_method != "adasum" and local_size != 1:
+            raise ValueError(f"local_size={local_size!r} applies to reduce_method='adasum' only")
         check_int(bcast_period, "bcast_period", minimum=-1)
         check_int(param_pack_thd, "param_pack_thd")
         check_int(backward_passes_per_step, "backward_passes_per_step")
-        require_process_group(group)
+        world_size = require_process_group(group)
+        if reduce_method == "adasum":
+            check_local_size(local_size, world_size)
+            if reduce_dtype not in (torch.float32, torch.float64):
+                raise ValueError(f"AdaSum combines in float32 or float64 buffers: reduce_dtype="
+                                 f"{reduce_dtype} cannot be used with reduce_method='adasum'")
         self.__dict__.update(optimizer.__dict__)
         self.group = group
         self.reduce_method = reduce_method
@@ -115,8 +132,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         # param_pack=False: a one-byte cap puts every gradient in its own bucket
         cap_bytes = param_pack_thd if param_pack else 1
-        self._reducer_args = dict(mean=reduce_method == "mean", group=group,
-                                  bucket_cap_mb=cap_bytes / 2 ** 20, reduce_dtype=reduce_dtype)
+        self._reducer_args = dict(group=group, bucket_cap_mb=cap_bytes / 2 ** 20,
+                                  reduce_dtype=reduce_dtype)
+        if reduce_method == "adasum":
+            self._reducer_class = AdaSumReducer
+            self._reducer_args["local_size"] = local_size
+        else:
+            self._reducer_class = DistributedGradReducer
+            self._reducer_args["mean"] = reduce_method == "mean"
         self._gradient_as_bucket_view = gradient_as_bucket_view
         self._trainable = self._trainable_now()
         self.reducer = self._hooked_reducer()
@@ -132,7 +155,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return [p for p in self._all_params() if p.requires_grad]
 
     def _hooked_reducer(self) -> DistributedGradReducer:
-        return DistributedGradReducer(self._trainable, **self._reducer_args).register_hooks(
+        return self._reducer_class(self._trainable, **self._reducer_args).register_hooks(
             self.backward_passes_per_step, gradient_as_bucket_view=self._gradient_as_bucket_view)
 
     def _check_between_steps(self, what: str) -> None:
@@ -155,7 +178,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """``torch.optim.Optimizer.add_param_group``, and the group's trainable
         parameters join the reduction from the next backward on. Every rank
         must call it alike (it is collective): unless ``bcast_period`` is
-        -1, the new parameters are broadcast from rank 0 at once, as the
+        -1, the new parameters are broadcast from the group's rank 0 at once, as the
         others were when the optimizer was wrapped.
 
         Raises:
@@ -196,13 +219,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._rehook()
         if unseen and self.reducer.reduced:
             # the backward of this step ran with the old hooks: reduce these now
-            once = DistributedGradReducer(unseen, **self._reducer_args)
+            once = self._reducer_class(unseen, **self._reducer_args)
             grads = once([p.grad if p.grad is not None else torch.zeros_like(p) for p in unseen])
             for p, g in zip(unseen, grads):
                 p.grad = g
 
     def broadcast_parameters(self, src: int = 0) -> None:
-        """Copy rank ``src``'s parameters to every rank (fused, bitwise exact)."""
+        """Copy the parameters of rank ``src`` of the optimizer's group (a group
+        rank) to every rank of it (fused, bitwise exact)."""
         params = self._all_params()
         with torch.no_grad():
             # verified first: a rank with a differently shaped parameter gets a

@@ -187,8 +187,7 @@ class DistributedGradReducer:
             if flag is not None:
                 spare = buffer[bucket.size]
                 spare.copy_(flag)
-            return start_all_reduce(bucket, buffer, group=self.group,
-                                    world_size=self.world_size, spare=spare)
+            return self._communicate(bucket, buffer, spare)
         return self._start_flat(bucket, tensors, buffer)
 
     def _start_flat(self, bucket, tensors: Sequence[Optional[torch.Tensor]],
@@ -199,6 +198,13 @@ class DistributedGradReducer:
             self.plan, bucket, tensors, buffer, group=self.group,
             world_size=self.world_size, prescale=prescale, backend=self.backend,
             count_nonfinite=self.check_finite)
+
+    def _communicate(self, bucket, buffer: torch.Tensor,
+                     spare: Optional[torch.Tensor]) -> PendingBucket:
+        """Start combining ``bucket``'s filled ``buffer`` across the ranks: a sum
+        (``_start_flat`` does the same through ``start_bucket_all_reduce``)."""
+        return start_all_reduce(bucket, buffer, group=self.group, world_size=self.world_size,
+                                spare=spare)
 
     def _finish_flat(self, pending: PendingBucket, outputs: Sequence[torch.Tensor]) -> None:
         """Wait for ``pending`` and write its bucket into ``outputs``, postscaled."""
