@@ -10,8 +10,9 @@ overlaps bucket k's communication. ``DistributedGradReducer``,
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -85,17 +86,21 @@ def wait_for(pending: PendingBucket) -> None:
         pending.work.wait()
 
 
-def check_buffers(plan: BucketPlan, buffers: Sequence[torch.Tensor]) -> None:
-    """Raise ValueError unless ``buffers`` fit the plan's buckets one by one."""
+def check_buffers(plan: BucketPlan, buffers: Sequence[torch.Tensor], name: str = "buffers",
+                  numel: Callable[[Bucket], int] = operator.attrgetter("size")) -> None:
+    """Raise ValueError unless ``buffers`` fit the plan's buckets one by one:
+    one contiguous tensor of the bucket's dtype and device per bucket, of
+    ``numel(bucket)`` elements (the whole bucket by default; a part of it for
+    the sharded pipelines)."""
     if len(buffers) != len(plan.buckets):
-        raise ValueError(f"buffers has {len(buffers)} entries for {len(plan.buckets)} buckets")
+        raise ValueError(f"{name} has {len(buffers)} entries for {len(plan.buckets)} buckets")
     for bucket, buffer in zip(plan.buckets, buffers):
         if not isinstance(buffer, torch.Tensor) or buffer.dtype != bucket.dtype \
-                or buffer.device != bucket.device or buffer.shape != (bucket.size,) \
+                or buffer.device != bucket.device or buffer.shape != (numel(bucket),) \
                 or not buffer.is_contiguous():
             raise ValueError(
-                f"buffers[{bucket.index}] must be a contiguous {bucket.dtype} tensor of shape "
-                f"({bucket.size},) on {bucket.device}")
+                f"{name}[{bucket.index}] must be a contiguous {bucket.dtype} tensor of shape "
+                f"({numel(bucket)},) on {bucket.device}")
 
 
 def all_reduce_plan(

@@ -14,6 +14,7 @@ tensors it holds: the one table a sharded optimizer reads.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -255,14 +256,6 @@ def _buffers(plan: BucketPlan, buffers: Optional[Sequence[torch.Tensor]],
 
 
 def _check_parts(plan: BucketPlan, parts: Sequence[torch.Tensor]) -> None:
-    if len(parts) != len(plan.buckets):
-        raise ValueError(f"parts has {len(parts)} entries for {len(plan.buckets)} buckets")
-    for bucket, part in zip(plan.buckets, parts):
-        if not isinstance(part, torch.Tensor) or part.dtype != bucket.dtype \
-                or part.device != bucket.device or part.shape != (bucket.part_size,) \
-                or not part.is_contiguous():
-            raise ValueError(
-                f"parts[{bucket.index}] must be a contiguous {bucket.dtype} tensor of shape "
-                f"({bucket.part_size},) on {bucket.device}")
+    check_buffers(plan, parts, "parts", numel=operator.attrgetter("part_size"))
 
 
