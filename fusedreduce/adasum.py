@@ -127,6 +127,19 @@ def adasum_allreduce_plan(plan: BucketPlan, tensors: Sequence[torch.Tensor],
         plan.unflatten(bucket, buffer, outputs, backend=backend)
 
 
+def check_adasum_reduce_dtype(reduce_dtype: torch.dtype) -> torch.dtype:
+    """``reduce_dtype`` if AdaSum can combine in it (float32 or float64).
+
+    Raises:
+        ValueError: anything else: AdaSum's statistics and combine need fp32
+            or fp64 buffers.
+    """
+    if reduce_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"AdaSum combines in float32 or float64 buffers: reduce_dtype="
+                         f"{reduce_dtype} cannot be used with it")
+    return reduce_dtype
+
+
 class AdaSumReducer(DistributedGradReducer):
     """A ``DistributedGradReducer`` whose buckets combine by AdaSum, not by a sum.
 
@@ -156,9 +169,7 @@ class AdaSumReducer(DistributedGradReducer):
     def __init__(self, parameters, group: Optional[dist.ProcessGroup] = None, *,
                  local_size: int = 1, bucket_cap_mb: float = 25.0,
                  reduce_dtype: torch.dtype = torch.float32, backend: str = "auto") -> None:
-        if reduce_dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"AdaSum combines in float32 or float64 buffers: reduce_dtype="
-                             f"{reduce_dtype} cannot be used with it")
+        check_adasum_reduce_dtype(reduce_dtype)
         super().__init__(parameters, mean=False, group=group, bucket_cap_mb=bucket_cap_mb,
                          reduce_dtype=reduce_dtype, backend=backend)
         self.local_size = check_local_size(local_size, self.world_size)

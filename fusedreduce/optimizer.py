@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_instance, check_int
-from .adasum import AdaSumReducer, adasum_allreduce, check_local_size
+from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
+                     check_local_size)
 from .broadcast import broadcast_tensors
 from .process_group import require_process_group
 from .reducer import DistributedGradReducer
@@ -121,10 +122,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_int(backward_passes_per_step, "backward_passes_per_step")
         world_size = require_process_group(group)
         if reduce_method == "adasum":
+            # checked here too, before the optimizer's state is taken over
             check_local_size(local_size, world_size)
-            if reduce_dtype not in (torch.float32, torch.float64):
-                raise ValueError(f"AdaSum combines in float32 or float64 buffers: reduce_dtype="
-                                 f"{reduce_dtype} cannot be used with reduce_method='adasum'")
+            check_adasum_reduce_dtype(reduce_dtype)
         self.__dict__.update(optimizer.__dict__)
         self.group = group
         self.reduce_method = reduce_method
