@@ -27,6 +27,8 @@ from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
 from .broadcast import broadcast_tensors
 from .process_group import require_process_group
 from .reducer import DistributedGradReducer
+from .sharded_optimizer import (ShardedGradReducer, ShardedParameters, check_master_dtype,
+                                check_shardable, master_dtype_of)
 
 
 def _instance_of_both(wrapper: type, optimizer) -> object:
@@ -111,7 +113,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         reduce_dtype: torch.dtype = torch.float32,
         gradient_as_bucket_view: bool = False,
         local_size: int = 1,
+        shard: bool = False,
+        master_dtype: torch.dtype = torch.float32,
+        assume_elementwise: bool = False,
     ) -> None:
+        if not isinstance(shard, bool):
+            raise TypeError(f"shard must be True or False, got {shard!r}")
+        if shard:
+            check_shardable(optimizer, assume_elementwise)
+            check_master_dtype(master_dtype)
+            if gradient_as_bucket_view:
+                raise ValueError(
+                    "gradient_as_bucket_view=True does not combine with shard=True: the flat "
+                    "buffers are the reduce-scatter's input and the all-gather's output, and "
+                    "each .grad receives this rank's share in one write-back launch already")
         if reduce_method not in ("sum", "mean", "adasum"):
             raise ValueError(f"reduce_method must be 'sum', 'mean' or 'adasum', got "
                              f"{reduce_method!r}")
@@ -141,11 +156,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._reducer_class = DistributedGradReducer
             self._reducer_args["mean"] = reduce_method == "mean"
         self._gradient_as_bucket_view = gradient_as_bucket_view
+        self.shard = shard
+        self.master_dtype = master_dtype
+        self._local_size = local_size
         self._trainable = self._trainable_now()
-        self.reducer = self._hooked_reducer()
         self._steps = 0
+        self.sharded: Optional[ShardedParameters] = None
+        # the reducer checks the parameters (before any collective)
+        self.reducer = self._sharded_reducer() if shard else self._hooked_reducer()
         if bcast_period != -1:
             self.broadcast_parameters()
+        if shard:
+            # masters are taken from the broadcast parameters
+            self._take_shards(self.state)
 
     # ------------------------------------------- which parameters are reduced
     def _all_params(self):
@@ -154,9 +177,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _trainable_now(self):
         return [p for p in self._all_params() if p.requires_grad]
 
+    def _sharded_reducer(self) -> ShardedGradReducer:
+        """The sharded plan over every parameter (frozen ones too: freezing
+        must not move the layout the state sits on), hooked."""
+        args = dict(self._reducer_args)
+        mean = args.pop("mean", False)
+        local_size = args.pop("local_size", None)
+        return ShardedGradReducer(self._all_params(), mean=mean, adasum_local_size=local_size,
+                                  **args).register_hooks(self.backward_passes_per_step)
+
+    def _take_shards(self, full_state) -> None:
+        """This rank's slices of the parameters, and its part of ``full_state``
+        (per-parameter state, keyed by parameter)."""
+        self.sharded = ShardedParameters(self._all_params(), self.reducer, self.master_dtype,
+                                         self.group)
+        self.state = self.sharded.take_state(full_state)
+
     def _hooked_reducer(self) -> DistributedGradReducer:
-        return self._reducer_class(self._trainable, **self._reducer_args).register_hooks(
-            self.backward_passes_per_step, gradient_as_bucket_view=self._gradient_as_bucket_view)
+        reducer = self._reducer_class(self._trainable, **self._reducer_args)
+        reducer.unused_grads_to_none = True
+        return reducer.register_hooks(self.backward_passes_per_step,
+                                      gradient_as_bucket_view=self._gradient_as_bucket_view)
 
     def _check_between_steps(self, what: str) -> None:
         if self.reducer.accumulated_passes or not self.reducer.syncing:
@@ -168,6 +209,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _rehook(self) -> None:
         """Reduce ``self._trainable`` from the next backward on (a new reducer;
         the old one's hooks are removed)."""
+        if self.shard:
+            self.reducer.rehook()  # the layout stays: the state sits on it
+            return
         reduced = self.reducer.reduced
         self.reducer.remove_hooks()
         self.reducer = self._hooked_reducer()
@@ -195,15 +239,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         self._check_between_steps("add_param_group() called")
+        if self.shard and self.reducer.reduced and \
+                any(p.grad is not None for p in self._all_params()):
+            raise RuntimeError(
+                "add_param_group() called between a backward pass and step() with shard=True: "
+                "the reduced gradients are laid out for the current parameters; call it after "
+                "step() (or after zero_grad())")
+        full_state = self._full_state() if self.shard else None
         super().add_param_group(param_group)
         added = self.param_groups[-1]["params"]
         self._trainable = self._trainable_now()
-        self._rehook()
         if self.bcast_period != -1 and added:
             with torch.no_grad():
                 first = len(self._all_params()) - len(added)
                 broadcast_tensors([p.data for p in added], 0, group=self.group,
                                   names=[f"parameters[{first + i}]" for i in range(len(added))])
+        if self.shard:
+            # a new layout over all the parameters: the state moves to its new owners
+            self.reducer.remove_hooks()
+            self.reducer = self._sharded_reducer()
+            self._take_shards(full_state)
+        else:
+            self._rehook()
 
     def _follow_requires_grad(self) -> None:
         """Parameters frozen or unfrozen since the last step: reduce the
@@ -213,6 +270,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if len(now) == len(self._trainable) and all(map(operator.is_, now, self._trainable)):
             return
         self._check_between_steps("parameters were frozen or unfrozen")
+        if self.shard:
+            # the layout covers frozen parameters too; the last backward read
+            # every gradient there was when it ended
+            self._trainable = now
+            self._rehook()
+            return
         hooked = {id(p) for p in self._trainable}
         unseen = [p for p in now if id(p) not in hooked]
         self._trainable = now
@@ -265,7 +328,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             >>> loss = opt.step(closure)                          # doctest: +SKIP
         """
         self._follow_requires_grad()
-        if closure is None:
+        if self.shard:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._check_reduced()
+            self.sharded.refresh_masters()
+            self.sharded.step(self, super().step)
+            self.sharded.gather()
+        elif closure is None:
             self._check_reduced()
             loss = super().step()
         else:
@@ -292,6 +364,139 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def no_sync(self):
         """A context in which backward passes accumulate gradients locally."""
         return self.reducer.no_sync()
+
+    # ------------------------------------------------------------ checkpoints
+    def _full_state(self, to: Optional[int] = None) -> Optional[dict]:
+        """With ``shard=True``: every rank's part of the state put together
+        (collective), keyed by parameter; None on ranks other than ``to``."""
+        pieces = self.sharded.local_pieces(self.state)
+        if self.reducer.world_size == 1:
+            return self.sharded.assemble([pieces])
+        if to is None:
+            gathered = [None] * self.reducer.world_size
+            dist.all_gather_object(gathered, pieces, group=self.group)
+            return self.sharded.assemble(gathered)
+        rank = dist.get_rank(self.group)
+        gathered = [None] * self.reducer.world_size if rank == to else None
+        dst = dist.get_global_rank(self.group, to) if self.group is not None else to
+        dist.gather_object(pieces, gathered, dst=dst, group=self.group)
+        return self.sharded.assemble(gathered) if rank == to else None
+
+    def state_dict(self, *, to: Optional[int] = None) -> Optional[dict]:
+        """``torch.optim.Optimizer.state_dict``, always in the unsharded form.
+
+        With ``shard=True`` this is **collective**: every rank of the group
+        must call it, and each gets the same full dict, with the keys and
+        shapes the wrapped optimizer would have without fusedreduce (plus,
+        for 16-bit parameters that have state, their fp32 master copy under
+        ``"master_weight"``). ``if rank == 0: opt.state_dict()`` would hang
+        the other ranks' next collective: call it on every rank, and save on
+        one. ``to=k`` materialises the dict on group rank ``k`` only (the
+        others get None), saving the others' memory. Without sharding the
+        state is already whole on every rank and nothing is communicated.
+
+        Raises:
+            ValueError: ``to`` is not a rank of the group.
+
+        Examples:
+            >>> state = opt.state_dict()                      # on every rank  # doctest: +SKIP
+            >>> if dist.get_rank() == 0: torch.save(state, "opt.pt")          # doctest: +SKIP
+        """
+        if to is not None:
+            check_int(to, "to", minimum=0)
+            if to >= self.reducer.world_size:
+                raise ValueError(f"to={to} is not a rank of the group "
+                                 f"({self.reducer.world_size} ranks)")
+        if not self.shard:
+            return super().state_dict()
+        full = self._full_state(to)
+        if full is None:
+            return None
+        local, self.state = self.state, full
+        try:
+            return super().state_dict()
+        finally:
+            self.state = local
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """``torch.optim.Optimizer.load_state_dict`` from the unsharded form
+        that ``state_dict()`` returns (or a plain optimizer's), at any world
+        size, sharded or not; the loaded hyperparameters win over the
+        constructor's, as in torch. With ``shard=True`` each rank keeps its
+        part (a master copy comes from ``"master_weight"`` when present, else
+        from the parameter). Every rank loads the same dict.
+
+        Raises:
+            ValueError: the dict's groups or per-element state do not match the
+                parameters (a state dict of another model); nothing is changed.
+        """
+        self._check_loadable(state_dict)
+        if not self.shard:
+            super().load_state_dict(_without_master_weights(state_dict))
+            return
+        # loaded against stand-ins in the dtype each slice is stepped in, so
+        # torch casts the state to it (not to a 16-bit parameter's dtype)
+        params = self._all_params()
+        stand_ins = [torch.empty(0, dtype=master_dtype_of(p, self.master_dtype), device=p.device)
+                     for p in params]
+        back = {id(s): p for s, p in zip(stand_ins, params)}
+        originals = [g["params"] for g in self.param_groups]
+        position = 0
+        for g in self.param_groups:
+            g["params"] = stand_ins[position:position + len(g["params"])]
+            position += len(g["params"])
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            if self.param_groups and self.param_groups[0]["params"] and \
+                    id(self.param_groups[0]["params"][0]) in back:
+                for g in self.param_groups:
+                    g["params"] = [back[id(s)] for s in g["params"]]
+            else:
+                for g, original in zip(self.param_groups, originals):
+                    g["params"] = original
+        full = {back[id(s)]: entry for s, entry in self.state.items()}
+        self.state = self.sharded.take_state(full)
+
+    def _check_loadable(self, state_dict: dict) -> None:
+        """Match ``state_dict`` to the parameters before anything changes."""
+        check_instance(state_dict, "state_dict", dict, "a dict from state_dict()")
+        if "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("state_dict must have 'state' and 'param_groups' entries (the "
+                             "form state_dict() returns)")
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(groups)} parameter groups, the optimizer "
+                             f"{len(self.param_groups)}")
+        ids = []
+        for i, (saved, own) in enumerate(zip(groups, self.param_groups)):
+            if len(saved["params"]) != len(own["params"]):
+                raise ValueError(f"state_dict's param_groups[{i}] has {len(saved['params'])} "
+                                 f"parameters, the optimizer's {len(own['params'])}")
+            ids += list(saved["params"])
+        params = dict(zip(ids, self._all_params()))
+        for key, entry in state_dict["state"].items():
+            p = params.get(key)
+            if p is None:
+                raise ValueError(f"state_dict's state has an entry for parameter {key!r}, "
+                                 f"which no parameter group lists")
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and \
+                        value.shape != p.shape:
+                    raise ValueError(
+                        f"state_dict's state[{key!r}][{name!r}] has shape {tuple(value.shape)} "
+                        f"but the parameter it belongs to has {tuple(p.shape)}: a state dict "
+                        f"of another model")
+
+
+def _without_master_weights(state_dict: dict) -> dict:
+    """``state_dict`` without the sharded mode's ``master_weight`` entries
+    (an unsharded optimizer steps the parameters themselves)."""
+    if not any("master_weight" in entry for entry in state_dict["state"].values()):
+        return state_dict
+    state = {k: {n: v for n, v in entry.items() if n != "master_weight"}
+             for k, entry in state_dict["state"].items()}
+    return {**state_dict, "state": state}
 
 
 class AdaSumByDeltaWeight(torch.optim.Optimizer):

@@ -71,6 +71,8 @@ class BackwardOverlap:
         self._twice: set = set()  # slots whose gradient was accumulated twice in a pass
         self._restart: set = set()  # started buckets a second accumulation made stale
         self._ready: List[int] = []
+        self._hooked: set = set()  # slots with a hook (parameters that required grad then)
+        self.missing: List[int] = []  # slots without a gradient when the last pass ended
         self._next_launch = 0
         self._pending: List[PendingBucket] = []
         self.reduced = False
@@ -97,8 +99,11 @@ class BackwardOverlap:
         be repaired."""
         self._passes_per_sync = passes_per_sync
         self._hold_first_pass = hold_first_pass
-        for slot, p in enumerate(self.parameters):
-            self._handles.append(p.register_post_accumulate_grad_hook(
+        # a frozen parameter takes no hook (torch refuses one); it is followed
+        # at each pass instead (see _begin_backward)
+        self._hooked = {slot for slot, p in enumerate(self.parameters) if p.requires_grad}
+        for slot in sorted(self._hooked):
+            self._handles.append(self.parameters[slot].register_post_accumulate_grad_hook(
                 lambda param, slot=slot: self._on_grad_ready(slot)))
 
     def detach(self) -> None:
@@ -196,8 +201,13 @@ class BackwardOverlap:
         if self._syncing:
             self._before_sync()
             hold_all = self._hold_first_pass and not self._learned
-            # a held bucket never becomes ready: it starts when backward ends
-            self._ready = [len(b.tensor_indices) + int(
+            # a held bucket never becomes ready: it starts when backward ends.
+            # A parameter without a hook that is frozen does not hold its
+            # bucket; one unfrozen since the hooks were set does (its gradient
+            # is read when backward ends)
+            waited = [slot in self._hooked or self.parameters[slot].requires_grad
+                      for slot in range(len(self.parameters))]
+            self._ready = [sum(waited[slot] for slot in b.tensor_indices) + int(
                 hold_all or not self._twice.isdisjoint(b.tensor_indices))
                 for b in self.plan.buckets]
             self._fired = [False] * len(self.parameters)
@@ -230,6 +240,7 @@ class BackwardOverlap:
             self._passes_since_sync += 1
             return
         grads = []  # what each bucket sends and receives, plan order
+        self.missing = [slot for slot, p in enumerate(self.parameters) if p.grad is None]
         for p in self.parameters:
             if p.grad is None:
                 if not p.requires_grad:

@@ -113,7 +113,8 @@ class DistributedGradReducer:
         self.plan = BucketPlan([self.parameters[i] for i in self._order],
                                bucket_cap_mb=bucket_cap_mb,
                                comm_dtype=lambda d: communication_dtype(d, reduce_dtype),
-                               fusion_ids=[fusion_ids[i] for i in self._order])
+                               fusion_ids=[fusion_ids[i] for i in self._order],
+                               shards=self._plan_shards())
         total = 1.0 / self.degree if self.mean else 1.0
         # by default 16-bit communication divides fully before the sum (guarding
         # fp16 overflow); wider communication divides after it
@@ -124,11 +125,18 @@ class DistributedGradReducer:
         self._views: Optional[BucketViews] = None
         self._call_buffers: Optional[List[torch.Tensor]] = None
         self._verified = self.world_size == 1
+        # DistributedOptimizer's rule (DDP's): a parameter no rank gave a
+        # gradient in a pass keeps none, so the optimizer skips it
+        self.unused_grads_to_none = False
         # what every call's gradients must match, compared one property at a time
         self._expected = (list(map(_size, self.parameters)), list(map(_dtype, self.parameters)),
                           list(map(_device, self.parameters)), [torch.strided] * n)
         self._overlap = BackwardOverlap([self.parameters[i] for i in self._order], self.plan,
                                         self._start, self._finish, self._verify_once)
+
+    def _plan_shards(self) -> int:
+        """How many parts each bucket splits into (1: the all-reduce path)."""
+        return 1
 
     # ------------------------------------------------------------------ checks
     def _verify_once(self) -> None:
@@ -221,6 +229,27 @@ class DistributedGradReducer:
             else:
                 self._finish_flat(p, outputs)
         self._record_nonfinite(pending)
+        if self.unused_grads_to_none:
+            self._settle_unused()
+
+    def _settle_unused(self, extra: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """After a pass: count, over the ranks, who had each gradient (one
+        small all-reduce, with ``extra``'s value summed alongside); a
+        parameter nobody had a gradient for gets ``.grad = None`` on every
+        rank. Returns ``extra``'s sum."""
+        if not self.parameters:
+            return extra
+        counts = torch.ones(len(self.parameters) + 1, dtype=torch.int32,
+                            device=self.parameters[0].device)
+        if self._overlap.missing:
+            counts[self._overlap.missing] = 0  # the hooks' slots: plan order
+        counts[-1] = 0 if extra is None else extra
+        if self.world_size > 1:
+            dist.all_reduce(counts, group=self.group)
+        unused = (counts[:-1] == 0).nonzero().flatten().tolist()
+        for slot in unused:
+            self.parameters[self._order[slot]].grad = None
+        return counts[-1]
 
     def _record_nonfinite(self, pending: Sequence[PendingBucket]) -> None:
         if self.check_finite:

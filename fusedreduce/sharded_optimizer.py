@@ -1,0 +1,481 @@
+"""The machinery of ``DistributedOptimizer(..., shard=True)``: ZeRO on the fused buckets.
+
+- ``ShardedGradReducer``: during backward each bucket is flattened (cast and
+  prescaled in the same launch) and reduce-scattered as soon as it is ready;
+  when backward ends, each ``.grad`` holds the reduced gradient on the
+  elements this rank owns and zeros elsewhere (one write-back launch per
+  bucket), and one small all-reduce settles, for every rank alike, which
+  parameters got no gradient anywhere and whether any owned gradient is
+  non-finite.
+- ``ShardedParameters``: this rank's part of every bucket as optimizer
+  parameters: a parameter wholly owned is stepped as itself (or as its
+  master copy), a parameter cut by a part boundary as a 1-D slice (a view,
+  or a master copy); after the step the parts are all-gathered (one
+  collective per bucket, in the parameters' own dtype) and written back into
+  the parameters with one unflatten launch per bucket.
+
+The layout is ``BucketPlan(..., shards=world_size)``: padding at bucket ends
+only, part ``r`` of every bucket owned by group rank ``r``.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import kernels
+from .adasum import adasum_bucket_boundaries, adasum_flat_unchecked
+from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
+from .buckets import Bucket, BucketPlan
+from .reducer import DistributedGradReducer
+from .sharded import PartRange, _all_gather, part_ranges, start_bucket_reduce_scatter
+
+#: optimizers whose step updates every element from that element's gradient
+#: and state alone (and per-parameter scalars such as a step count), so a
+#: slice of a parameter steps exactly as the whole would
+ELEMENTWISE_OPTIMIZERS: Tuple[type, ...] = tuple(
+    getattr(torch.optim, name) for name in
+    ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
+     "Rprop", "ASGD") if hasattr(torch.optim, name))
+
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+def check_shardable(optimizer: torch.optim.Optimizer, assume_elementwise: bool) -> None:
+    """Refuse an optimizer whose step is not known to be elementwise.
+
+    Raises:
+        ValueError: ``optimizer``'s class is not one of
+            ``ELEMENTWISE_OPTIMIZERS`` (exactly: a subclass may change the
+            step) and ``assume_elementwise`` is false.
+    """
+    if assume_elementwise or type(optimizer) in ELEMENTWISE_OPTIMIZERS:
+        return
+    names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    raise ValueError(
+        f"shard=True steps each rank's slice of a parameter on its own, which is exact only "
+        f"for an optimizer whose step is elementwise; {type(optimizer).__name__} is not known "
+        f"to be (known: {names}). An optimizer that needs whole tensors (LBFGS, Adafactor's "
+        f"factored statistics, orthogonalising ones) would step wrongly. If its step is "
+        f"elementwise, pass assume_elementwise=True")
+
+
+def check_master_dtype(master_dtype) -> torch.dtype:
+    """``master_dtype`` if it is a floating dtype the kernels handle.
+
+    Raises:
+        TypeError: not a ``torch.dtype``, or not floating.
+    """
+    if not isinstance(master_dtype, torch.dtype) or master_dtype not in kernels.SUPPORTED_DTYPES:
+        raise TypeError(f"master_dtype must be torch.float16, bfloat16, float32 or float64, "
+                        f"got {master_dtype!r}")
+    return master_dtype
+
+
+def master_dtype_of(param: torch.Tensor, master_dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``param``'s slice is stepped in: ``master_dtype`` for 16-bit
+    parameters, the parameter's own dtype otherwise."""
+    return master_dtype if param.dtype in _SIXTEEN_BIT else param.dtype
+
+
+def _reinterpret(buffer: torch.Tensor, dtype: torch.dtype, numel: int) -> Optional[torch.Tensor]:
+    """``numel`` elements of ``dtype`` over ``buffer``'s memory, if it is large enough."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes > buffer.numel() * buffer.element_size():
+        return None
+    return buffer.view(torch.uint8)[:nbytes].view(dtype)
+
+
+class ShardedGradReducer(DistributedGradReducer):
+    """Reduce-scatter gradients during backward into a sharded plan.
+
+    Internal to ``DistributedOptimizer(shard=True)``. ``parameters`` are all
+    the optimizer's parameters, frozen ones included (the layout must not
+    move when a parameter is frozen: the optimizer state sits on it); hooks
+    go on those that require grad, and a frozen one contributes zeros.
+
+    After a reducing backward, ``.grad`` of each parameter holds the reduced
+    gradient (mean or sum) on the elements this rank owns and zeros on the
+    others; a parameter no rank had a gradient for keeps ``None``; if an owned
+    gradient is non-finite on any rank, every rank sees a NaN in an element it
+    does not own (so ``GradScaler`` skips the step everywhere, and no rank's
+    step reads that element). ``found_nonfinite`` says the same as a 0-d
+    bool tensor.
+    """
+
+    def __init__(self, parameters: Sequence[torch.Tensor], *, group, mean: bool,
+                 bucket_cap_mb: float, reduce_dtype: torch.dtype,
+                 adasum_local_size: Optional[int] = None, backend: str = "auto") -> None:
+        super().__init__(parameters, mean=mean and adasum_local_size is None, group=group,
+                         bucket_cap_mb=bucket_cap_mb, reduce_dtype=reduce_dtype,
+                         backend=backend)
+        self.adasum_local_size = adasum_local_size
+        if adasum_local_size is not None:
+            # AdaSum's flatten prescales by 1/local_size, as adasum_allreduce does
+            self._scales = [(1.0 / adasum_local_size, 1.0)] * len(self.plan.buckets)
+        self.rank = dist.get_rank(group) if self.world_size > 1 else 0
+        self.unused_grads_to_none = True
+        self._buffers = [self.plan.new_buffer(b) for b in self.plan.buckets]
+        self.parts = [torch.empty(b.part_size, dtype=b.dtype, device=b.device)
+                      for b in self.plan.buckets]
+        self._zeros: Dict[int, torch.Tensor] = {}
+        self._owned = [part_ranges(b, self.rank) for b in self.plan.buckets]
+        # torch's gloo backend reduce-scatters by all-reducing the whole input
+        # and copying the part out (measured slower than the all-reduce alone:
+        # docs/guides/optimizer.md): there, all-reduce and keep the part
+        self._all_reduce_instead = self.world_size > 1 and \
+            dist.get_backend(group) == dist.Backend.GLOO
+        self._plant_sites = self._sites_not_owned()
+
+    def _plan_shards(self) -> int:
+        return self.world_size
+
+    @property
+    def buffers(self) -> List[torch.Tensor]:
+        """The flat buffers (scratch between the collectives: the all-gather
+        reuses their memory)."""
+        return self._buffers
+
+    def _sites_not_owned(self) -> List[Tuple[int, tuple]]:
+        """(parameter index, element index) of one element per tensor that this
+        rank does not own, in plan order: where a NaN can tell GradScaler of
+        another rank's non-finite gradient without touching this rank's step."""
+        sites = []
+        for bucket in self.plan.buckets:
+            lo, hi = self.rank * bucket.part_size, (self.rank + 1) * bucket.part_size
+            for slot, offset, numel in zip(bucket.tensor_indices, bucket.offsets,
+                                           bucket.numels):
+                element = 0 if offset < lo or offset >= hi else hi - offset
+                if numel and element < numel:
+                    index = self._order[slot]
+                    shape = self.parameters[index].shape
+                    sites.append((index, tuple(int(i) for i in np.unravel_index(element, shape))
+                                  if shape else ()))
+        return sites
+
+    def register_hooks(self, passes_per_sync: int = 1, *,
+                       gradient_as_bucket_view: bool = False) -> "ShardedGradReducer":
+        if gradient_as_bucket_view:
+            raise ValueError("gradient_as_bucket_view does not apply with shard=True")
+        if self._overlap.attached:
+            raise ValueError("hooks are already registered on this reducer")
+        self._overlap.attach(passes_per_sync)
+        return self
+
+    def rehook(self) -> None:
+        """Hook exactly the parameters that require grad now."""
+        passes = self._overlap._passes_per_sync
+        self._overlap.detach()
+        self._overlap.attach(passes)
+
+    def _zeros_for(self, slot: int) -> torch.Tensor:
+        zeros = self._zeros.get(slot)
+        if zeros is None:
+            zeros = self._zeros[slot] = torch.zeros_like(self.plan_tensors()[slot])
+        return zeros
+
+    def plan_tensors(self) -> List[torch.Tensor]:
+        return [self.parameters[i] for i in self._order]
+
+    def _start(self, index: int, tensors: Sequence[Optional[torch.Tensor]]) -> PendingBucket:
+        bucket, buffer = self.plan.buckets[index], self._buffers[index]
+        if any(tensors[slot] is None for slot in bucket.tensor_indices):
+            # a frozen parameter (no hook, no gradient) in a bucket started early
+            tensors = list(tensors)
+            for slot in bucket.tensor_indices:
+                if tensors[slot] is None:
+                    tensors[slot] = self._zeros_for(slot)
+        prescale, _ = self._scales[index]
+        if self.adasum_local_size is not None:
+            self.plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=self.backend)
+            if self.world_size > 1:
+                adasum_flat_unchecked(buffer, adasum_bucket_boundaries(bucket), self.group,
+                                      self.adasum_local_size, self.backend, prescaled=True,
+                                      exchanges_only=False)
+            return PendingBucket(bucket, buffer, None)
+        if self._all_reduce_instead:
+            return start_bucket_all_reduce(self.plan, bucket, tensors, buffer, group=self.group,
+                                           world_size=self.world_size, prescale=prescale,
+                                           backend=self.backend)
+        return start_bucket_reduce_scatter(self.plan, bucket, tensors, buffer,
+                                           self.parts[index], group=self.group,
+                                           world_size=self.world_size, prescale=prescale,
+                                           backend=self.backend)
+
+    def _finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
+        owned: List[torch.Tensor] = []
+        for p in pending:
+            wait_for(p)
+            bucket = p.bucket
+            lo, hi = self.rank * bucket.part_size, (self.rank + 1) * bucket.part_size
+            if self.world_size == 1 and self.adasum_local_size is None:
+                flat = p.flat  # the part is the whole bucket
+            else:
+                flat = self._buffers[bucket.index]
+                if p.flat is not flat:
+                    flat[lo:hi].copy_(p.flat)
+                flat[:lo].zero_()
+                flat[hi:].zero_()
+            _, postscale = self._scales[bucket.index]
+            self.plan.unflatten(bucket, flat, outputs, scale=postscale, backend=self.backend)
+            for r in self._owned[bucket.index]:
+                owned.append(outputs[r.tensor].reshape(-1)[r.start:r.end])
+        # what GradScaler will read: the written gradients (a finite sum can
+        # still overflow a 16-bit gradient)
+        if owned:
+            norms = torch._foreach_norm(owned, float("inf"))
+            nonfinite = (~torch.isfinite(torch.stack(norms))).any().to(torch.int32)
+        else:
+            nonfinite = torch.zeros((), dtype=torch.int32)
+        ranks = self._settle_unused(nonfinite)
+        found = bool(ranks > 0)
+        self.found_nonfinite = torch.tensor(found)
+        if found:
+            for index, element in self._plant_sites:
+                grad = self.parameters[index].grad
+                if grad is not None:
+                    grad[element] = float("nan")
+                    break
+
+
+@dataclass
+class _Shard:
+    """One parameter's slice on this rank."""
+
+    param: torch.Tensor
+    index: int  # in the optimizer's parameter order
+    bucket: int
+    range: PartRange
+    tensor: torch.Tensor  # what the wrapped optimizer steps
+    whole: bool  # the range is the whole parameter (``tensor`` has its shape)
+    master: bool  # ``tensor`` is a copy, not the parameter's memory
+
+    @property
+    def swapped(self) -> bool:
+        return self.tensor is not self.param
+
+
+class ShardedParameters:
+    """This rank's slices of the parameters, what the wrapped optimizer steps.
+
+    Args:
+        params: every parameter of the optimizer, in ``param_groups`` order.
+        reducer: the sharded reducer over ``params`` (its plan and buffers).
+        master_dtype: the dtype 16-bit parameters are stepped in.
+        group: the process group.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], reducer: ShardedGradReducer,
+                 master_dtype: torch.dtype, group) -> None:
+        self.params = list(params)
+        self.reducer = reducer
+        self.plan: BucketPlan = reducer.plan
+        self.group = group
+        self.world_size = reducer.world_size
+        self.master_dtype = master_dtype
+        order = reducer._order
+        self.by_param: Dict[torch.Tensor, _Shard] = {}
+        self.per_bucket: List[List[_Shard]] = []
+        for bucket in self.plan.buckets:
+            shards = []
+            for r in part_ranges(bucket, reducer.rank):
+                index = order[r.tensor]
+                shard = self._new_shard(self.params[index], index, bucket.index, r)
+                self.by_param[shard.param] = shard
+                shards.append(shard)
+            self.per_bucket.append(shards)
+        self.masters = [s for s in self.by_param.values() if s.master]
+        self._targets = [p.detach() for p in reducer.plan_tensors()]
+        self._gather_flat: List[torch.Tensor] = []
+        self._send: List[torch.Tensor] = []
+        for bucket in self.plan.buckets:
+            dtype = self._gather_dtype(bucket)
+            flat = _reinterpret(reducer.buffers[bucket.index], dtype, bucket.size)
+            send = _reinterpret(reducer.parts[bucket.index], dtype, bucket.part_size)
+            self._gather_flat.append(flat if flat is not None else
+                                     torch.empty(bucket.size, dtype=dtype, device=bucket.device))
+            self._send.append(send if send is not None else
+                              torch.empty(bucket.part_size, dtype=dtype, device=bucket.device))
+        self._send_slices = [[self._send[b][s.range.offset:s.range.offset + s.range.numel]
+                              for s in shards] for b, shards in enumerate(self.per_bucket)]
+
+    def _gather_dtype(self, bucket: Bucket) -> torch.dtype:
+        """The widest dtype of the bucket's parameters: it carries each exactly
+        (fp16 beside bf16 needs fp32)."""
+        dtypes = {self.plan.specs[slot].dtype for slot in bucket.tensor_indices}
+        if len(dtypes) == 1:
+            return dtypes.pop()
+        widest = max(dtypes, key=lambda d: torch.empty((), dtype=d).element_size())
+        return torch.float32 if widest in _SIXTEEN_BIT else widest
+
+    def _new_shard(self, param: torch.Tensor, index: int, bucket: int, r: PartRange) -> _Shard:
+        dtype = master_dtype_of(param, self.master_dtype)
+        whole = r.start == 0 and r.end == param.numel()
+        data = param.detach()
+        if whole:
+            if dtype == param.dtype:
+                return _Shard(param, index, bucket, r, param, True, False)
+            return _Shard(param, index, bucket, r, data.to(dtype, copy=True), True, True)
+        if dtype == param.dtype and param.is_contiguous():
+            return _Shard(param, index, bucket, r, data.view(-1)[r.start:r.end], False, False)
+        master = data.reshape(-1)[r.start:r.end].to(dtype, copy=True)
+        return _Shard(param, index, bucket, r, master, False, True)
+
+    # ------------------------------------------------------------------ step
+    def refresh_masters(self) -> None:
+        """Keep each master element unless its parameter element no longer
+        equals it rounded (the parameter was changed outside ``step``: a
+        broadcast, a loaded model): then take the parameter's value."""
+        with torch.no_grad():
+            for s in self.masters:
+                current = self._param_slice(s)
+                kept = torch.where(s.tensor.to(s.param.dtype) == current, s.tensor,
+                                   current.to(s.tensor.dtype))
+                s.tensor.copy_(kept)
+
+    @staticmethod
+    def _param_slice(s: _Shard) -> torch.Tensor:
+        data = s.param.detach()
+        return data if s.whole else data.reshape(-1)[s.range.start:s.range.end]
+
+    @staticmethod
+    def _grad_slice(s: _Shard) -> torch.Tensor:
+        grad = s.param.grad if s.whole else s.param.grad.reshape(-1)[s.range.start:s.range.end]
+        return grad if grad.dtype == s.tensor.dtype else grad.to(s.tensor.dtype)
+
+    def step(self, optimizer: torch.optim.Optimizer, run_step):
+        """Run ``run_step()`` (the wrapped optimizer's step) on this rank's
+        slices: each group's ``params`` and the ``state`` keys are swapped to
+        the slices for its duration. Parameters without a gradient, or owned
+        by other ranks, are left out, as torch leaves out a parameter whose
+        ``.grad`` is None."""
+        groups, state = optimizer.param_groups, optimizer.state
+        originals = [g["params"] for g in groups]
+        swapped: List[_Shard] = []
+        try:
+            for g in groups:
+                stepped = []
+                for p in g["params"]:
+                    s = self.by_param.get(p)
+                    if s is None or p.grad is None:
+                        continue
+                    if s.swapped:
+                        s.tensor.grad = self._grad_slice(s)
+                        if p in state:
+                            state[s.tensor] = state.pop(p)
+                        swapped.append(s)
+                    stepped.append(s.tensor)
+                g["params"] = stepped
+            return run_step()
+        finally:
+            for g, params in zip(groups, originals):
+                g["params"] = params
+            for s in swapped:
+                if s.tensor in state:
+                    state[s.param] = state.pop(s.tensor)
+                s.tensor.grad = None
+
+    def gather(self) -> None:
+        """All-gather every bucket's parts and write them into the parameters."""
+        with torch.no_grad():
+            for b, shards in enumerate(self.per_bucket):
+                if shards:
+                    torch._foreach_copy_(self._send_slices[b],
+                                         [s.tensor.reshape(-1) for s in shards])
+            pending = []
+            for bucket in self.plan.buckets:
+                if self.world_size == 1:
+                    pending.append(PendingBucket(bucket, self._send[bucket.index], None))
+                elif bucket.size:
+                    flat = self._gather_flat[bucket.index]
+                    pending.append(PendingBucket(
+                        bucket, flat, _all_gather(flat, self._send[bucket.index], self.group)))
+            for p in pending:
+                wait_for(p)
+                self.plan.unflatten(p.bucket, p.flat, self._targets,
+                                    backend=self.reducer.backend)
+
+    # ------------------------------------------------------------- state
+    def take_state(self, state: Dict[torch.Tensor, dict]) -> Dict[torch.Tensor, dict]:
+        """This rank's part of ``state`` (full per-parameter state, keyed by
+        parameter): slices of per-element tensors, other entries as they are;
+        a ``master_weight`` entry sets the master copy. Parameters this rank
+        owns nothing of are left out."""
+        kept: Dict[torch.Tensor, dict] = defaultdict(dict)
+        for p, entry in state.items():
+            s = self.by_param.get(p)
+            if s is None:
+                continue
+            master = entry.get("master_weight")
+            if s.master:
+                source = master if master is not None else p.detach()
+                with torch.no_grad():
+                    s.tensor.copy_(source if s.whole else
+                                   source.reshape(-1)[s.range.start:s.range.end])
+            part = {}
+            for key, value in entry.items():
+                if key == "master_weight":
+                    continue
+                if not s.whole and _per_element(value, p):
+                    value = value.reshape(-1)[s.range.start:s.range.end].clone()
+                part[key] = value
+            if part:
+                kept[p] = part
+        return kept
+
+    def local_pieces(self, state: Dict[torch.Tensor, dict]) -> Dict[int, tuple]:
+        """This rank's state, ready to send: per parameter index, the range it
+        holds and, per key, ``("slice", tensor)`` or ``("whole", value)``, on
+        the host."""
+        pieces = {}
+        for p, entry in state.items():
+            s = self.by_param.get(p)
+            if s is None or not entry:
+                continue
+            out = {}
+            for key, value in entry.items():
+                kind = "slice" if not s.whole and _per_slice(value, s) else "whole"
+                out[key] = (kind, value.detach().cpu() if isinstance(value, torch.Tensor)
+                            else value)
+            if s.master:
+                out["master_weight"] = ("slice" if not s.whole else "whole",
+                                        s.tensor.detach().cpu())
+            pieces[s.index] = (s.range.start, out)
+        return pieces
+
+    def assemble(self, gathered: Sequence[Dict[int, tuple]]) -> Dict[torch.Tensor, dict]:
+        """The full state from every rank's ``local_pieces``, keyed by
+        parameter, on the parameters' devices."""
+        by_index: Dict[int, list] = defaultdict(list)
+        for pieces in gathered:
+            for index, piece in pieces.items():
+                by_index[index].append(piece)
+        full: Dict[torch.Tensor, dict] = {}
+        for index in sorted(by_index):
+            p = self.params[index]
+            pieces = sorted(by_index[index], key=lambda piece: piece[0])
+            entry = {}
+            for key in pieces[0][1]:
+                kind, value = pieces[0][1][key]
+                if kind == "slice":
+                    value = torch.cat([piece[1][key][1] for piece in pieces]).view(p.shape)
+                if isinstance(value, torch.Tensor):
+                    value = value.to(p.device)
+                entry[key] = value
+            full[p] = entry
+        return full
+
+
+def _per_element(value, param: torch.Tensor) -> bool:
+    """A full state value that holds one entry per element of ``param``."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+def _per_slice(value, s: _Shard) -> bool:
+    """A sliced state value: one entry per element of the slice."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and \
+        value.shape == s.tensor.shape

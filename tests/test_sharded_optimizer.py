@@ -1,0 +1,644 @@
+"""DistributedOptimizer(shard=True): ZeRO on the fused buckets.
+
+What "correct" means, and what is checked against it, on 2, 3 and 4 gloo
+ranks (one spawn per world size runs every scenario; the tests judge):
+
+- the sharded step is the unsharded one: parameters after several AdamW steps
+  equal a reference that all-reduces the same gradients and steps fp32
+  masters of 16-bit parameters with plain AdamW (bitwise at 2 ranks, where a
+  sum of two is the same in any order; within the rounding of a different
+  summation order at 3 and 4 ranks), and the first step's owned gradients are
+  within the float64 mean's bound; parameters bitwise identical on every rank;
+- each rank's optimizer state is its share (the ranks' shares add up to the
+  unsharded state, none above 1/world_size of it plus a bucket's padding);
+- options: param_pack=False, "sum", gradient accumulation, fp64 beside fp32,
+  master_dtype=bfloat16 (no masters), fused/foreach AdamW, SGD, AdaSum (equal
+  to unsharded AdaSum), add_param_group, freezing, a closure, an LR scheduler;
+- torch's rules: a parameter no rank gave a gradient is skipped (AdamW's decay
+  and step count do not move), exactly as DDP(find_unused_parameters=True)
+  leaves it; zero_grad() after a backward makes step() a no-op; GradScaler
+  with an inf on one rank skips the step on every rank;
+- checkpoints: state_dict() is the unsharded form (equal to the unsharded
+  optimizer's), it loads at another world size (a subgroup), into an
+  unsharded optimizer and into plain torch, and resuming is the uninterrupted
+  run; ``to=`` materialises it on one rank;
+- bad input is refused before any collective, and a state dict of another
+  model changes nothing.
+
+Rank functions never assert: they return what they saw.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fusedreduce import DistributedGradReducer, DistributedOptimizer
+from harness import (assert_raised_before_any_collective, outcomes_and_collectives,
+                     record_collectives, run_ranks, runs_per_world_size, world_sizes_selected)
+
+STEPS = 4
+LR = 0.01
+TIMEOUT = 400.0
+EPS32 = torch.finfo(torch.float32).eps
+
+
+# ------------------------------------------------------------------ models
+
+def _model(seed=0, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
+    """Three layers with sizes no world size of 2, 3 or 4 divides, one dtype each."""
+    gen = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(),
+                          nn.Linear(5, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    for layer, dtype in zip((model[0], model[2], model[4]), dtypes):
+        layer.to(dtype)
+    return model
+
+
+def _loss(model, rank, step, extra=0):
+    gen = torch.Generator().manual_seed(1000 * rank + 10 * step + extra)
+    x = torch.randn(4, 7, generator=gen)
+    h = model[0](x.to(model[0].weight.dtype))
+    h = model[2](model[1](h).to(model[2].weight.dtype))
+    return model[4](model[3](h).to(model[4].weight.dtype)).float().square().mean()
+
+
+def _snapshot(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _state_elements(optimizer):
+    return sum(v.numel() for entry in optimizer.state.values() for v in entry.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def _masters_reference(model, make_optimizer, master_dtype):
+    """Copies of ``model``'s parameters (16-bit ones in ``master_dtype``)
+    stepped by a plain optimizer: what the sharded mode steps, unsharded."""
+    masters = [p.detach().to(master_dtype if p.dtype in (torch.float16, torch.bfloat16)
+                             else p.dtype).clone() for p in model.parameters()]
+    return masters, make_optimizer(masters)
+
+
+def _step_reference(model, masters, plain, grads):
+    for m, g in zip(masters, grads):
+        m.grad = g.to(m.dtype)
+    plain.step()
+    plain.zero_grad()
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), masters):
+            p.copy_(m)
+
+
+# ---------------------------------------------------------------- scenarios
+
+def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1,
+                 reduce_method="mean", param_pack=True, reduce_scatter=False, **options):
+    """Sharded vs the all-reduce reference, ``STEPS`` steps. ``reduce_scatter``:
+    the reduce-scatter path even on gloo (where the reducer all-reduces, as
+    gloo's reduce-scatter does inside)."""
+    kwargs = {} if dtypes is None else {"dtypes": dtypes}
+    model, reference = _model(**kwargs), _model(**kwargs)
+    optimizer = DistributedOptimizer(make(model.parameters()), reduce_method=reduce_method,
+                                     param_pack=param_pack, param_pack_thd=cap_bytes,
+                                     backward_passes_per_step=passes, shard=True, **options)
+    events = []
+    if reduce_scatter:
+        optimizer.reducer._all_reduce_instead = False
+        record_collectives(events)
+    reducer = DistributedGradReducer(list(reference.parameters()),
+                                     mean=reduce_method == "mean")
+    masters, plain = _masters_reference(reference, make,
+                                        options.get("master_dtype", torch.float32))
+    seen = {"params": [], "reference": [], "buckets": len(optimizer.reducer.plan.buckets)}
+    for step in range(STEPS):
+        for k in range(passes):
+            _loss(model, rank, step, k).backward()
+            _loss(reference, rank, step, k).backward()
+        if step == 0:
+            seen["local"] = [p.grad.double() for p in reference.parameters()]
+            seen["owned"] = _owned_grads(optimizer, model)
+        grads = reducer([p.grad for p in reference.parameters()])
+        reference.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
+        _step_reference(reference, masters, plain, grads)
+        seen["params"].append(_snapshot(model))
+        seen["reference"].append(_snapshot(reference))
+    seen["reduce_scatters"] = sum(e.startswith("reduce_scatter") for e in events)
+    seen["state"] = _state_elements(optimizer)
+    seen["param_numel"] = sum(p.numel() for p in model.parameters())
+    seen["padding"] = sum(b.size - sum(b.numels) for b in optimizer.reducer.plan.buckets)
+    seen["masters"] = sum(s.tensor.numel() for s in optimizer.sharded.masters)
+    return seen
+
+
+def _owned_grads(optimizer, model):
+    """(parameter index, start, end, values) of each gradient slice this rank owns."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    return [(index[id(s.param)], s.range.start, s.range.end,
+             s.param.grad.detach().reshape(-1)[s.range.start:s.range.end].double())
+            for s in optimizer.sharded.by_param.values() if s.param.grad is not None]
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+
+def _adamw_fused(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, fused=True)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=0.9, foreach=True)
+
+
+def _adasum_pair(rank, world_size):
+    """AdaSum sharded vs AdaSum unsharded, same model and data (fp32: a 16-bit
+    parameter would be stepped through a master copy by one and not the other)."""
+    out = []
+    for shard in (True, False):
+        model = _model(dtypes=(torch.float32,) * 3)
+        optimizer = DistributedOptimizer(_sgd(model.parameters()), reduce_method="adasum",
+                                         param_pack_thd=300, shard=shard)
+        for step in range(STEPS):
+            _loss(model, rank, step).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        out.append(_snapshot(model))
+    return out
+
+
+class _Branchy(nn.Module):
+    """A branch no rank uses in odd steps, one only rank 0 uses, a frozen layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.sometimes = nn.Linear(5, 5), nn.Linear(5, 5)
+        self.rank0, self.frozen = nn.Linear(5, 5), nn.Linear(5, 5)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x, step, rank):
+        h = self.frozen(self.trunk(x))
+        if step % 2 == 0:
+            h = self.sometimes(h)
+        if rank == 0:
+            h = self.rank0(h)
+        return h.square().mean()
+
+
+def _unused_against_ddp(rank, world_size, shard):
+    """fusedreduce against DDP(find_unused_parameters=True) + AdamW with weight
+    decay: bitwise equal at 2 ranks (a mean of two is exact either way)."""
+    ours, theirs = _Branchy(), _Branchy()
+    optimizer = DistributedOptimizer(_adamw(ours.parameters()), shard=shard, param_pack_thd=200)
+    ddp = nn.parallel.DistributedDataParallel(theirs, find_unused_parameters=True)
+    plain = _adamw(theirs.parameters())
+    seen = []
+    for step in range(STEPS):
+        x = torch.randn(3, 5, generator=torch.Generator().manual_seed(10 * rank + step))
+        ours(x, step, rank).backward()
+        sometimes_grad = ours.sometimes.weight.grad
+        optimizer.step()
+        optimizer.zero_grad()
+        ddp(x, step, rank).backward()
+        plain.step()
+        plain.zero_grad()
+        state = optimizer.state_dict()["state"]
+        seen.append({"equal": [torch.equal(a, b) for a, b in zip(ours.parameters(),
+                                                                 theirs.parameters())],
+                     "sometimes_grad_none": sometimes_grad is None,
+                     "params": _snapshot(ours),
+                     "step_counts": [float(state[i]["step"]) if i in state else 0.0
+                                     for i in range(len(list(ours.parameters())))]})
+    return seen
+
+
+def _zero_grad_then_step(rank, world_size):
+    model = _model()
+    optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True, param_pack_thd=300)
+    before = _snapshot(model)
+    _loss(model, rank, 0).backward()
+    optimizer.zero_grad()
+    optimizer.step()
+    return {"unchanged": all(torch.equal(a, b) for a, b in zip(before, model.parameters())),
+            "state": len(optimizer.state)}
+
+
+def _grad_scaler(rank, world_size):
+    """An inf in one element of one rank's gradient in step 1."""
+    model = _model(dtypes=(torch.float32,) * 3)
+    optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True, param_pack_thd=300)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    target = list(model.parameters())[2]  # the second layer's weight
+
+    def poison(grad):
+        if rank == world_size - 1 and poison.step == 1:
+            grad = grad.clone()
+            grad.view(-1)[grad.numel() // 2] = float("inf")
+        return grad
+    poison.step = 0
+    target.register_hook(poison)
+    seen = []
+    for step in range(3):
+        poison.step = step
+        before = _snapshot(model)
+        scaler.scale(_loss(model, rank, step)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        seen.append({"changed": any(not torch.equal(a, b) for a, b in zip(before,
+                                                                          model.parameters())),
+                     "scale": float(scaler.get_scale()), "params": _snapshot(model)})
+    return seen
+
+
+def _checkpoints(rank, world_size):
+    """Save from the world; resume; load at other world sizes (subgroups),
+    into an unsharded optimizer and into plain torch."""
+    out = {}
+    make = _adamw
+    model = _model()
+    optimizer = DistributedOptimizer(make(model.parameters()), shard=True, param_pack_thd=300)
+    twin = _model()
+    unsharded = DistributedOptimizer(make(twin.parameters()), param_pack_thd=300)
+    for step in range(2):
+        _loss(model, rank, step).backward()
+        _loss(twin, rank, step).backward()
+        optimizer.step()
+        unsharded.step()
+        optimizer.zero_grad()
+        unsharded.zero_grad()
+        if step == 0:
+            # the fp32 layer after one step (later, the 16-bit layers, stepped
+            # through masters here and as themselves there, feed it other values)
+            first, plain_first = optimizer.state_dict(), unsharded.state_dict()
+            out["equal_to_unsharded"] = all(
+                torch.equal(first["state"][i][k], v) for i, entry in
+                plain_first["state"].items() if i in (0, 1) for k, v in entry.items())
+    plain_form = unsharded.state_dict()
+    saved = optimizer.state_dict()
+    out["keys"] = {k: sorted(v) for k, v in saved["state"].items()}
+    out["shapes_match"] = all(
+        v.shape == p.shape for p, entry in zip(model.parameters(), saved["state"].values())
+        for k, v in entry.items() if k != "step")
+    only_on_0 = optimizer.state_dict(to=0)
+    out["to_0"] = only_on_0 is None if rank else _dicts_equal(only_on_0, saved)
+    model_state = {k: v.clone() for k, v in model.state_dict().items()}
+    # the uninterrupted run
+    for step in range(2, 4):
+        _loss(model, rank, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    out["uninterrupted"] = _snapshot(model)
+    # resumed: a fresh model and optimizer from the checkpoint
+    resumed = _model(seed=5)
+    resumed.load_state_dict(model_state)
+    again = DistributedOptimizer(torch.optim.AdamW(resumed.parameters(), lr=1.0),
+                                 shard=True, param_pack_thd=300)
+    # a copy: torch's load keeps the dict's step tensors, and steps count on in them
+    again.load_state_dict(copy.deepcopy(saved))
+    out["lr_loaded"] = again.param_groups[0]["lr"]
+    for step in range(2, 4):
+        _loss(resumed, rank, step).backward()
+        again.step()
+        again.zero_grad()
+    out["resumed"] = _snapshot(resumed)
+    # another world size: the first k ranks load and give the same dict back
+    for k in range(1, world_size):
+        group = dist.new_group(list(range(k)))
+        if rank < k:
+            small = _model()
+            smaller = DistributedOptimizer(make(small.parameters()), group=group, shard=True,
+                                           param_pack_thd=300, bcast_period=-1)
+            smaller.load_state_dict(copy.deepcopy(saved))
+            out[f"round_trip_{k}"] = _dicts_equal(smaller.state_dict(), saved)
+            out[f"state_{k}"] = _state_elements(smaller)
+    # into an unsharded DistributedOptimizer and into plain torch
+    flat = _model()
+    into_unsharded = DistributedOptimizer(make(flat.parameters()), param_pack_thd=300)
+    into_unsharded.load_state_dict(copy.deepcopy(saved))
+    out["unsharded_has_masters"] = any("master_weight" in e for e in
+                                       into_unsharded.state_dict()["state"].values())
+    into_plain = make(_model().parameters())
+    into_plain.load_state_dict(copy.deepcopy(saved))
+    out["plain_loaded"] = len(into_plain.state)
+    # an unsharded checkpoint into a sharded optimizer
+    from_unsharded = DistributedOptimizer(make(_model().parameters()), shard=True,
+                                          param_pack_thd=300)
+    from_unsharded.load_state_dict(copy.deepcopy(plain_form))
+    out["from_unsharded"] = _dicts_equal(
+        from_unsharded.state_dict(), plain_form, skip=("master_weight",))
+    return out
+
+
+def _dicts_equal(a, b, skip=()):
+    if a["param_groups"] != b["param_groups"] or set(a["state"]) != set(b["state"]):
+        return False
+    for i, entry in a["state"].items():
+        keys = set(entry) - set(skip)
+        if keys != set(b["state"][i]) - set(skip):
+            return False
+        for k in keys:
+            x, y = entry[k], b["state"][i][k]
+            if isinstance(x, torch.Tensor):
+                if not torch.equal(x, y.to(x.dtype)):
+                    return False
+            elif x != y:
+                return False
+    return True
+
+
+def _structure_changes(rank, world_size, shard):
+    """add_param_group, freezing and unfreezing, a closure and an LR scheduler."""
+    torch.manual_seed(0)
+    body, head = nn.Linear(6, 7), nn.Linear(7, 3)
+    optimizer = DistributedOptimizer(_adamw(body.parameters()), shard=shard, param_pack_thd=100)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    def closure_for(step):
+        def closure():
+            optimizer.zero_grad()
+            gen = torch.Generator().manual_seed(10 * rank + step)
+            x = torch.randn(5, 6, generator=gen)
+            loss = head(body(x)).square().mean()
+            loss.backward()
+            return loss
+        return closure
+
+    losses = []
+    for step in range(5):
+        if step == 1:
+            optimizer.add_param_group({"params": head.parameters(), "lr": 0.02})
+        if step == 2:
+            body.weight.requires_grad_(False)
+        if step == 3:
+            body.weight.requires_grad_(True)
+        losses.append(float(optimizer.step(closure_for(step))))
+        scheduler.step()
+    return {"params": [p.detach().clone() for p in (*body.parameters(), *head.parameters())],
+            "losses": losses}
+
+
+def on_rank(rank, world_size):
+    results = {
+        "adamw": _equivalence(rank, world_size, _adamw),
+        "adamw_fused": _equivalence(rank, world_size, _adamw_fused,
+                                    dtypes=(torch.float32,) * 3),
+        "adamw_reduce_scatter": _equivalence(rank, world_size, _adamw, reduce_scatter=True),
+        "sgd_unpacked_sum": _equivalence(rank, world_size, _sgd, param_pack=False,
+                                         reduce_method="sum"),
+        "accumulation_fp64": _equivalence(rank, world_size, _adamw, passes=2,
+                                          dtypes=(torch.float64, torch.float32, torch.float32)),
+        "bf16_without_masters": _equivalence(rank, world_size, _adamw, cap_bytes=10 ** 6,
+                                             master_dtype=torch.bfloat16),
+        "adasum": _adasum_pair(rank, world_size),
+        "zero_grad": _zero_grad_then_step(rank, world_size),
+        "scaler": _grad_scaler(rank, world_size),
+    }
+    if world_size == 2:
+        results["unused_sharded"] = _unused_against_ddp(rank, world_size, True)
+        results["unused_unsharded"] = _unused_against_ddp(rank, world_size, False)
+        results["structure"] = [_structure_changes(rank, world_size, shard)
+                                for shard in (True, False)]
+    results["checkpoints"] = _checkpoints(rank, world_size)
+    return results
+
+
+def _bad_arguments(rank, world_size):
+    class Custom(torch.optim.AdamW):
+        pass
+
+    def wrap(optimizer_class=torch.optim.AdamW, **kwargs):
+        return lambda: DistributedOptimizer(
+            optimizer_class(nn.Linear(3, 2).parameters(), lr=0.1), shard=True, **kwargs)
+    return outcomes_and_collectives({
+        "lbfgs": wrap(torch.optim.LBFGS),
+        "unknown subclass": wrap(Custom),
+        "integer master_dtype": wrap(master_dtype=torch.int32),
+        "master_dtype not a dtype": wrap(master_dtype="float32"),
+        "bucket views": wrap(gradient_as_bucket_view=True),
+        "shard not a bool": lambda: DistributedOptimizer(
+            torch.optim.AdamW(nn.Linear(3, 2).parameters()), shard="yes"),
+    })
+
+
+def _another_models_state(rank, world_size):
+    model = _model()
+    optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True,
+                                     param_pack_thd=300)
+    _loss(model, rank, 0).backward()
+    optimizer.step()
+    before = optimizer.state_dict()
+    other = nn.Sequential(nn.Linear(7, 12), nn.Tanh(), nn.Linear(12, 5), nn.Tanh(),
+                          nn.Linear(5, 3))
+    plain = _adamw(other.parameters())
+    other(torch.randn(2, 7)).sum().backward()
+    plain.step()
+    try:
+        optimizer.load_state_dict(plain.state_dict())
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    custom = DistributedOptimizer(type("Mine", (torch.optim.AdamW,), {})(
+        _model().parameters(), lr=LR), shard=True, assume_elementwise=True)
+    return {"error": error, "unchanged": _dicts_equal(optimizer.state_dict(), before),
+            "custom": type(custom).__name__}
+
+
+def _judged(rank, world_size):
+    seen, collectives = _bad_arguments(rank, world_size)
+    return {"bad": (seen, list(collectives)),
+            "another_model": _another_models_state(rank, world_size)}
+
+
+# ------------------------------------------------------------------- tests
+
+@pytest.fixture(scope="session")
+def ranks_once(request, tmp_path_factory):
+    """``ranks_once(world_size)``: ``on_rank``'s results on every rank, each
+    world size run once per session."""
+    runs = runs_per_world_size(tmp_path_factory, "sharded-optimizer-ranks", on_rank,
+                               world_sizes_selected(request.session, __name__), TIMEOUT)
+
+    def get(world_size):
+        if isinstance(runs[world_size], str):
+            pytest.fail(f"the {world_size} ranks failed:\n{runs[world_size]}")
+        return runs[world_size]
+
+    return get
+
+
+WORLD_SIZES = [2, 3, 4]
+EQUIVALENCE = ["adamw", "adamw_reduce_scatter", "adamw_fused", "sgd_unpacked_sum",
+               "accumulation_fp64", "bf16_without_masters"]
+#: per-element state tensors each parameter has: AdamW's two moments, SGD's momentum
+STATE_TENSORS = {"adamw": 2, "adamw_reduce_scatter": 2, "adamw_fused": 2,
+                 "sgd_unpacked_sum": 1, "accumulation_fp64": 2, "bf16_without_masters": 2}
+
+
+@pytest.mark.parametrize("name", EQUIVALENCE)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_sharded_steps_are_the_all_reduce_steps(ranks_once, world_size, name):
+    results = [r[name] for r in ranks_once(world_size)]
+    first = results[0]
+    if name != "bf16_without_masters" and name != "sgd_unpacked_sum":
+        assert first["buckets"] > 1
+    if name == "adamw_reduce_scatter":
+        assert first["reduce_scatters"] == STEPS * first["buckets"]
+    for rank, seen in enumerate(results):
+        for step in range(STEPS):
+            for i, (got, want) in enumerate(zip(seen["params"][step], seen["reference"][step])):
+                assert got.dtype == want.dtype
+                assert torch.equal(got, first["params"][step][i]), \
+                    f"rank {rank} differs from rank 0 (step {step}, parameter {i})"
+                if world_size == 2:
+                    # a sum of two is the same in any order: bitwise
+                    assert torch.equal(got, want), f"step {step}, parameter {i}"
+                else:
+                    # a different summation order moves the reduced gradient by
+                    # a few fp32 ulps (bounded below); AdamW's normalised update
+                    # moves by lr times that relative error at most, SGD's by lr
+                    # times the gradient error; a 16-bit parameter may round
+                    # the other way once per step: per step, one ulp of the
+                    # parameter's dtype plus lr times 16 ulps of fp32 relative,
+                    # plus the relative gradient change carried by momentum
+                    ulp = torch.finfo(got.dtype).eps * want.double().abs().max()
+                    bound = (step + 1) * (2 * ulp + LR * 64 * world_size * EPS32 * 10)
+                    assert float((got.double() - want.double()).abs().max()) <= bound, \
+                        f"step {step}, parameter {i}"
+    # the first step's owned gradients against the float64 mean of the ranks'
+    # local gradients: fp32 sums of world_size terms (world_size - 1 roundings
+    # of at most eps32 of the running sum), the mean's division, one rounding
+    # to the gradient's dtype
+    mean = name != "sgd_unpacked_sum"
+    for seen in results:
+        for index, start, end, got in seen["owned"]:
+            local = [r["local"][index].reshape(-1)[start:end] for r in results]
+            exact = sum(local) / (world_size if mean else 1)
+            magnitude = sum(t.abs() for t in local) / (world_size if mean else 1)
+            dtype_eps = torch.finfo(results[0]["params"][0][index].dtype).eps
+            bound = world_size * EPS32 * magnitude + dtype_eps * exact.abs() + 1e-30
+            assert torch.all((got - exact).abs() <= bound), f"parameter {index}"
+
+
+@pytest.mark.parametrize("name", EQUIVALENCE)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_each_rank_holds_its_share_of_the_optimizer_state(ranks_once, world_size, name):
+    results = [r[name] for r in ranks_once(world_size)]
+    k = STATE_TENSORS[name]
+    total = k * results[0]["param_numel"]
+    # the ranks' shares add up to the unsharded state: every element once
+    assert sum(seen["state"] for seen in results) == total
+    for seen in results:
+        assert seen["state"] <= total / world_size + k * results[0]["padding"]
+    if name == "adamw":
+        # fp32 masters of the 16-bit layers' slices only: a share of them
+        sixteen_bit = 5 * 13 + 5 + 3 * 5 + 3
+        assert sum(seen["masters"] for seen in results) == sixteen_bit
+    if name == "bf16_without_masters":
+        assert all(seen["masters"] == 0 or seen["masters"] > 0 for seen in results)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_sharded_adasum_is_unsharded_adasum(ranks_once, world_size):
+    for rank, (sharded, unsharded) in enumerate(r["adasum"] for r in ranks_once(world_size)):
+        for i, (got, want) in enumerate(zip(sharded, unsharded)):
+            assert torch.equal(got, want), f"rank {rank}, parameter {i}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_step_after_zero_grad_changes_nothing_and_makes_no_state(ranks_once, world_size):
+    for seen in (r["zero_grad"] for r in ranks_once(world_size)):
+        assert seen == {"unchanged": True, "state": 0}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_grad_scaler_skips_the_step_on_every_rank_for_an_inf_on_one(ranks_once, world_size):
+    results = [r["scaler"] for r in ranks_once(world_size)]
+    for rank, seen in enumerate(results):
+        assert [s["changed"] for s in seen] == [True, False, True], f"rank {rank}"
+        assert [s["scale"] for s in seen] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9], f"rank {rank}"
+        for step, s in enumerate(seen):
+            assert all(torch.equal(a, b) for a, b in zip(s["params"],
+                                                         results[0][step]["params"]))
+
+
+@pytest.mark.parametrize("mode", ["unused_sharded", "unused_unsharded"])
+def test_parameters_without_gradients_are_skipped_as_ddp_skips_them(ranks_once, mode):
+    results = [r[mode] for r in ranks_once(2)]
+    names = ["trunk.weight", "trunk.bias", "sometimes.weight", "sometimes.bias",
+             "rank0.weight", "rank0.bias", "frozen.weight", "frozen.bias"]
+    for rank, seen in enumerate(results):
+        for step, s in enumerate(seen):
+            for name, equal in zip(names, s["equal"]):
+                assert equal, f"rank {rank}, step {step}: {name} differs from DDP's"
+            # no rank used "sometimes" in odd steps: no gradient, no step
+            assert s["sometimes_grad_none"] == (step % 2 == 1)
+            counts = dict(zip(names, s["step_counts"]))
+            assert counts["sometimes.weight"] == step // 2 + 1
+            assert counts["trunk.weight"] == counts["rank0.weight"] == step + 1
+            assert counts["frozen.weight"] == 0
+
+
+def test_structure_changes_step_as_unsharded(ranks_once):
+    for rank, (sharded, unsharded) in enumerate(r["structure"] for r in ranks_once(2)):
+        assert sharded["losses"] == unsharded["losses"]
+        for got, want in zip(sharded["params"], unsharded["params"]):
+            assert torch.equal(got, want), f"rank {rank}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_checkpoints_are_unsharded_and_move_between_world_sizes(ranks_once, world_size):
+    results = [r["checkpoints"] for r in ranks_once(world_size)]
+    for rank, seen in enumerate(results):
+        assert seen["shapes_match"]
+        assert seen["keys"] == results[0]["keys"]
+        assert set(seen["keys"][0]) == {"exp_avg", "exp_avg_sq", "step"}
+        # 16-bit parameters' fp32 masters travel in the checkpoint
+        assert "master_weight" in seen["keys"][2] and "master_weight" in seen["keys"][4]
+        if world_size == 2:
+            assert seen["equal_to_unsharded"]
+        assert seen["to_0"] is True
+        assert seen["lr_loaded"] == LR  # the checkpoint's hyperparameters win
+        for got, want in zip(seen["resumed"], seen["uninterrupted"]):
+            assert torch.equal(got, want), f"rank {rank}: resuming is not the run"
+        for k in range(1, world_size):
+            if rank < k:
+                assert seen[f"round_trip_{k}"], f"rank {rank}, {k} ranks"
+        assert seen["unsharded_has_masters"] is False
+        assert seen["plain_loaded"] == 6
+        assert seen["from_unsharded"]
+
+
+def test_bad_arguments_are_refused_before_any_collective():
+    results = run_ranks(_judged, 2)
+    assert_raised_before_any_collective([r["bad"] for r in results], {
+        "lbfgs": ("ValueError", "LBFGS is not known"),
+        "unknown subclass": ("ValueError", "assume_elementwise=True"),
+        "integer master_dtype": ("TypeError", "master_dtype"),
+        "master_dtype not a dtype": ("TypeError", "master_dtype"),
+        "bucket views": ("ValueError", "gradient_as_bucket_view"),
+        "shard not a bool": ("TypeError", "shard"),
+    })
+    for r in results:
+        assert "another model" in r["another_model"]["error"]
+        assert r["another_model"]["unchanged"]
+        assert r["another_model"]["custom"].endswith("Mine")
+
+
+def _main_for_debug():
+    import sys
+    world_size = int(sys.argv[1])
+    for r in run_ranks(on_rank, world_size, timeout=TIMEOUT)[:1]:
+        for name, value in r.items():
+            print(name, value if name in ("zero_grad",) else "")
+
+
+if __name__ == "__main__":
+    _main_for_debug()
