@@ -1,0 +1,528 @@
+"""``fusedreduce-bench sharded``: sharded optimizers against DDP: step time and memory per rank.
+
+One training step (``zero_grad()``, forward, backward, ``step()``) of AdamW
+on the same gloo CPU ranks, for a ResNet-50 (``models.ResNet50``) and a
+GPT-2-style decoder (``Decoder``, the parameter list of
+``models.transformer_shapes``), each scaled to the ``--sizes`` entry, with
+float32 or bfloat16 parameters, under five methods:
+
+- ``ddp_adamw`` (baseline): ``DistributedDataParallel(model)`` and
+  ``torch.optim.AdamW``; every ``ratio`` is its time over the method's.
+- ``ddp_zero_adamw`` (baseline): DDP and
+  ``ZeroRedundancyOptimizer(params, optimizer_class=AdamW)`` (whole
+  parameters assigned to ranks; the owner broadcasts them after its step).
+- ``fsdp2_adamw`` (baseline): ``fully_shard(block, reshard_after_forward=False)``
+  on every residual or decoder block, then on the model, and AdamW over the
+  DTensor parameters.
+- ``fused_adamw`` (ours): ``DistributedOptimizer(AdamW)``: fused all-reduces
+  during backward; the unsharded figure the sharded one is read against.
+- ``fused_sharded_adamw`` (ours): ``DistributedOptimizer(AdamW, shard=True)``:
+  reduce-scatter per bucket during backward, AdamW on this rank's part (fp32
+  master copies of bfloat16 parameters), all-gather in ``step()``.
+
+Each library keeps its default buckets (DDP 25 MiB, ``DistributedOptimizer``
+10 MiB). Every method has its own model with the same initial weights and
+every rank its own batch, the same for every method. Each method runs two
+untimed steps; the methods are then timed round-robin, each step started
+after a barrier and timed as the slowest rank's wall time; ``time_ms`` is the
+median.
+
+Memory per rank is counted, not measured: the bytes of the tensors each rank
+holds after a step (a DTensor's local shard), the largest over the ranks:
+``state_bytes`` (the optimizer's ``state``; ``ZeroRedundancyOptimizer``'s
+local optimizer's), ``master_bytes`` (``fused_sharded_adamw``'s
+``opt.sharded.masters``; no other method keeps any), ``grad_bytes`` (the
+``.grad`` tensors) and ``param_bytes``; ``state_master_bytes`` is the largest
+per-rank sum of the first two. Communication buffers and activations are not
+counted. For ``fused_sharded_adamw``, ``full_state_bytes`` is the tensors of
+its (collective) ``state_dict()``: the whole state with the fp32 master
+weights, what one rank would hold unsharded with the same numerics; for
+float32 it equals ``fused_adamw``'s state. The memory aim holds when the
+sharded rank holds at most ``(full_state_bytes + padding) / world_size`` plus
+every 0-d state tensor (AdamW's step counts, one per parameter slice a rank
+owns), ``padding`` being the plan's padding elements at the per-element bytes
+of the full state. The time aim: within 10% of ``fused_adamw``'s step.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from fusedreduce import DistributedOptimizer
+from fusedreduce.kernels import resolve_backend
+
+from . import common, plot, ranks, timing
+from .models import (TENSOR_LISTS, Bottleneck, n_elements, resnet50_for_size,
+                     transformer_shapes_for_size)
+
+NAME = "sharded"
+METHODS = ("ddp_adamw", "ddp_zero_adamw", "fsdp2_adamw", "fused_adamw", "fused_sharded_adamw")
+ROLES = {"ddp_adamw": "baseline", "ddp_zero_adamw": "baseline", "fsdp2_adamw": "baseline",
+         "fused_adamw": "ours", "fused_sharded_adamw": "ours"}
+BASELINE = "ddp_adamw"
+UNSHARDED = "fused_adamw"
+SHARDED = "fused_sharded_adamw"
+MODELS = ("resnet50", "transformer")
+DTYPES = ("float32", "bfloat16")
+DEFAULT_WORLD_SIZES, QUICK_WORLD_SIZES = [2, 3, 4], [2]
+DEFAULT_SIZES, QUICK_SIZES = [4_000_000], [30_000]
+DEFAULT_REPEATS, QUICK_REPEATS = 5, 2
+#: the time aim: the sharded step within this factor of the unsharded one
+TIME_AIM = 1.10
+# per rank: a batch of 2 images (image x image pixels) or 2 sequences of `tokens`
+BATCH = 2
+SHAPES = {"image": 32, "tokens": 64}
+QUICK_SHAPES = {"image": 16, "tokens": 16}
+TIMER = "perf_counter after a barrier, the slowest rank's, round-robin"
+COUNTING = ("bytes of the tensors held after a step (DTensor: the local shard), the largest "
+            "rank's; communication buffers and activations not counted")
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm attention and MLP, in ``models.transformer_shapes``' parameter order."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        # 64-wide heads where the width allows, else one head (the parameters are the same)
+        self.heads = d // 64 if d % 64 == 0 else 1
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (y.reshape(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for y in self.qkv(self.ln1(x)).chunk(3, dim=-1))
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attention.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Decoder(nn.Module):
+    """A GPT-2-style decoder whose parameters are ``models.transformer_shapes(d, n_layers,
+    vocab)``: token embedding (tied to the output), the blocks, a final layer norm.
+    No position embedding: it is not in that list, and causal attention trains without."""
+
+    def __init__(self, vocab: int, d: int, n_layers: int = 12) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.Sequential(*(DecoderBlock(d) for _ in range(n_layers)))
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, tokens):
+        return self.ln(self.blocks(self.embed(tokens))) @ self.embed.weight.t()
+
+
+def decoder_for_size(n: int) -> Decoder:
+    """A ``Decoder`` with about ``n`` parameters (147 tensors at any size)."""
+    vocab, d = transformer_shapes_for_size(n)[0]
+    return Decoder(vocab, d)
+
+
+def _model(name: str, size: int) -> nn.Module:
+    return resnet50_for_size(size) if name == "resnet50" else decoder_for_size(size)
+
+
+def _batch(name: str, model: nn.Module, dtype: torch.dtype, rank: int, config: dict):
+    """(inputs, labels) of this rank: a different batch per rank, the same for every method."""
+    gen = torch.Generator().manual_seed(rank)
+    if name == "resnet50":
+        image = config["image"]
+        return (torch.randn(BATCH, 3, image, image, generator=gen).to(dtype),
+                torch.randint(0, model.num_classes, (BATCH,), generator=gen))
+    tokens = torch.randint(0, model.vocab, (BATCH, config["tokens"] + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(net: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = net(inputs).float()  # the loss in fp32 whatever the parameters' dtype
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _build(method: str, name: str, size: int, dtype: torch.dtype):
+    """(model, module to call, optimizer) of ``method``, with the same weights on every rank."""
+    torch.manual_seed(0)
+    model = _model(name, size).to(dtype)
+    adamw = torch.optim.AdamW
+    if method == "ddp_adamw":
+        return model, DistributedDataParallel(model), adamw(model.parameters())
+    if method == "ddp_zero_adamw":
+        return (model, DistributedDataParallel(model),
+                ZeroRedundancyOptimizer(model.parameters(), optimizer_class=adamw))
+    if method == "fsdp2_adamw":
+        for block in model.modules():
+            if isinstance(block, (Bottleneck, DecoderBlock)):
+                fully_shard(block, reshard_after_forward=False)
+        fully_shard(model, reshard_after_forward=False)
+        return model, model, adamw(model.parameters())
+    return model, model, DistributedOptimizer(adamw(model.parameters()),
+                                              shard=method == SHARDED)
+
+
+# ------------------------------------------------------------------ counting
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(tensors) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer = optimizer.optim  # this rank's partition
+    return [v for entry in optimizer.state.values() for v in entry.values()
+            if isinstance(v, torch.Tensor)]
+
+
+def count_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
+    """This rank's bytes: optimizer state (0-d tensors also apart), master weights,
+    gradients, parameters."""
+    state = _state_tensors(optimizer)
+    sharded = getattr(optimizer, "sharded", None)
+    params = list(model.parameters())
+    return {"state": _nbytes(state),
+            "state_scalars": _nbytes(t for t in state if _local(t).dim() == 0),
+            "master": _nbytes(s.tensor for s in sharded.masters) if sharded else 0,
+            "grads": _nbytes(p.grad for p in params if p.grad is not None),
+            "params": _nbytes(params)}
+
+
+def _full_state(optimizer: DistributedOptimizer) -> Dict[str, int]:
+    """The sharded optimizer's whole state (collective: every rank calls it), its
+    0-d tensors, and the plan's padding elements."""
+    tensors = [v for entry in optimizer.state_dict()["state"].values() for v in entry.values()
+               if isinstance(v, torch.Tensor)]
+    buckets = optimizer.reducer.plan.buckets
+    return {"full_state_bytes": _nbytes(tensors),
+            "full_state_scalar_bytes": _nbytes(t for t in tensors if t.dim() == 0),
+            "padding_elements": sum(b.size - sum(b.numels) for b in buckets),
+            "n_buckets": len(buckets)}
+
+
+# ------------------------------------------------------------------ on the ranks
+
+def cases(config: dict) -> List[dict]:
+    """Every ``{"model", "dtype", "size"}`` one launch of ranks measures, in run order."""
+    return [{"model": m, "dtype": d, "size": s}
+            for m in config["models"] for d in config["dtypes"] for s in config["sizes"]]
+
+
+def _agreed(error: Optional[str]) -> Optional[str]:
+    """The first rank's error, on every rank (None when every rank succeeded), so that
+    all ranks leave out the same methods and issue the same collectives."""
+    errors: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
+
+
+def rank_measure(rank: int, world_size: int, case: dict, config: dict) -> dict:
+    """Build, warm up, time and count every method of ``case`` on this rank."""
+    name, dtype = case["model"], common.DTYPES[case["dtype"]]
+    device = torch.device("cpu")
+    fns: Dict[str, Callable[[], None]] = {}
+    built, not_run = {}, {}
+    for method in METHODS:
+        error = None
+        try:
+            model, net, optimizer = _build(method, name, case["size"], dtype)
+            inputs, labels = _batch(name, model, dtype, rank, config)
+
+            def step(net=net, optimizer=optimizer, inputs=inputs, labels=labels):
+                optimizer.zero_grad()
+                _loss(net, inputs, labels).backward()
+                optimizer.step()
+
+            # the first step: DDP's one-bucket iteration, FSDP2's lazy init, the state made
+            step()
+        except Exception as exc:  # noqa: BLE001 - recorded as not run, with the reason
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        error = _agreed(error)
+        if error is None:
+            fns[method], built[method] = step, (model, optimizer)
+        else:
+            not_run[method] = error
+    samples = timing.time_across_ranks(fns, config["repeats"], device) if fns else {}
+    memory = {method: count_memory(*built[method]) for method in built}
+    full = _full_state(built[SHARDED][1]) if SHARDED in built else None
+    shapes = TENSOR_LISTS[name](case["size"])
+    return {"samples": samples, "memory": memory, "full": full, "not_run": not_run,
+            "n_tensors": len(shapes), "n_elements": n_elements(shapes),
+            "element_size": torch.empty((), dtype=dtype).element_size()}
+
+
+def _rank_body(rank: int, world_size: int, config: dict) -> List[dict]:
+    progress = common.Progress(**dict(config["progress"], enabled=rank == 0
+                                      and config["progress"]["enabled"]))
+    outputs = []
+    for case in cases(config):
+        label = (f"sharded: {case['model']} {common.format_count(case['size'])} "
+                 f"{case['dtype']}, {world_size} ranks")
+        with progress.step(label):
+            outputs.append(rank_measure(rank, world_size, case, config))
+    return outputs
+
+
+# ------------------------------------------------------------------ records
+
+#: what every record holds beyond ``common.result``'s keys (None where it does not apply)
+EXTRA_KEYS = ("model", "dtype", "time_vs_unsharded", "state_bytes", "master_bytes",
+              "grad_bytes", "param_bytes", "state_master_bytes", "state_master_vs_unsharded",
+              "memory_per_rank", "full_state_bytes", "full_state_scalar_bytes",
+              "padding_elements", "n_buckets", "state_master_vs_full_per_rank",
+              "state_master_bound_bytes", "memory_aim_met", "time_aim_met", "not_run")
+
+
+def records(outcome: Dict[int, dict], case: dict) -> List[dict]:
+    """The result records of one case from every rank's ``rank_measure``."""
+    first, world_size = outcome[0], len(outcome)
+    samples = first["samples"]  # every rank holds the same (slowest-rank) times
+    count = first["n_elements"]
+    label = f"{case['model']} {case['dtype']}, {world_size} ranks"
+
+    def per_rank(method: str) -> Dict[str, List[int]]:
+        return {key: [outcome[r]["memory"][method][key] for r in sorted(outcome)]
+                for key in first["memory"][method]}
+
+    def state_master(method: str) -> int:
+        memory = per_rank(method)
+        return max(s + m for s, m in zip(memory["state"], memory["master"]))
+
+    def median(method: str) -> Optional[float]:
+        return timing.summary_ms(samples[method])["time_ms"] if method in samples else None
+
+    out = []
+    for method in METHODS:
+        record = {key: None for key in EXTRA_KEYS}
+        record.update(
+            benchmark=NAME, case=label, size=case["size"], method=method, role=ROLES[method],
+            baseline=BASELINE, world_size=world_size, n_tensors=first["n_tensors"],
+            n_elements=count, bytes=count * first["element_size"], time_ms=None,
+            time_ms_min=None, gbps=None, ratio=None, model=case["model"], dtype=case["dtype"])
+        if method in first["not_run"]:
+            record["not_run"] = first["not_run"][method]
+            out.append(record)
+            continue
+        record.update(timing.summary_ms(samples[method]))
+        record["gbps"] = record["bytes"] / (record["time_ms"] * 1e6)
+        if median(BASELINE) is not None:
+            record["ratio"] = median(BASELINE) / record["time_ms"]
+        if median(UNSHARDED) is not None:
+            record["time_vs_unsharded"] = record["time_ms"] / median(UNSHARDED)
+            record["state_master_vs_unsharded"] = state_master(method) / state_master(UNSHARDED)
+        memory = per_rank(method)
+        record.update(state_bytes=max(memory["state"]), master_bytes=max(memory["master"]),
+                      grad_bytes=max(memory["grads"]), param_bytes=max(memory["params"]),
+                      state_master_bytes=state_master(method), memory_per_rank=memory)
+        if method == SHARDED:
+            record.update(first["full"])
+            record.update(_aims(record, world_size))
+        out.append(record)
+    return out
+
+
+def _aims(record: dict, world_size: int) -> dict:
+    """``fused_sharded_adamw``'s figures against the aims (see the module's docstring)."""
+    full, scalars = record["full_state_bytes"], record["full_state_scalar_bytes"]
+    per_element = (full - scalars) / record["n_elements"]
+    bound = (full + record["padding_elements"] * per_element) / world_size + scalars
+    time_ratio = record["time_vs_unsharded"]
+    return {"state_master_vs_full_per_rank": record["state_master_bytes"] * world_size / full,
+            "state_master_bound_bytes": math.floor(bound),
+            "memory_aim_met": record["state_master_bytes"] <= bound,
+            "time_aim_met": None if time_ratio is None else time_ratio <= TIME_AIM}
+
+
+def run(config: dict, progress: common.Progress) -> List[dict]:
+    """Every world size of ``config``, each in its own spawned gloo ranks: the records."""
+    results: List[dict] = []
+    for world_size in config["world_sizes"]:
+        outcome = ranks.run_on_ranks(_rank_body, world_size,
+                                     dict(config, progress=progress.state()))
+        for i, case in enumerate(cases(config)):
+            progress.done += 1
+            results += records({rank: outputs[i] for rank, outputs in outcome.items()},
+                               case)
+    return results
+
+
+# ------------------------------------------------------------------ report
+
+def _ms(value: float) -> str:
+    return format(value, ".4g")
+
+
+def _mb(value: float) -> str:
+    return f"{value / 1e6:,.3f}"
+
+
+def _yes(value: bool) -> str:
+    return "yes" if value else "NO"
+
+
+COLUMNS: List[common.Column] = [
+    ("ranks", "world_size", "d"), ("method", "method", ""), ("ms", "time_ms", _ms),
+    ("min ms", "time_ms_min", _ms), ("x ddp", "ratio", ".2f"),
+    ("t/t unsh", "time_vs_unsharded", ".3f"), ("state MB", "state_bytes", _mb),
+    ("master MB", "master_bytes", _mb), ("grads MB", "grad_bytes", _mb),
+    ("params MB", "param_bytes", _mb), ("st+mst MB", "state_master_bytes", _mb),
+    ("x unsh", "state_master_vs_unsharded", ".3f"),
+    ("x full/ws", "state_master_vs_full_per_rank", ".4f"),
+    ("bound MB", "state_master_bound_bytes", _mb), ("mem aim", "memory_aim_met", _yes),
+    ("time aim", "time_aim_met", _yes)]
+NOTES = (
+    "ms: median step (zero_grad, forward, backward, step), the slowest rank's; x ddp: "
+    "ddp_adamw's time over the method's (above 1: faster); t/t unsh: the method's time over "
+    f"fused_adamw's (time aim: sharded <= {TIME_AIM:.2f}).\n"
+    "MB (1e6 bytes) per rank, the largest rank's: optimizer state, master weights, .grad, "
+    "parameters; st+mst: state + master; x unsh: st+mst over fused_adamw's; x full/ws: "
+    "st+mst over 1/world_size of the sharded optimizer's whole state_dict() (fp32 masters "
+    "included; 1.0 = an exact share); bound: (whole state + padding) / world_size + the 0-d "
+    "step counts (mem aim: st+mst <= bound).")
+
+
+def print_report(results: Sequence[dict], machine: dict, config: dict, elapsed: float) -> None:
+    print(f"# {common.machine_summary(machine)}")
+    print(f"# AdamW steps on gloo CPU ranks (torch threads per rank: cores // ranks, at "
+          f"least 1); {config['repeats']} timed steps per method after two untimed ones")
+    print("# " + NOTES.replace("\n", "\n# "))
+    for key in dict.fromkeys((r["model"], r["dtype"], r["size"]) for r in results):
+        rows = [r for r in results if (r["model"], r["dtype"], r["size"]) == key]
+        print(f"\n## {key[0]} {key[1]}: {rows[0]['n_elements']:,d} parameters in "
+              f"{rows[0]['n_tensors']} tensors (--sizes {common.format_count(key[2])})")
+        print(common.format_table(rows, COLUMNS, group_by=("world_size",)))
+    for r in results:
+        if r.get("not_run"):
+            print(f"# not run: {r['method']}, {r['case']}: {r['not_run']}")
+    print(f"\n# {elapsed:.1f} s in all")
+
+
+def write_plot(path: str, results: Sequence[dict], title: str) -> None:
+    """Per model and dtype: step time and state + master bytes per rank against world size."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((r["model"], r["dtype"], r["size"]) for r in results))
+    world_sizes = sorted({r["world_size"] for r in results})
+    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 3.8 * len(panels)), squeeze=False)
+    for (time_ax, memory_ax), key in zip(axes, panels):
+        rows = [r for r in results if (r["model"], r["dtype"], r["size"]) == key
+                and r["time_ms"] is not None]
+        for method in dict.fromkeys(r["method"] for r in rows):
+            mine = sorted((r for r in rows if r["method"] == method),
+                          key=lambda r: r["world_size"])
+            style = plot.LINE_STYLES[ROLES[method]]
+            ranks_ = [r["world_size"] for r in mine]
+            time_ax.plot(ranks_, [r["time_ms"] for r in mine], style, marker="o", label=method)
+            memory_ax.plot(ranks_, [r["state_master_bytes"] / 1e6 for r in mine], style,
+                           marker="o", label=method)
+        for ax, what in ((time_ax, "step ms (median)"),
+                         (memory_ax, "optimizer state + master MB per rank")):
+            ax.set_xlabel("ranks")
+            ax.set_xticks(world_sizes)
+            ax.set_ylim(bottom=0)
+            ax.set_ylabel(what)
+            ax.set_title(f"{key[0]} {key[1]}, {common.format_count(key[2])}", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))  # room for the title
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ command line
+
+def _world_sizes(text: str) -> List[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 2:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated world sizes of at least 2, got {text!r}")
+    return sizes
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        NAME, help="sharded optimizers: DDP+AdamW, ZeRO, FSDP2 and DistributedOptimizer "
+                   "(shard=False/True): step time and optimizer memory per rank (gloo ranks)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"tiny models ({common.format_count(QUICK_SIZES[0])} parameters), "
+                             f"2 ranks, {QUICK_REPEATS} repeats: well under a minute on 2 cores")
+    parser.add_argument("--world-sizes", type=_world_sizes, metavar="N,N",
+                        help="spawn this many gloo workers, in turn (default 2,3,4; --quick 2)")
+    parser.add_argument("--models", type=common.csv_choices(MODELS), default=list(MODELS),
+                        help="comma-separated (default resnet50,transformer)")
+    parser.add_argument("--dtypes", type=common.csv_choices(DTYPES), default=list(DTYPES),
+                        help="parameter dtypes, comma-separated (default float32,bfloat16)")
+    parser.add_argument("--sizes", type=common.parse_sizes,
+                        help="parameters per model, comma-separated, suffixes K/M/G (default "
+                             f"{common.format_count(DEFAULT_SIZES[0])}, --quick "
+                             f"{common.format_count(QUICK_SIZES[0])}; ResNet-50 is 25.6M)")
+    parser.add_argument("--repeats", type=int, metavar="N",
+                        help=f"timed steps per method, median kept (default {DEFAULT_REPEATS}, "
+                             f"--quick {QUICK_REPEATS})")
+    parser.add_argument("--json", metavar="PATH", help="write machine, config and results here")
+    parser.add_argument("--plot", metavar="PATH.png",
+                        help="write a PNG of step time and state + master bytes against ranks "
+                             "(needs matplotlib: pip install matplotlib)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar or per-case lines on stderr")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.plot:
+        plot.require_matplotlib()  # before any measurement
+    if ranks.torchrun_env():
+        raise SystemExit("sharded spawns its own gloo workers for each world size: run it "
+                         "without torchrun")
+    if args.repeats is not None and args.repeats < 1:
+        raise SystemExit(f"--repeats must be positive, got {args.repeats}")
+    world_sizes = args.world_sizes or (QUICK_WORLD_SIZES if args.quick else DEFAULT_WORLD_SIZES)
+    config = {"command": NAME, "quick": args.quick, "launcher": "spawn", "backend": "gloo",
+              "world_sizes": world_sizes, "models": args.models, "dtypes": args.dtypes,
+              "sizes": args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES),
+              "repeats": args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS),
+              "batch": BATCH, **(QUICK_SHAPES if args.quick else SHAPES),
+              "optimizer": "torch.optim.AdamW (defaults)",
+              "buckets": "DDP 25 MiB, DistributedOptimizer 10 MiB (each library's default)",
+              "threads": "torch threads per rank: cores // ranks, at least 1",
+              "timer": TIMER, "memory": COUNTING}
+    device = torch.device("cpu")
+    machine = common.machine_info(device, resolve_backend("auto", device), "gloo")
+    progress = common.Progress(len(world_sizes) * len(cases(config)),
+                               enabled=not args.no_progress)
+    common.warn_if_busy(machine)
+    started = time.perf_counter()
+    results = run(config, progress)
+    elapsed = time.perf_counter() - started
+    print_report(results, machine, config, elapsed)
+    if args.json:
+        common.write_json(args.json, machine, config, results)
+        common.log(f"wrote {args.json}")
+    if args.plot:
+        write_plot(args.plot, results, common.machine_summary(machine))
+        common.log(f"wrote {args.plot}")
+    return 0

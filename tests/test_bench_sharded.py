@@ -1,0 +1,237 @@
+"""``fusedreduce-bench sharded``: every method runs, and its memory is counted right.
+
+One ``sharded --quick`` run on 2 gloo ranks (tiny models, both dtypes) is
+shared by the tests. No timing is asserted beyond positive, finite figures;
+the byte counts are checked against what AdamW must hold: the exact totals
+over the ranks, and each rank's share of the sharded state within the bound
+the plan's padding allows.
+"""
+import importlib.util
+import math
+import sys
+
+import pytest
+import torch
+
+from bench_utils import check_record, positive_finite, run_bench_once
+from fusedreduce.bench import cli, sharded_bench
+from fusedreduce.bench.models import transformer_shapes_for_size
+
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+WORLD_SIZE = 2
+ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
+STEP_BYTES = 4  # AdamW's step count: one 0-d fp32 tensor per parameter (or slice)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One ``sharded --quick`` run on 2 gloo ranks: (process, JSON record, PNG path)."""
+    args = ["sharded", "--quick", "--world-sizes", str(WORLD_SIZE), "--no-progress"]
+    if HAS_MATPLOTLIB:
+        args += ["--plot", "{dir}/sharded.png"]
+    process, record, directory = run_bench_once(tmp_path_factory, "sharded", args)
+    return process, record, directory / "sharded.png"
+
+
+def _by_case(record):
+    """{(model, dtype): {method: result}} of the run."""
+    cases = {}
+    for result in record["results"]:
+        cases.setdefault((result["model"], result["dtype"]), {})[result["method"]] = result
+    return cases
+
+
+def _elementwise(result, rank):
+    """A rank's per-element state bytes: the state less its 0-d tensors."""
+    memory = result["memory_per_rank"]
+    return memory["state"][rank] - memory["state_scalars"][rank]
+
+
+def test_quick_sharded_exits_cleanly_and_prints_every_method_per_case(quick_run):
+    process, _, _ = quick_run
+    assert process.returncode == 0, process.stderr
+    for model in sharded_bench.MODELS:
+        for dtype in sharded_bench.DTYPES:
+            assert f"## {model} {dtype}:" in process.stdout
+    for method in sharded_bench.METHODS:
+        assert process.stdout.count(f" {method} ") == 4, method
+    assert "not run" not in process.stdout  # every configuration runs on gloo CPU ranks
+
+
+def test_every_configuration_ran_with_positive_finite_times(quick_run):
+    _, record, _ = quick_run
+    results = check_record(record, ["sharded"])
+    assert record["config"]["world_sizes"] == [WORLD_SIZE]
+    assert record["machine"]["dist_backend"] == "gloo"
+    cases = _by_case(record)
+    assert set(cases) == {(m, d) for m in sharded_bench.MODELS for d in sharded_bench.DTYPES}
+    for methods in cases.values():
+        assert list(methods) == list(sharded_bench.METHODS)
+        unsharded = methods["fused_adamw"]["time_ms"]
+        for result in methods.values():
+            assert result["not_run"] is None
+            assert result["world_size"] == WORLD_SIZE
+            assert result["role"] == sharded_bench.ROLES[result["method"]]
+            assert math.isclose(result["time_vs_unsharded"], result["time_ms"] / unsharded)
+    for result in results:
+        assert result["n_tensors"] == (161 if result["model"] == "resnet50" else 147)
+        assert result["bytes"] == result["n_elements"] * ELEMENT_SIZE[result["dtype"]]
+
+
+def test_unsharded_adamw_holds_two_moments_in_the_parameters_dtype_on_every_rank(quick_run):
+    _, record, _ = quick_run
+    for methods in _by_case(record).values():
+        for method in ("ddp_adamw", "fused_adamw"):
+            result = methods[method]
+            memory = result["memory_per_rank"]
+            assert memory["state"] == [2 * result["bytes"] + STEP_BYTES * result["n_tensors"]] \
+                * WORLD_SIZE
+            assert memory["master"] == [0] * WORLD_SIZE
+            assert memory["grads"] == memory["params"] == [result["bytes"]] * WORLD_SIZE
+            assert result["state_master_bytes"] == result["state_bytes"]
+
+
+def test_zero_and_fsdp2_split_the_state_exactly_between_the_ranks(quick_run):
+    _, record, _ = quick_run
+    for methods in _by_case(record).values():
+        zero, fsdp2 = methods["ddp_zero_adamw"], methods["fsdp2_adamw"]
+        n_tensors, nbytes = zero["n_tensors"], zero["bytes"]
+        # ZeRO: each whole parameter's state on one rank; gradients and parameters whole
+        assert sum(_elementwise(zero, r) for r in range(WORLD_SIZE)) == 2 * nbytes
+        assert sum(zero["memory_per_rank"]["state_scalars"]) == STEP_BYTES * n_tensors
+        assert zero["memory_per_rank"]["grads"] == [nbytes] * WORLD_SIZE
+        # FSDP2: DTensor shards of parameters, gradients and moments; a step count
+        # per parameter on every rank
+        memory = fsdp2["memory_per_rank"]
+        assert sum(memory["params"]) == sum(memory["grads"]) == nbytes
+        assert sum(_elementwise(fsdp2, r) for r in range(WORLD_SIZE)) == 2 * nbytes
+        assert memory["state_scalars"] == [STEP_BYTES * n_tensors] * WORLD_SIZE
+        for result in (zero, fsdp2):
+            assert result["state_master_vs_unsharded"] < 0.6
+
+
+def test_fused_sharded_state_and_masters_per_rank_are_a_world_size_share(quick_run):
+    _, record, _ = quick_run
+    for (_, dtype), methods in _by_case(record).items():
+        sharded, unsharded = methods["fused_sharded_adamw"], methods["fused_adamw"]
+        memory = sharded["memory_per_rank"]
+        n, n_tensors = sharded["n_elements"], sharded["n_tensors"]
+        sixteen_bit = dtype != "float32"
+        # the moments in fp32 whatever the parameters' dtype; each element on one rank
+        assert sum(_elementwise(sharded, r) for r in range(WORLD_SIZE)) == 8 * n
+        assert sum(memory["master"]) == (4 * n if sixteen_bit else 0)
+        # every rank's part: at most its share of the elements and of the padding
+        # (per bucket, at the end), plus a step count per parameter slice it owns
+        share = (n + sharded["padding_elements"]) / WORLD_SIZE
+        for r in range(WORLD_SIZE):
+            assert _elementwise(sharded, r) <= 8 * share
+            assert memory["master"][r] <= (4 * share if sixteen_bit else 0)
+            assert memory["state_scalars"][r] <= STEP_BYTES * n_tensors
+        unsharded_elementwise = unsharded["state_bytes"] - STEP_BYTES * n_tensors
+        if not sixteen_bit:
+            assert sharded["state_bytes"] <= (unsharded_elementwise + 8 * sharded[
+                "padding_elements"]) / WORLD_SIZE + STEP_BYTES * n_tensors
+        # parameters and gradients stay whole (ZeRO-1 memory: .grad is full-sized)
+        assert memory["params"] == memory["grads"] == [sharded["bytes"]] * WORLD_SIZE
+        # the whole state_dict(): the unsharded state, plus fp32 masters of 16-bit parameters
+        full = (12 if sixteen_bit else 8) * n + STEP_BYTES * n_tensors
+        assert sharded["full_state_bytes"] == full
+        if not sixteen_bit:
+            assert sharded["full_state_bytes"] == unsharded["state_bytes"]
+        assert sharded["full_state_scalar_bytes"] == STEP_BYTES * n_tensors
+        assert sharded["memory_aim_met"] is True
+        assert sharded["state_master_bytes"] <= sharded["state_master_bound_bytes"]
+        assert 0.99 < sharded["state_master_vs_full_per_rank"] < 1.05
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib (the bench extra) is not installed")
+def test_quick_sharded_writes_a_png(quick_run):
+    process, _, png = quick_run
+    assert process.returncode == 0, process.stderr
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def _rank_output(n_tensors=4, n_elements=100, not_run=()):
+    """One rank's ``rank_measure`` output for ``records``: fp32, 10 ms per step, whole state."""
+    methods = [m for m in sharded_bench.METHODS if m not in not_run]
+    memory = {"state": 816, "state_scalars": 16, "master": 0, "grads": 400, "params": 400}
+    return {"samples": {m: [10.0, 12.0, 11.0] for m in methods},
+            "memory": {m: dict(memory) for m in methods},
+            "full": {"full_state_bytes": 816, "full_state_scalar_bytes": 16,
+                     "padding_elements": 0, "n_buckets": 1} if "fused_sharded_adamw" in methods
+            else None,
+            "not_run": {m: "RuntimeError: not on this backend" for m in not_run},
+            "n_tensors": n_tensors, "n_elements": n_elements, "element_size": 4}
+
+
+def test_a_method_that_cannot_run_is_reported_with_its_reason_and_no_figures(capsys):
+    case = {"model": "resnet50", "dtype": "float32", "size": 100}
+    outcome = {r: _rank_output(not_run=("fsdp2_adamw",)) for r in range(2)}
+    results = sharded_bench.records(outcome, case)
+    fsdp2 = next(r for r in results if r["method"] == "fsdp2_adamw")
+    assert fsdp2["not_run"] == "RuntimeError: not on this backend"
+    assert all(fsdp2[key] is None for key in ("time_ms", "ratio", "state_bytes"))
+    others = [r for r in results if r is not fsdp2]
+    assert all(positive_finite(r["time_ms"]) and r["not_run"] is None for r in others)
+    # the sharded optimizer here holds the whole state on each rank: it misses the aim
+    sharded = next(r for r in results if r["method"] == "fused_sharded_adamw")
+    assert sharded["memory_aim_met"] is False and sharded["time_aim_met"] is True
+    sharded_bench.print_report(results, _machine(), {"repeats": 3}, 1.0)
+    out = capsys.readouterr().out
+    assert "# not run: fsdp2_adamw, resnet50 float32, 2 ranks: RuntimeError" in out
+    row = next(line for line in out.splitlines() if " fused_sharded_adamw " in line)
+    assert row.split()[-2:] == ["NO", "yes"]  # the memory aim, the time aim
+
+
+def _machine():
+    return {"cpu_model": "cpu", "cores": 2, "gpu": None, "gpu_count": 0, "python": "3",
+            "torch": torch.__version__, "triton": None, "kernel_backend": "torch",
+            "dist_backend": "gloo", "loadavg_1min": None}
+
+
+def test_the_decoder_has_the_transformer_parameter_list():
+    for n in (30_000, 4_000_000):
+        model = sharded_bench.decoder_for_size(n)
+        assert [tuple(p.shape) for p in model.parameters()] == transformer_shapes_for_size(n)
+    model = sharded_bench.decoder_for_size(30_000)
+    logits = model(torch.randint(0, model.vocab, (2, 8)))
+    assert logits.shape == (2, 8, model.vocab)
+
+
+def test_the_command_is_listed_and_documents_its_options(capsys):
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    assert "sharded" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parser.parse_args(["sharded", "--help"])
+    help_text = capsys.readouterr().out
+    for option in ("--quick", "--world-sizes", "--models", "--dtypes", "--sizes", "--repeats",
+                   "--json", "--plot"):
+        assert option in help_text
+    for method in sharded_bench.METHODS:
+        assert method in help_text
+
+
+@pytest.mark.parametrize("argv", [["--world-sizes", "1"], ["--world-sizes", "2,x"],
+                                  ["--models", "vgg"], ["--dtypes", "float16"]])
+def test_impossible_requests_are_refused_by_the_parser(argv):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["sharded", *argv])
+    assert exit_.value.code == 2
+
+
+def test_plot_without_matplotlib_and_torchrun_fail_before_measuring(monkeypatch, tmp_path):
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before the checks")
+
+    monkeypatch.setattr(sharded_bench, "run", measured)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes the import fail
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["sharded", "--quick", "--plot", str(tmp_path / "out.png")])
+    assert "pip install matplotlib" in str(exit_.value.code)
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "localhost")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit, match="without torchrun"):
+        cli.main(["sharded", "--quick"])
