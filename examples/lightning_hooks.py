@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 examples/lightning_hooks.py --hook fp16_compress_hook
     torchrun --nproc_per_node=2 examples/lightning_hooks.py --distributed-optimizer
+    torchrun --nproc_per_node=2 examples/lightning_hooks.py --distributed-optimizer --shard
     torchrun --nproc_per_node=2 examples/lightning_hooks.py --compare-ddp
     python examples/lightning_hooks.py --devices 2        # Lightning starts the processes
 
@@ -11,7 +12,10 @@ A hook (``--hook``, default ``allreduce_hook``) is registered by
 With ``--distributed-optimizer``, ``configure_optimizers`` returns a
 ``fusedreduce.DistributedOptimizer`` and the trainer runs
 ``fusedreduce.lightning.DistributedOptimizerStrategy``, which leaves out the
-DDP wrapper (it would reduce every gradient a second time), so no hook runs.
+DDP wrapper (it would reduce every gradient a second time), so no hook runs;
+``--shard`` makes it ``DistributedOptimizer(..., shard=True)`` (each rank keeps
+its part of the optimizer state; Lightning's checkpoint holds the whole state,
+gathered on every rank).
 Trains a small MLP on a fixed synthetic set (or scikit-learn's digits when
 installed) and with ``--out PATH`` saves the final weights.
 
@@ -51,11 +55,13 @@ def dataset() -> TensorDataset:
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self, distributed_optimizer: bool = False, accumulate: int = 1) -> None:
+    def __init__(self, distributed_optimizer: bool = False, accumulate: int = 1,
+                 shard: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)  # the same initial weights on every rank
         self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
         self.distributed_optimizer, self.accumulate = distributed_optimizer, accumulate
+        self.shard = shard
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -67,14 +73,16 @@ class Classifier(pl.LightningModule):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
         if self.distributed_optimizer:
             # reduces on the pass the trainer steps after: accumulate_grad_batches
-            return DistributedOptimizer(optimizer, backward_passes_per_step=self.accumulate)
+            return DistributedOptimizer(optimizer, backward_passes_per_step=self.accumulate,
+                                        shard=self.shard)
         return optimizer
 
 
 def fit(args, hook: str, distributed_optimizer: bool):
     """A model trained from the fixed start: (its final training loss averaged over
     the ranks, the model, whether this process is rank 0)."""
-    model = Classifier(distributed_optimizer, args.accumulate)
+    model = Classifier(distributed_optimizer, args.accumulate,
+                       shard=args.shard and distributed_optimizer)
     callbacks = [] if hook == "none" else [CommHook(getattr(hooks, hook))]
     strategy = DistributedOptimizerStrategy() if distributed_optimizer else "ddp"
     trainer = pl.Trainer(
@@ -85,6 +93,8 @@ def fit(args, hook: str, distributed_optimizer: bool):
     # Lightning's distributed sampler gives each rank its own shard
     trainer.fit(model, DataLoader(dataset(), batch_size=16, shuffle=False))
     loss = float(trainer.strategy.reduce(model.last_loss, reduce_op="mean"))
+    if args.checkpoint and distributed_optimizer:
+        trainer.save_checkpoint(args.checkpoint)  # on every rank: the state is gathered
     return loss, model, trainer.is_global_zero
 
 
@@ -96,6 +106,11 @@ def main(argv=None) -> None:
     parser.add_argument("--distributed-optimizer", action="store_true",
                         help="no DDP wrapper, so no hook: DistributedOptimizer reduces the "
                              "gradients")
+    parser.add_argument("--shard", action="store_true",
+                        help="with --distributed-optimizer: shard=True (each rank keeps its "
+                             "part of the optimizer state)")
+    parser.add_argument("--checkpoint",
+                        help="with --distributed-optimizer: save Lightning's checkpoint here")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="accumulate_grad_batches: backward passes per optimizer step")
     parser.add_argument("--devices", type=int, default=2)
@@ -105,6 +120,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", help="save the final weights here (rank 0)")
     args = parser.parse_args(argv)
 
+    if (args.shard or args.checkpoint) and not args.distributed_optimizer:
+        parser.error("--shard and --checkpoint go with --distributed-optimizer")
     if args.hook is None:
         args.hook = "none" if args.distributed_optimizer else "allreduce_hook"
     elif args.distributed_optimizer and args.hook != "none":

@@ -60,6 +60,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
     the reduction (and broadcasts the new parameters unless ``bcast_period``
     is -1), and parameters frozen or unfrozen with ``requires_grad_`` are
     followed at the next ``step()`` (see ``add_param_group`` and ``step``).
+    A parameter that no rank gave a gradient in a step keeps ``.grad = None``
+    on every rank, so the wrapped optimizer skips it as torch does (as
+    ``DistributedDataParallel(find_unused_parameters=True)`` leaves it): one
+    small all-reduce per reducing backward counts who had each gradient.
+
+    ``shard=True`` (ZeRO on the fused buckets): each bucket is split into one
+    contiguous part per rank (padding at bucket ends only); during backward
+    each bucket is reduce-scattered as soon as it is ready, and afterwards
+    each ``.grad`` holds the reduced gradient on the elements this rank owns
+    and zeros elsewhere; ``step()`` runs the wrapped optimizer on this rank's
+    part only (16-bit parameters through ``master_dtype`` copies of that
+    part), then all-gathers the parts into the parameters (one collective per
+    bucket, in the parameters' own dtype), bitwise identical on every rank.
+    ``optimizer.state`` holds this rank's part: whole tensors for the
+    parameters it owns wholly, 1-D slices for those a part boundary cuts.
+    ``state_dict()`` is then collective and returns the whole, unsharded
+    state. Only optimizers whose step is elementwise can be sharded (see
+    ``assume_elementwise``). On gloo the reduce-scatter is an all-reduce whose
+    part is kept (gloo's own reduce-scatter all-reduces inside, slower).
 
     Args:
         optimizer: any ``torch.optim.Optimizer``.
@@ -83,18 +102,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         local_size: with ``reduce_method="adasum"``: average inside
             consecutive blocks of this many ranks first (a node's GPUs), then
             AdaSum across the blocks, as ``hooks.adasum_hook``'s ``local_size``.
+        shard: shard the optimizer state and master weights across the group
+            (see above); AdaSum combines whole buckets along its tree, then
+            each rank steps its part.
+        master_dtype: with ``shard=True``, the dtype 16-bit parameters are
+            stepped in (their optimizer state is kept in it too); wider
+            parameters are stepped in their own dtype.
+        assume_elementwise: with ``shard=True``, accept an optimizer class
+            fusedreduce does not know to be elementwise (its step must update
+            each element from that element's gradient and state alone).
 
     Raises:
         ValueError: ``reduce_method`` is not "sum", "mean" or "adasum"; a bad
             ``bcast_period``, ``param_pack_thd`` or ``backward_passes_per_step``;
             ``local_size`` other than 1 without AdaSum, or not dividing the
-            world size; a 16-bit ``reduce_dtype`` with AdaSum.
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+            world size; a 16-bit ``reduce_dtype`` with AdaSum; ``shard=True``
+            with an optimizer not known to be elementwise (LBFGS, ...) unless
+            ``assume_elementwise``, or with ``gradient_as_bucket_view``.
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; ``shard``
+            is not a bool; ``master_dtype`` is not a floating dtype.
         RuntimeError: torch.distributed is not initialised.
 
     Examples:
         >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # doctest: +SKIP
         >>> loss.backward(); opt.step(); opt.zero_grad()          # doctest: +SKIP
+        >>> zero = DistributedOptimizer(torch.optim.AdamW(model.parameters()), shard=True)  # doctest: +SKIP
     """
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args, **kwargs):
@@ -296,6 +328,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # RuntimeError naming it (on every rank), not a crashed broadcast
             broadcast_tensors([p.data for p in params], src, group=self.group,
                               names=[f"parameters[{i}]" for i in range(len(params))])
+        if self.sharded is not None:
+            self.sharded.refresh_masters(everything=True)
+
+    def reload_master_weights(self) -> None:
+        """With ``shard=True`` and 16-bit parameters: take this rank's fp32
+        master copies from the parameters again, where they differ from the
+        masters rounded.
+
+        ``step()`` does this by itself for parameters changed in place since
+        the last step (``model.load_state_dict``, ``p.copy_`` under
+        ``no_grad``: their version counter moved). A write through ``.data``
+        moves no counter: call this after one. Without sharding, or without
+        16-bit parameters, there are no masters and nothing happens.
+
+        Examples:
+            >>> model.weight.data.mul_(0.5); opt.reload_master_weights()   # doctest: +SKIP
+        """
+        if self.sharded is not None:
+            self.sharded.refresh_masters(everything=True)
 
     def step(self, closure=None):
         """Run the wrapped optimizer's step on the reduced gradients.

@@ -19,6 +19,7 @@ only, part ``r`` of every bucket owned by group rank ``r``.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -82,6 +83,16 @@ def master_dtype_of(param: torch.Tensor, master_dtype: torch.dtype) -> torch.dty
     return master_dtype if param.dtype in _SIXTEEN_BIT else param.dtype
 
 
+def _overflow_at(grad_dtype: torch.dtype, bucket_dtype: torch.dtype) -> float:
+    """The magnitude from which a ``bucket_dtype`` value rounds to inf when cast
+    to ``grad_dtype`` (half an ulp above its largest finite value; inf when
+    the cast cannot overflow)."""
+    narrow, wide = torch.finfo(grad_dtype), torch.finfo(bucket_dtype)
+    if narrow.max >= wide.max:
+        return math.inf
+    return narrow.max + math.ldexp(narrow.eps, math.frexp(narrow.max)[1] - 1) / 2
+
+
 def _reinterpret(buffer: torch.Tensor, dtype: torch.dtype, numel: int) -> Optional[torch.Tensor]:
     """``numel`` elements of ``dtype`` over ``buffer``'s memory, if it is large enough."""
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -130,6 +141,10 @@ class ShardedGradReducer(DistributedGradReducer):
         self._all_reduce_instead = self.world_size > 1 and \
             dist.get_backend(group) == dist.Backend.GLOO
         self._plant_sites = self._sites_not_owned()
+        self._overflow = [min((_overflow_at(self.plan.specs[slot].dtype, b.dtype)
+                               for slot in b.tensor_indices), default=math.inf)
+                          for b in self.plan.buckets]
+        self._bounds: Optional[torch.Tensor] = None
 
     def _plan_shards(self) -> int:
         return self.world_size
@@ -207,7 +222,7 @@ class ShardedGradReducer(DistributedGradReducer):
                                            backend=self.backend)
 
     def _finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
-        owned: List[torch.Tensor] = []
+        extremes: List[torch.Tensor] = []
         for p in pending:
             wait_for(p)
             bucket = p.bucket
@@ -222,13 +237,18 @@ class ShardedGradReducer(DistributedGradReducer):
                 flat[hi:].zero_()
             _, postscale = self._scales[bucket.index]
             self.plan.unflatten(bucket, flat, outputs, scale=postscale, backend=self.backend)
-            for r in self._owned[bucket.index]:
-                owned.append(outputs[r.tensor].reshape(-1)[r.start:r.end])
-        # what GradScaler will read: the written gradients (a finite sum can
-        # still overflow a 16-bit gradient)
-        if owned:
-            norms = torch._foreach_norm(owned, float("inf"))
-            nonfinite = (~torch.isfinite(torch.stack(norms))).any().to(torch.int32)
+            if bucket.part_size:
+                # what GradScaler will read: the part's extremes as written
+                # (postscaled; a finite sum can still overflow a 16-bit .grad)
+                extremes.append(torch.stack(torch.aminmax(flat[lo:hi])).double() * postscale)
+        if extremes:
+            values = torch.cat(extremes)
+            if self._bounds is None:
+                self._bounds = torch.tensor(
+                    [self._overflow[b.index] for b in self.plan.buckets if b.part_size],
+                    dtype=torch.float64, device=values.device).repeat_interleave(2)
+            nonfinite = (~torch.isfinite(values) | (values.abs() >= self._bounds)).any()
+            nonfinite = nonfinite.to(torch.int32)
         else:
             nonfinite = torch.zeros((), dtype=torch.int32)
         ranks = self._settle_unused(nonfinite)
@@ -289,6 +309,8 @@ class ShardedParameters:
                 shards.append(shard)
             self.per_bucket.append(shards)
         self.masters = [s for s in self.by_param.values() if s.master]
+        self._versions: Dict[torch.Tensor, int] = {}
+        self._note_versions()
         self._targets = [p.detach() for p in reducer.plan_tensors()]
         self._gather_flat: List[torch.Tensor] = []
         self._send: List[torch.Tensor] = []
@@ -326,16 +348,25 @@ class ShardedParameters:
         return _Shard(param, index, bucket, r, master, False, True)
 
     # ------------------------------------------------------------------ step
-    def refresh_masters(self) -> None:
-        """Keep each master element unless its parameter element no longer
-        equals it rounded (the parameter was changed outside ``step``: a
-        broadcast, a loaded model): then take the parameter's value."""
+    def refresh_masters(self, everything: bool = False) -> None:
+        """Follow parameters changed outside ``step`` since the last gather
+        (their version counter moved: ``model.load_state_dict``, an in-place
+        edit under ``no_grad``; ``everything``: all, for writes through
+        ``.data``, which no counter sees): keep each master element unless
+        its parameter element no longer equals it rounded, else take the
+        parameter's value."""
         with torch.no_grad():
             for s in self.masters:
+                if not everything and s.param._version == self._versions.get(s.param):
+                    continue
                 current = self._param_slice(s)
                 kept = torch.where(s.tensor.to(s.param.dtype) == current, s.tensor,
                                    current.to(s.tensor.dtype))
                 s.tensor.copy_(kept)
+        self._note_versions()
+
+    def _note_versions(self) -> None:
+        self._versions = {s.param: s.param._version for s in self.masters}
 
     @staticmethod
     def _param_slice(s: _Shard) -> torch.Tensor:
@@ -398,6 +429,7 @@ class ShardedParameters:
                 wait_for(p)
                 self.plan.unflatten(p.bucket, p.flat, self._targets,
                                     backend=self.reducer.backend)
+        self._note_versions()
 
     # ------------------------------------------------------------- state
     def take_state(self, state: Dict[torch.Tensor, dict]) -> Dict[torch.Tensor, dict]:

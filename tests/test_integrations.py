@@ -114,6 +114,25 @@ def test_distributed_optimizer_in_lightning_trains_like_lightnings_ddp(accumulat
     assert ours_report == {"DistributedOptimizer": default_report["DDP, no hook"]}, ours_report
 
 
+@pytest.mark.timeout(TIMEOUT)
+def test_sharded_distributed_optimizer_in_lightning_trains_like_lightnings_ddp(tmp_path):
+    # shard=True under the strategy: SGD with momentum on each rank's part is
+    # the unsharded step, so the weights are DDP's bitwise (a mean of two ranks
+    # is exact in any order); Lightning's checkpoint, saved from every rank,
+    # holds the whole optimizer state
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed (pip install -e \".[integrations]\")")
+    script = FRAMEWORKS["lightning"][1]
+    checkpoint = tmp_path / "sharded.ckpt"
+    ours, report, comparisons = _train(script, "none", tmp_path / "ours.pt",
+                                       "--distributed-optimizer", "--shard", "--compare-ddp",
+                                       "--checkpoint", str(checkpoint))
+    assert [c[2] for c in comparisons] == ["bitwise equal"], comparisons
+    state = torch.load(checkpoint, weights_only=False)["optimizer_states"][0]["state"]
+    shapes = [tuple(w.shape) for w in ours.values()]
+    assert [tuple(state[i]["momentum_buffer"].shape) for i in range(len(shapes))] == shapes
+
+
 def _strategy_checks(rank, world_size):
     """The strategy's refusals, on one rank (a DistributedOptimizer needs a group)."""
     from types import SimpleNamespace

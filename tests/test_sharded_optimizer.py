@@ -230,6 +230,30 @@ def _zero_grad_then_step(rank, world_size):
             "state": len(optimizer.state)}
 
 
+def _masters_follow_parameters(rank, world_size):
+    """Parameters edited between steps: in place (a version counter moves),
+    through ``.data`` (none does: ``reload_master_weights``)."""
+    model = _model()
+    optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True, param_pack_thd=300)
+    _loss(model, rank, 0).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    weight = model[2].weight  # bfloat16: stepped through fp32 masters
+    seen = {}
+    with torch.no_grad():
+        weight.copy_(torch.full_like(weight, 0.5))
+    optimizer.step()  # no gradients: nothing stepped, the parts gathered back
+    seen["in_place"] = bool((weight == 0.5).all())
+    weight.data.fill_(0.25)
+    optimizer.reload_master_weights()
+    optimizer.step()
+    seen["through_data_reloaded"] = bool((weight == 0.25).all())
+    _loss(model, rank, 1).backward()
+    optimizer.step()
+    seen["stepped_from_there"] = float((weight.float() - 0.25).abs().max())
+    return seen
+
+
 def _grad_scaler(rank, world_size):
     """An inf in one element of one rank's gradient in step 1."""
     model = _model(dtypes=(torch.float32,) * 3)
@@ -355,31 +379,38 @@ def _dicts_equal(a, b, skip=()):
 
 
 def _structure_changes(rank, world_size, shard):
-    """add_param_group, freezing and unfreezing, a closure and an LR scheduler."""
+    """add_param_group, freezing and unfreezing, a closure, an LR scheduler,
+    a broadcast every 2 steps and a pass accumulated inside no_sync()."""
     torch.manual_seed(0)
     body, head = nn.Linear(6, 7), nn.Linear(7, 3)
-    optimizer = DistributedOptimizer(_adamw(body.parameters()), shard=shard, param_pack_thd=100)
+    optimizer = DistributedOptimizer(_adamw(body.parameters()), shard=shard, param_pack_thd=100,
+                                     bcast_period=2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    def loss_of(step):
+        gen = torch.Generator().manual_seed(10 * rank + step)
+        return head(body(torch.randn(5, 6, generator=gen))).square().mean()
 
     def closure_for(step):
         def closure():
-            optimizer.zero_grad()
-            gen = torch.Generator().manual_seed(10 * rank + step)
-            x = torch.randn(5, 6, generator=gen)
-            loss = head(body(x)).square().mean()
+            loss = loss_of(step)
             loss.backward()
             return loss
         return closure
 
     losses = []
-    for step in range(5):
+    for step in range(6):
         if step == 1:
             optimizer.add_param_group({"params": head.parameters(), "lr": 0.02})
         if step == 2:
             body.weight.requires_grad_(False)
         if step == 3:
             body.weight.requires_grad_(True)
+        if step == 5:
+            with optimizer.no_sync():
+                loss_of(100 + step).backward()
         losses.append(float(optimizer.step(closure_for(step))))
+        optimizer.zero_grad()
         scheduler.step()
     return {"params": [p.detach().clone() for p in (*body.parameters(), *head.parameters())],
             "losses": losses}
@@ -399,6 +430,7 @@ def on_rank(rank, world_size):
                                              master_dtype=torch.bfloat16),
         "adasum": _adasum_pair(rank, world_size),
         "zero_grad": _zero_grad_then_step(rank, world_size),
+        "masters_follow": _masters_follow_parameters(rank, world_size),
         "scaler": _grad_scaler(rank, world_size),
     }
     if world_size == 2:
@@ -408,6 +440,30 @@ def on_rank(rank, world_size):
                                 for shard in (True, False)]
     results["checkpoints"] = _checkpoints(rank, world_size)
     return results
+
+
+def _compiled(rank, world_size):
+    """A torch.compile'd model: sharded and unsharded steps, bitwise alike."""
+    out = []
+    for shard in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3))
+        optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=shard,
+                                         param_pack_thd=200)
+        compiled = torch.compile(model)
+        for step in range(3):
+            x = torch.randn(4, 7, generator=torch.Generator().manual_seed(10 * rank + step))
+            compiled(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        out.append(_snapshot(model))
+    return out
+
+
+def test_a_compiled_model_steps_as_unsharded():
+    for rank, (sharded, unsharded) in enumerate(run_ranks(_compiled, 2, timeout=TIMEOUT)):
+        for got, want in zip(sharded, unsharded):
+            assert torch.equal(got, want), f"rank {rank}"
 
 
 def _bad_arguments(rank, world_size):
@@ -556,6 +612,14 @@ def test_sharded_adasum_is_unsharded_adasum(ranks_once, world_size):
 def test_step_after_zero_grad_changes_nothing_and_makes_no_state(ranks_once, world_size):
     for seen in (r["zero_grad"] for r in ranks_once(world_size)):
         assert seen == {"unchanged": True, "state": 0}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_master_weights_follow_parameters_changed_between_steps(ranks_once, world_size):
+    for seen in (r["masters_follow"] for r in ranks_once(world_size)):
+        assert seen["in_place"] and seen["through_data_reloaded"]
+        # one AdamW step from 0.25 moves each element by about lr (and decay)
+        assert 0 < seen["stepped_from_there"] < 2 * LR
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
