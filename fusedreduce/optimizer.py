@@ -111,6 +111,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         assume_elementwise: with ``shard=True``, accept an optimizer class
             fusedreduce does not know to be elementwise (its step must update
             each element from that element's gradient and state alone).
+        overlap_param_gather: with ``shard=True``, leave ``step()``'s
+            all-gathers in flight: each bucket is written into the parameters
+            when a module owning one of them starts its next forward (a
+            global forward pre-hook), overlapping the gather with whatever
+            comes between and with the forward itself (Megatron's and FSDP2's
+            prefetch). Parameters read outside a module's forward need
+            ``finish_param_gather()`` first.
 
     Raises:
         ValueError: ``reduce_method`` is not "sum", "mean" or "adasum"; a bad
@@ -118,7 +125,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``local_size`` other than 1 without AdaSum, or not dividing the
             world size; a 16-bit ``reduce_dtype`` with AdaSum; ``shard=True``
             with an optimizer not known to be elementwise (LBFGS, ...) unless
-            ``assume_elementwise``, or with ``gradient_as_bucket_view``.
+            ``assume_elementwise``, or with ``gradient_as_bucket_view``;
+            ``overlap_param_gather`` without ``shard``.
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; ``shard``
             is not a bool; ``master_dtype`` is not a floating dtype.
         RuntimeError: torch.distributed is not initialised.
@@ -148,12 +156,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         shard: bool = False,
         master_dtype: torch.dtype = torch.float32,
         assume_elementwise: bool = False,
+        overlap_param_gather: bool = False,
     ) -> None:
         if not isinstance(shard, bool):
             raise TypeError(f"shard must be True or False, got {shard!r}")
         if shard:
             check_shardable(optimizer, assume_elementwise)
             check_master_dtype(master_dtype)
+        elif overlap_param_gather:
+            raise ValueError("overlap_param_gather=True applies to shard=True only")
+        if shard:
             if gradient_as_bucket_view:
                 raise ValueError(
                     "gradient_as_bucket_view=True does not combine with shard=True: the flat "
@@ -190,6 +202,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._gradient_as_bucket_view = gradient_as_bucket_view
         self.shard = shard
         self.master_dtype = master_dtype
+        self.overlap_param_gather = bool(overlap_param_gather)
         self._local_size = local_size
         self._trainable = self._trainable_now()
         self._steps = 0
@@ -223,6 +236,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (per-parameter state, keyed by parameter)."""
         self.sharded = ShardedParameters(self._all_params(), self.reducer, self.master_dtype,
                                          self.group)
+        self.reducer.before_communicating = self.sharded.finish_gather
         self.state = self.sharded.take_state(full_state)
 
     def _hooked_reducer(self) -> DistributedGradReducer:
@@ -277,6 +291,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "add_param_group() called between a backward pass and step() with shard=True: "
                 "the reduced gradients are laid out for the current parameters; call it after "
                 "step() (or after zero_grad())")
+        self.finish_param_gather()
         full_state = self._full_state() if self.shard else None
         super().add_param_group(param_group)
         added = self.param_groups[-1]["params"]
@@ -322,6 +337,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def broadcast_parameters(self, src: int = 0) -> None:
         """Copy the parameters of rank ``src`` of the optimizer's group (a group
         rank) to every rank of it (fused, bitwise exact)."""
+        self.finish_param_gather()
         params = self._all_params()
         with torch.no_grad():
             # verified first: a rank with a differently shaped parameter gets a
@@ -329,7 +345,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             broadcast_tensors([p.data for p in params], src, group=self.group,
                               names=[f"parameters[{i}]" for i in range(len(params))])
         if self.sharded is not None:
+            self.sharded.finish_gather()
             self.sharded.refresh_masters(everything=True)
+
+    def finish_param_gather(self) -> None:
+        """With ``overlap_param_gather=True``: finish the parameters' all-gathers
+        that ``step()`` left in flight, now.
+
+        Each bucket is otherwise written when a module owning one of its
+        parameters starts its forward. Call this before reading parameters
+        outside a module's forward (``model.state_dict()`` right after
+        ``step()``, an evaluation through ``torch.func``, a weight norm
+        logged); ``step()``, ``state_dict()`` and the next reducing backward
+        call it themselves. Without deferred gathers it does nothing.
+
+        Examples:
+            >>> opt.step(); opt.finish_param_gather(); torch.save(model.state_dict(), "m.pt")  # doctest: +SKIP
+        """
+        if self.sharded is not None:
+            self.sharded.finish_gather()
 
     def reload_master_weights(self) -> None:
         """With ``shard=True`` and 16-bit parameters: take this rank's fp32
@@ -346,6 +380,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             >>> model.weight.data.mul_(0.5); opt.reload_master_weights()   # doctest: +SKIP
         """
         if self.sharded is not None:
+            self.sharded.finish_gather()
             self.sharded.refresh_masters(everything=True)
 
     def step(self, closure=None):
@@ -385,9 +420,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 with torch.enable_grad():
                     loss = closure()
             self._check_reduced()
+            self.sharded.finish_gather()
             self.sharded.refresh_masters()
             self.sharded.step(self, super().step)
-            self.sharded.gather()
+            self.sharded.gather(defer=self.overlap_param_gather)
         elif closure is None:
             self._check_reduced()
             loss = super().step()
@@ -460,6 +496,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                  f"({self.reducer.world_size} ranks)")
         if not self.shard:
             return super().state_dict()
+        self.finish_param_gather()
         full = self._full_state(to)
         if full is None:
             return None
@@ -482,6 +519,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 parameters (a state dict of another model); nothing is changed.
         """
         self._check_loadable(state_dict)
+        self.finish_param_gather()
         if not self.shard:
             super().load_state_dict(_without_master_weights(state_dict))
             return

@@ -130,6 +130,7 @@ class ShardedGradReducer(DistributedGradReducer):
             self._scales = [(1.0 / adasum_local_size, 1.0)] * len(self.plan.buckets)
         self.rank = dist.get_rank(group) if self.world_size > 1 else 0
         self.unused_grads_to_none = True
+        self.before_communicating = None  # called before a backward's first collective
         self._buffers = [self.plan.new_buffer(b) for b in self.plan.buckets]
         self.parts = [torch.empty(b.part_size, dtype=b.dtype, device=b.device)
                       for b in self.plan.buckets]
@@ -148,6 +149,12 @@ class ShardedGradReducer(DistributedGradReducer):
 
     def _plan_shards(self) -> int:
         return self.world_size
+
+    def _verify_once(self) -> None:
+        # a reducing backward writes the buffers deferred all-gathers fill
+        if self.before_communicating is not None:
+            self.before_communicating()
+        super()._verify_once()
 
     @property
     def buffers(self) -> List[torch.Tensor]:
@@ -312,6 +319,10 @@ class ShardedParameters:
         self._versions: Dict[torch.Tensor, int] = {}
         self._note_versions()
         self._targets = [p.detach() for p in reducer.plan_tensors()]
+        self._targets_of = reducer.plan_tensors()  # the parameters, plan order
+        self._pending: Dict[int, PendingBucket] = {}  # bucket index -> its all-gather
+        self._awaited: Dict[torch.Tensor, int] = {}  # parameter -> its bucket in flight
+        self._hook = None
         self._gather_flat: List[torch.Tensor] = []
         self._send: List[torch.Tensor] = []
         for bucket in self.plan.buckets:
@@ -410,26 +421,72 @@ class ShardedParameters:
                     state[s.param] = state.pop(s.tensor)
                 s.tensor.grad = None
 
-    def gather(self) -> None:
-        """All-gather every bucket's parts and write them into the parameters."""
+    def gather(self, defer: bool = False) -> None:
+        """All-gather every bucket's parts and write them into the parameters.
+
+        The buckets go last first: the last bucket holds the first layers'
+        parameters, which the next forward reads first. ``defer``: leave the
+        all-gathers in flight; each bucket is written when a module that owns
+        one of its parameters starts its forward (a global forward pre-hook),
+        or by ``finish_gather``."""
+        self.finish_gather()
         with torch.no_grad():
             for b, shards in enumerate(self.per_bucket):
                 if shards:
                     torch._foreach_copy_(self._send_slices[b],
                                          [s.tensor.reshape(-1) for s in shards])
-            pending = []
-            for bucket in self.plan.buckets:
-                if self.world_size == 1:
-                    pending.append(PendingBucket(bucket, self._send[bucket.index], None))
-                elif bucket.size:
-                    flat = self._gather_flat[bucket.index]
-                    pending.append(PendingBucket(
-                        bucket, flat, _all_gather(flat, self._send[bucket.index], self.group)))
-            for p in pending:
-                wait_for(p)
-                self.plan.unflatten(p.bucket, p.flat, self._targets,
+        for bucket in reversed(self.plan.buckets):
+            if self.world_size == 1:
+                pending = PendingBucket(bucket, self._send[bucket.index], None)
+            elif bucket.size:
+                flat = self._gather_flat[bucket.index]
+                pending = PendingBucket(bucket, flat,
+                                        _all_gather(flat, self._send[bucket.index], self.group))
+            else:
+                continue
+            self._pending[bucket.index] = pending
+        if not defer:
+            self.finish_gather()
+            return
+        for index in self._pending:
+            for slot in self.plan.buckets[index].tensor_indices:
+                self._awaited[self._targets_of[slot]] = index
+        if self._pending and self._hook is None:
+            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                self._before_forward)
+
+    @property
+    def gathering(self) -> bool:
+        """Whether all-gathers are still in flight (``gather(defer=True)``)."""
+        return bool(self._pending)
+
+    def finish_gather(self, indices: Optional[Sequence[int]] = None) -> None:
+        """Wait for the in-flight all-gathers (or those of ``indices``) and
+        write their buckets into the parameters."""
+        if not self._pending:
+            return
+        indices = list(self._pending) if indices is None else indices
+        with torch.no_grad():
+            for index in indices:
+                pending = self._pending.pop(index)
+                wait_for(pending)
+                self.plan.unflatten(pending.bucket, pending.flat, self._targets,
                                     backend=self.reducer.backend)
-        self._note_versions()
+                for slot in pending.bucket.tensor_indices:
+                    param = self._targets_of[slot]
+                    self._awaited.pop(param, None)
+                    if param in self._versions:
+                        self._versions[param] = param._version
+        if not self._pending and self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _before_forward(self, module: torch.nn.Module, args) -> None:
+        if not self._awaited:
+            return
+        indices = {self._awaited[p] for p in module._parameters.values() if p in self._awaited}
+        if indices:
+            self.finish_gather(sorted(indices, reverse=True))
 
     # ------------------------------------------------------------- state
     def take_state(self, state: Dict[torch.Tensor, dict]) -> Dict[torch.Tensor, dict]:

@@ -230,6 +230,30 @@ def _zero_grad_then_step(rank, world_size):
             "state": len(optimizer.state)}
 
 
+def _deferred_gathers(rank, world_size):
+    """overlap_param_gather=True against False: the same losses (the forward
+    waits for each layer's bucket) and parameters, step by step."""
+    runs = []
+    for overlap in (True, False):
+        model = _model()
+        optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True,
+                                         param_pack_thd=300, overlap_param_gather=overlap)
+        seen = {"losses": [], "params": [], "in_flight": []}
+        for step in range(STEPS):
+            loss = _loss(model, rank, step)
+            loss.backward()
+            optimizer.step()
+            seen["in_flight"].append(optimizer.sharded.gathering)
+            optimizer.zero_grad()
+            seen["losses"].append(float(loss))
+        seen["final_loss"] = float(_loss(model, rank, STEPS))  # the forward finishes them
+        seen["in_flight_after_forward"] = optimizer.sharded.gathering
+        optimizer.finish_param_gather()
+        seen["params"] = _snapshot(model)
+        runs.append(seen)
+    return runs
+
+
 def _masters_follow_parameters(rank, world_size):
     """Parameters edited between steps: in place (a version counter moves),
     through ``.data`` (none does: ``reload_master_weights``)."""
@@ -431,6 +455,7 @@ def on_rank(rank, world_size):
         "adasum": _adasum_pair(rank, world_size),
         "zero_grad": _zero_grad_then_step(rank, world_size),
         "masters_follow": _masters_follow_parameters(rank, world_size),
+        "deferred": _deferred_gathers(rank, world_size),
         "scaler": _grad_scaler(rank, world_size),
     }
     if world_size == 2:
@@ -479,6 +504,8 @@ def _bad_arguments(rank, world_size):
         "integer master_dtype": wrap(master_dtype=torch.int32),
         "master_dtype not a dtype": wrap(master_dtype="float32"),
         "bucket views": wrap(gradient_as_bucket_view=True),
+        "overlap without shard": lambda: DistributedOptimizer(
+            torch.optim.AdamW(nn.Linear(3, 2).parameters()), overlap_param_gather=True),
         "shard not a bool": lambda: DistributedOptimizer(
             torch.optim.AdamW(nn.Linear(3, 2).parameters()), shard="yes"),
     })
@@ -615,6 +642,18 @@ def test_step_after_zero_grad_changes_nothing_and_makes_no_state(ranks_once, wor
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_deferred_all_gathers_give_the_same_training(ranks_once, world_size):
+    for rank, (deferred, direct) in enumerate(r["deferred"] for r in ranks_once(world_size)):
+        assert deferred["in_flight"] == [True] * STEPS, f"rank {rank}"
+        assert direct["in_flight"] == [False] * STEPS
+        assert deferred["in_flight_after_forward"] is False
+        assert deferred["losses"] == direct["losses"]
+        assert deferred["final_loss"] == direct["final_loss"]
+        for got, want in zip(deferred["params"], direct["params"]):
+            assert torch.equal(got, want), f"rank {rank}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_master_weights_follow_parameters_changed_between_steps(ranks_once, world_size):
     for seen in (r["masters_follow"] for r in ranks_once(world_size)):
         assert seen["in_place"] and seen["through_data_reloaded"]
@@ -688,6 +727,7 @@ def test_bad_arguments_are_refused_before_any_collective():
         "integer master_dtype": ("TypeError", "master_dtype"),
         "master_dtype not a dtype": ("TypeError", "master_dtype"),
         "bucket views": ("ValueError", "gradient_as_bucket_view"),
+        "overlap without shard": ("ValueError", "overlap_param_gather"),
         "shard not a bool": ("TypeError", "shard"),
     })
     for r in results:
