@@ -15,6 +15,7 @@ the original.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Optional
 
@@ -364,6 +365,53 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if self.sharded is not None:
             self.sharded.finish_gather()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the reduced gradients of
+        this optimizer's parameters, the same on every rank.
+
+        Call it after backward (and after ``GradScaler.unscale_``) and before
+        ``step()``. Without sharding every rank holds the whole reduced
+        gradient and this is torch's function on it. With ``shard=True``
+        each rank holds its share: the norm is taken over the shares and
+        combined with one scalar all-reduce (collective: every rank calls
+        it), so it is the whole gradient's norm, bitwise the same on every
+        rank, and each share is scaled by the same coefficient.
+
+        Returns:
+            The total norm (a 0-d tensor, as torch's).
+
+        Raises:
+            ValueError: ``max_norm`` is not a finite positive number, or
+                ``norm_type`` is not positive.
+            RuntimeError: ``error_if_nonfinite`` and the norm is inf or NaN
+                (on every rank alike); nothing is scaled.
+
+        Examples:
+            >>> loss.backward(); opt.clip_grad_norm_(1.0); opt.step()   # doctest: +SKIP
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or \
+                not 0 < max_norm < math.inf:
+            raise ValueError(f"max_norm must be a finite positive number, got {max_norm!r}")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or \
+                not norm_type > 0:
+            raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
+        norm_type = float(norm_type)
+        grads = [p.grad for p in self._all_params() if p.grad is not None]
+        if not self.shard:
+            return torch.nn.utils.clip_grad_norm_(
+                [p for p in self._all_params() if p.grad is not None], max_norm, norm_type,
+                error_if_nonfinite=error_if_nonfinite)
+        total = self.sharded.grad_norm(norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+                f"cannot be clipped (error_if_nonfinite=True)")
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+        return total
 
     def reload_master_weights(self) -> None:
         """With ``shard=True`` and 16-bit parameters: take this rank's fp32

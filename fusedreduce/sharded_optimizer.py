@@ -488,6 +488,32 @@ class ShardedParameters:
         if indices:
             self.finish_gather(sorted(indices, reverse=True))
 
+    def grad_norm(self, norm_type: float) -> torch.Tensor:
+        """The norm of order ``norm_type`` of the whole reduced gradient, from
+        this rank's owned slices and one scalar all-reduce (fp32 on the
+        gradients' device; the same bits on every rank)."""
+        slices = [self._param_slice_of(s.param.grad, s) for s in self.by_param.values()
+                  if s.param.grad is not None]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        if slices:
+            norms = torch._foreach_norm(slices, norm_type)
+            local = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=device)
+        if norm_type == math.inf:
+            if self.world_size > 1:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+            return local
+        # sums of p-th powers add across the ranks; the root is taken once
+        power = local.double() ** norm_type
+        if self.world_size > 1:
+            dist.all_reduce(power, group=self.group)
+        return (power ** (1.0 / norm_type)).float()
+
+    @staticmethod
+    def _param_slice_of(tensor: torch.Tensor, s: _Shard) -> torch.Tensor:
+        return tensor if s.whole else tensor.reshape(-1)[s.range.start:s.range.end]
+
     # ------------------------------------------------------------- state
     def take_state(self, state: Dict[torch.Tensor, dict]) -> Dict[torch.Tensor, dict]:
         """This rank's part of ``state`` (full per-parameter state, keyed by

@@ -28,6 +28,7 @@ ranks (one spawn per world size runs every scenario; the tests judge):
 Rank functions never assert: they return what they saw.
 """
 import copy
+import math
 
 import pytest
 import torch
@@ -254,6 +255,36 @@ def _deferred_gathers(rank, world_size):
     return runs
 
 
+def _clipping(rank, world_size):
+    """clip_grad_norm_ sharded against the whole reduced gradient (the
+    unsharded optimizer's, every rank alike) in float64; norm orders 2 and inf."""
+    seen = {}
+    for norm_type in (2.0, math.inf):
+        sharded_model, whole_model = _model(), _model()
+        sharded = DistributedOptimizer(_adamw(sharded_model.parameters()), shard=True,
+                                       param_pack_thd=300)
+        whole = DistributedOptimizer(_adamw(whole_model.parameters()), param_pack_thd=300)
+        _loss(sharded_model, rank, 0).backward()
+        _loss(whole_model, rank, 0).backward()
+        exact = torch.linalg.vector_norm(
+            torch.cat([p.grad.double().reshape(-1) for p in whole_model.parameters()]),
+            norm_type)
+        total = sharded.clip_grad_norm_(0.05, norm_type)
+        after = sharded.clip_grad_norm_(1e9, norm_type)  # the clipped gradients' norm
+        seen[norm_type] = {"total": total, "exact": float(exact), "after": float(after),
+                           "elements": sum(p.numel() for p in whole_model.parameters())}
+    model = _model()
+    optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True, param_pack_thd=300)
+    loss = _loss(model, rank, 0) * (math.inf if rank == world_size - 1 else 1.0)
+    loss.backward()
+    try:
+        optimizer.clip_grad_norm_(1.0, error_if_nonfinite=True)
+        seen["error"] = None
+    except RuntimeError as exc:
+        seen["error"] = str(exc)
+    return seen
+
+
 def _masters_follow_parameters(rank, world_size):
     """Parameters edited between steps: in place (a version counter moves),
     through ``.data`` (none does: ``reload_master_weights``)."""
@@ -456,6 +487,7 @@ def on_rank(rank, world_size):
         "zero_grad": _zero_grad_then_step(rank, world_size),
         "masters_follow": _masters_follow_parameters(rank, world_size),
         "deferred": _deferred_gathers(rank, world_size),
+        "clipping": _clipping(rank, world_size),
         "scaler": _grad_scaler(rank, world_size),
     }
     if world_size == 2:
@@ -651,6 +683,28 @@ def test_deferred_all_gathers_give_the_same_training(ranks_once, world_size):
         assert deferred["final_loss"] == direct["final_loss"]
         for got, want in zip(deferred["params"], direct["params"]):
             assert torch.equal(got, want), f"rank {rank}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_clipping_takes_the_whole_gradients_norm_on_every_rank(ranks_once, world_size):
+    results = [r["clipping"] for r in ranks_once(world_size)]
+    for norm_type in (2.0, math.inf):
+        first = results[0][norm_type]
+        for seen in (r[norm_type] for r in results):
+            assert torch.equal(seen["total"], first["total"])  # bitwise on every rank
+            # fp32 norms of slices, combined in fp64: a sum of n squares
+            # rounds by at most n eps32 relative, the root halves it; the
+            # gradients themselves were rounded once to their dtype
+            bound = seen["elements"] * EPS32 * seen["exact"] + \
+                torch.finfo(torch.float16).eps * seen["exact"]
+            assert abs(float(seen["total"]) - seen["exact"]) <= bound
+            # clipped to 0.05: the scaled gradients' norm is 0.05, but for the
+            # coefficient's 1e-6, the same summation rounding, and each scaled
+            # bf16 gradient element rounded to bf16 (eps_bf16 relative at most)
+            assert abs(seen["after"] - 0.05) <= 0.05 * (
+                1e-4 + seen["elements"] * EPS32 + torch.finfo(torch.bfloat16).eps)
+    for seen in results:
+        assert seen["error"] is not None and "non-finite" in seen["error"]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
