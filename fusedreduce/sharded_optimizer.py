@@ -554,11 +554,11 @@ class ShardedParameters:
             out = {}
             for key, value in entry.items():
                 kind = "slice" if not s.whole and _per_slice(value, s) else "whole"
-                out[key] = (kind, value.detach().cpu() if isinstance(value, torch.Tensor)
+                out[key] = (kind, _host_copy(value) if isinstance(value, torch.Tensor)
                             else value)
             if s.master:
                 out["master_weight"] = ("slice" if not s.whole else "whole",
-                                        s.tensor.detach().cpu())
+                                        _host_copy(s.tensor))
             pieces[s.index] = (s.range.start, out)
         return pieces
 
@@ -583,6 +583,12 @@ class ShardedParameters:
                 entry[key] = value
             full[p] = entry
         return full
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the host: the gathered state never aliases the live state
+    (on one rank nothing is pickled, so ``.cpu()`` alone could return it)."""
+    return tensor.detach().to("cpu", copy=True)
 
 
 def _per_element(value, param: torch.Tensor) -> bool:
