@@ -164,14 +164,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if shard:
             check_shardable(optimizer, assume_elementwise)
             check_master_dtype(master_dtype)
-        elif overlap_param_gather:
-            raise ValueError("overlap_param_gather=True applies to shard=True only")
-        if shard:
             if gradient_as_bucket_view:
                 raise ValueError(
                     "gradient_as_bucket_view=True does not combine with shard=True: the flat "
                     "buffers are the reduce-scatter's input and the all-gather's output, and "
                     "each .grad receives this rank's share in one write-back launch already")
+        elif overlap_param_gather:
+            raise ValueError("overlap_param_gather=True applies to shard=True only")
         if reduce_method not in ("sum", "mean", "adasum"):
             raise ValueError(f"reduce_method must be 'sum', 'mean' or 'adasum', got "
                              f"{reduce_method!r}")
@@ -204,7 +203,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.shard = shard
         self.master_dtype = master_dtype
         self.overlap_param_gather = bool(overlap_param_gather)
-        self._local_size = local_size
         self._trainable = self._trainable_now()
         self._steps = 0
         self.sharded: Optional[ShardedParameters] = None
@@ -345,9 +343,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # RuntimeError naming it (on every rank), not a crashed broadcast
             broadcast_tensors([p.data for p in params], src, group=self.group,
                               names=[f"parameters[{i}]" for i in range(len(params))])
-        if self.sharded is not None:
-            self.sharded.finish_gather()
-            self.sharded.refresh_masters(everything=True)
+        # written through .data, which moves no version counter
+        self.reload_master_weights()
 
     def finish_param_gather(self) -> None:
         """With ``overlap_param_gather=True``: finish the parameters' all-gathers
@@ -398,11 +395,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 not norm_type > 0:
             raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
         norm_type = float(norm_type)
-        grads = [p.grad for p in self._all_params() if p.grad is not None]
+        with_grads = [p for p in self._all_params() if p.grad is not None]
         if not self.shard:
-            return torch.nn.utils.clip_grad_norm_(
-                [p for p in self._all_params() if p.grad is not None], max_norm, norm_type,
-                error_if_nonfinite=error_if_nonfinite)
+            return torch.nn.utils.clip_grad_norm_(with_grads, max_norm, norm_type,
+                                                  error_if_nonfinite=error_if_nonfinite)
+        grads = [p.grad for p in with_grads]
         total = self.sharded.grad_norm(norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(

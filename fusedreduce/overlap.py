@@ -72,6 +72,7 @@ class BackwardOverlap:
         self._restart: set = set()  # started buckets a second accumulation made stale
         self._ready: List[int] = []
         self._hooked: set = set()  # slots with a hook (parameters that required grad then)
+        self._unhooked: List[List[int]] = []
         self.missing: List[int] = []  # slots without a gradient when the last pass ended
         self._next_launch = 0
         self._pending: List[PendingBucket] = []
@@ -102,6 +103,9 @@ class BackwardOverlap:
         # a frozen parameter takes no hook (torch refuses one); it is followed
         # at each pass instead (see _begin_backward)
         self._hooked = {slot for slot, p in enumerate(self.parameters) if p.requires_grad}
+        # per bucket, its parameters without a hook (almost always none)
+        self._unhooked = [[slot for slot in b.tensor_indices if slot not in self._hooked]
+                          for b in self.plan.buckets]
         for slot in sorted(self._hooked):
             self._handles.append(self.parameters[slot].register_post_accumulate_grad_hook(
                 lambda param, slot=slot: self._on_grad_ready(slot)))
@@ -205,11 +209,11 @@ class BackwardOverlap:
             # A parameter without a hook that is frozen does not hold its
             # bucket; one unfrozen since the hooks were set does (its gradient
             # is read when backward ends)
-            waited = [slot in self._hooked or self.parameters[slot].requires_grad
-                      for slot in range(len(self.parameters))]
-            self._ready = [sum(waited[slot] for slot in b.tensor_indices) + int(
-                hold_all or not self._twice.isdisjoint(b.tensor_indices))
-                for b in self.plan.buckets]
+            self._ready = [
+                len(b.tensor_indices)
+                - sum(not self.parameters[slot].requires_grad for slot in unhooked)
+                + int(hold_all or not self._twice.isdisjoint(b.tensor_indices))
+                for b, unhooked in zip(self.plan.buckets, self._unhooked)]
             self._fired = [False] * len(self.parameters)
             self._restart = set()
             self._next_launch = 0

@@ -135,7 +135,6 @@ class ShardedGradReducer(DistributedGradReducer):
         self.parts = [torch.empty(b.part_size, dtype=b.dtype, device=b.device)
                       for b in self.plan.buckets]
         self._zeros: Dict[int, torch.Tensor] = {}
-        self._owned = [part_ranges(b, self.rank) for b in self.plan.buckets]
         # torch's gloo backend reduce-scatters by all-reducing the whole input
         # and copying the part out (measured slower than the all-reduce alone:
         # docs/guides/optimizer.md): there, all-reduce and keep the part
@@ -197,7 +196,7 @@ class ShardedGradReducer(DistributedGradReducer):
     def _zeros_for(self, slot: int) -> torch.Tensor:
         zeros = self._zeros.get(slot)
         if zeros is None:
-            zeros = self._zeros[slot] = torch.zeros_like(self.plan_tensors()[slot])
+            zeros = self._zeros[slot] = torch.zeros_like(self.parameters[self._order[slot]])
         return zeros
 
     def plan_tensors(self) -> List[torch.Tensor]:
@@ -275,7 +274,6 @@ class _Shard:
 
     param: torch.Tensor
     index: int  # in the optimizer's parameter order
-    bucket: int
     range: PartRange
     tensor: torch.Tensor  # what the wrapped optimizer steps
     whole: bool  # the range is the whole parameter (``tensor`` has its shape)
@@ -311,7 +309,7 @@ class ShardedParameters:
             shards = []
             for r in part_ranges(bucket, reducer.rank):
                 index = order[r.tensor]
-                shard = self._new_shard(self.params[index], index, bucket.index, r)
+                shard = self._new_shard(self.params[index], index, r)
                 self.by_param[shard.param] = shard
                 shards.append(shard)
             self.per_bucket.append(shards)
@@ -345,18 +343,16 @@ class ShardedParameters:
         widest = max(dtypes, key=lambda d: torch.empty((), dtype=d).element_size())
         return torch.float32 if widest in _SIXTEEN_BIT else widest
 
-    def _new_shard(self, param: torch.Tensor, index: int, bucket: int, r: PartRange) -> _Shard:
+    def _new_shard(self, param: torch.Tensor, index: int, r: PartRange) -> _Shard:
         dtype = master_dtype_of(param, self.master_dtype)
         whole = r.start == 0 and r.end == param.numel()
-        data = param.detach()
-        if whole:
-            if dtype == param.dtype:
-                return _Shard(param, index, bucket, r, param, True, False)
-            return _Shard(param, index, bucket, r, data.to(dtype, copy=True), True, True)
-        if dtype == param.dtype and param.is_contiguous():
-            return _Shard(param, index, bucket, r, data.view(-1)[r.start:r.end], False, False)
-        master = data.reshape(-1)[r.start:r.end].to(dtype, copy=True)
-        return _Shard(param, index, bucket, r, master, False, True)
+        if whole and dtype == param.dtype:
+            return _Shard(param, index, r, param, True, False)
+        if not whole and dtype == param.dtype and param.is_contiguous():
+            return _Shard(param, index, r, param.detach().view(-1)[r.start:r.end], False, False)
+        shard = _Shard(param, index, r, param, whole, True)
+        shard.tensor = _slice_of(param.detach(), shard).to(dtype, copy=True)
+        return shard
 
     # ------------------------------------------------------------------ step
     def refresh_masters(self, everything: bool = False) -> None:
@@ -370,7 +366,7 @@ class ShardedParameters:
             for s in self.masters:
                 if not everything and s.param._version == self._versions.get(s.param):
                     continue
-                current = self._param_slice(s)
+                current = _slice_of(s.param.detach(), s)
                 kept = torch.where(s.tensor.to(s.param.dtype) == current, s.tensor,
                                    current.to(s.tensor.dtype))
                 s.tensor.copy_(kept)
@@ -380,13 +376,8 @@ class ShardedParameters:
         self._versions = {s.param: s.param._version for s in self.masters}
 
     @staticmethod
-    def _param_slice(s: _Shard) -> torch.Tensor:
-        data = s.param.detach()
-        return data if s.whole else data.reshape(-1)[s.range.start:s.range.end]
-
-    @staticmethod
     def _grad_slice(s: _Shard) -> torch.Tensor:
-        grad = s.param.grad if s.whole else s.param.grad.reshape(-1)[s.range.start:s.range.end]
+        grad = _slice_of(s.param.grad, s)
         return grad if grad.dtype == s.tensor.dtype else grad.to(s.tensor.dtype)
 
     def step(self, optimizer: torch.optim.Optimizer, run_step):
@@ -492,7 +483,7 @@ class ShardedParameters:
         """The norm of order ``norm_type`` of the whole reduced gradient, from
         this rank's owned slices and one scalar all-reduce (fp32 on the
         gradients' device; the same bits on every rank)."""
-        slices = [self._param_slice_of(s.param.grad, s) for s in self.by_param.values()
+        slices = [_slice_of(s.param.grad, s) for s in self.by_param.values()
                   if s.param.grad is not None]
         device = self.params[0].device if self.params else torch.device("cpu")
         if slices:
@@ -510,10 +501,6 @@ class ShardedParameters:
             dist.all_reduce(power, group=self.group)
         return (power ** (1.0 / norm_type)).float()
 
-    @staticmethod
-    def _param_slice_of(tensor: torch.Tensor, s: _Shard) -> torch.Tensor:
-        return tensor if s.whole else tensor.reshape(-1)[s.range.start:s.range.end]
-
     # ------------------------------------------------------------- state
     def take_state(self, state: Dict[torch.Tensor, dict]) -> Dict[torch.Tensor, dict]:
         """This rank's part of ``state`` (full per-parameter state, keyed by
@@ -529,8 +516,7 @@ class ShardedParameters:
             if s.master:
                 source = master if master is not None else p.detach()
                 with torch.no_grad():
-                    s.tensor.copy_(source if s.whole else
-                                   source.reshape(-1)[s.range.start:s.range.end])
+                    s.tensor.copy_(_slice_of(source, s))
             part = {}
             for key, value in entry.items():
                 if key == "master_weight":
@@ -583,6 +569,12 @@ class ShardedParameters:
                 entry[key] = value
             full[p] = entry
         return full
+
+
+def _slice_of(tensor: torch.Tensor, s: _Shard) -> torch.Tensor:
+    """The elements of ``tensor`` (shaped like ``s.param``) that ``s`` holds:
+    the tensor itself for a whole parameter, else a 1-D slice of it."""
+    return tensor if s.whole else tensor.reshape(-1)[s.range.start:s.range.end]
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:

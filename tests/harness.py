@@ -114,6 +114,25 @@ def runs_per_world_size(tmp_path_factory, name: str, fn, world_sizes: Iterable[i
     return once_per_session(tmp_path_factory, name, run_all)
 
 
+def ranks_once_getter(request, tmp_path_factory, name: str, fn, module_name: str,
+                      timeout: float) -> Callable[[int], list]:
+    """For a session fixture: ``get(world_size)``, ``fn``'s results on every
+    rank. The first test to ask runs every world size the session selected
+    for ``module_name``'s tests, once for the whole session and all its
+    pytest-xdist workers; a failed run fails the test that asks, with its
+    error."""
+    import pytest
+    runs = runs_per_world_size(tmp_path_factory, name, fn,
+                               world_sizes_selected(request.session, module_name), timeout)
+
+    def get(world_size: int) -> list:
+        if isinstance(runs[world_size], str):
+            pytest.fail(f"the {world_size} ranks failed:\n{runs[world_size]}")
+        return runs[world_size]
+
+    return get
+
+
 # ------------------------------------------------- helpers for rank functions
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather_object", "broadcast_object_list",

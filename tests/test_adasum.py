@@ -26,7 +26,7 @@ from adasum_runs import (DTYPES, LARGE_DTYPES, LARGE_SHAPES, RANK_MARK, STEPS, b
                          parallel_gradients, parallel_multiple, sgd)
 from fusedreduce import AdaSumByDeltaWeight, adasum_allreduce
 from fusedreduce.kernels import adasum_combine, adasum_stats
-from harness import ONE_BYTE_MB, runs_per_world_size, world_sizes_selected
+from harness import ONE_BYTE_MB, ranks_once_getter
 from reference import adasum_of_blocks, adasum_tree
 
 
@@ -49,15 +49,8 @@ def ranks_once(request, tmp_path_factory):
     The first test to ask runs every world size the session selected, once for
     the whole session and all its pytest-xdist workers.
     """
-    runs = runs_per_world_size(tmp_path_factory, "adasum-ranks", on_rank,
-                               world_sizes_selected(request.session, __name__), TIMEOUT)
-
-    def get(world_size):
-        if isinstance(runs[world_size], str):
-            pytest.fail(f"the {world_size} ranks failed:\n{runs[world_size]}")
-        return runs[world_size]
-
-    return get
+    return ranks_once_getter(request, tmp_path_factory, "adasum-ranks", on_rank, __name__,
+                             TIMEOUT)
 
 
 # ---------------------------------------------------------------- tolerances

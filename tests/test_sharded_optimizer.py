@@ -37,7 +37,7 @@ from torch import nn
 
 from fusedreduce import DistributedGradReducer, DistributedOptimizer
 from harness import (assert_raised_before_any_collective, outcomes_and_collectives,
-                     record_collectives, run_ranks, runs_per_world_size, world_sizes_selected)
+                     ranks_once_getter, record_collectives, run_ranks)
 
 STEPS = 4
 LR = 0.01
@@ -519,8 +519,7 @@ def _compiled(rank, world_size):
 
 def test_a_compiled_model_steps_as_unsharded():
     for rank, (sharded, unsharded) in enumerate(run_ranks(_compiled, 2, timeout=TIMEOUT)):
-        for got, want in zip(sharded, unsharded):
-            assert torch.equal(got, want), f"rank {rank}"
+        _assert_bitwise(sharded, unsharded, f"rank {rank}")
 
 
 def _bad_arguments(rank, world_size):
@@ -574,19 +573,19 @@ def _judged(rank, world_size):
 
 # ------------------------------------------------------------------- tests
 
+def _assert_bitwise(got, want, where):
+    """Two lists of parameters, equal in length and bit for bit."""
+    assert len(got) == len(want), where
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"{where}, parameter {i}"
+
+
 @pytest.fixture(scope="session")
 def ranks_once(request, tmp_path_factory):
     """``ranks_once(world_size)``: ``on_rank``'s results on every rank, each
     world size run once per session."""
-    runs = runs_per_world_size(tmp_path_factory, "sharded-optimizer-ranks", on_rank,
-                               world_sizes_selected(request.session, __name__), TIMEOUT)
-
-    def get(world_size):
-        if isinstance(runs[world_size], str):
-            pytest.fail(f"the {world_size} ranks failed:\n{runs[world_size]}")
-        return runs[world_size]
-
-    return get
+    return ranks_once_getter(request, tmp_path_factory, "sharded-optimizer-ranks", on_rank,
+                             __name__, TIMEOUT)
 
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -664,8 +663,7 @@ def test_each_rank_holds_its_share_of_the_optimizer_state(ranks_once, world_size
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_sharded_adasum_is_unsharded_adasum(ranks_once, world_size):
     for rank, (sharded, unsharded) in enumerate(r["adasum"] for r in ranks_once(world_size)):
-        for i, (got, want) in enumerate(zip(sharded, unsharded)):
-            assert torch.equal(got, want), f"rank {rank}, parameter {i}"
+        _assert_bitwise(sharded, unsharded, f"rank {rank}")
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -682,8 +680,7 @@ def test_deferred_all_gathers_give_the_same_training(ranks_once, world_size):
         assert deferred["in_flight_after_forward"] is False
         assert deferred["losses"] == direct["losses"]
         assert deferred["final_loss"] == direct["final_loss"]
-        for got, want in zip(deferred["params"], direct["params"]):
-            assert torch.equal(got, want), f"rank {rank}"
+        _assert_bitwise(deferred["params"], direct["params"], f"rank {rank}")
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -747,8 +744,7 @@ def test_parameters_without_gradients_are_skipped_as_ddp_skips_them(ranks_once, 
 def test_structure_changes_step_as_unsharded(ranks_once):
     for rank, (sharded, unsharded) in enumerate(r["structure"] for r in ranks_once(2)):
         assert sharded["losses"] == unsharded["losses"]
-        for got, want in zip(sharded["params"], unsharded["params"]):
-            assert torch.equal(got, want), f"rank {rank}"
+        _assert_bitwise(sharded["params"], unsharded["params"], f"rank {rank}")
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -764,8 +760,8 @@ def test_checkpoints_are_unsharded_and_move_between_world_sizes(ranks_once, worl
             assert seen["equal_to_unsharded"]
         assert seen["to_0"] is True
         assert seen["lr_loaded"] == LR  # the checkpoint's hyperparameters win
-        for got, want in zip(seen["resumed"], seen["uninterrupted"]):
-            assert torch.equal(got, want), f"rank {rank}: resuming is not the run"
+        _assert_bitwise(seen["resumed"], seen["uninterrupted"],
+                        f"rank {rank}: resuming is not the run")
         for k in range(1, world_size):
             if rank < k:
                 assert seen[f"round_trip_{k}"], f"rank {rank}, {k} ranks"
