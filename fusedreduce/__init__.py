@@ -5,6 +5,19 @@ kernels (``fusedreduce.kernels``), reduced with one ``torch.distributed``
 collective per buffer, and scattered back, cast and scaled in the same pass.
 docs/architecture.md maps the modules.
 """
+import torch.distributed as _dist
+
+if _dist.is_available():
+    # torch.distributed.nn.functional binds the world process group into ten
+    # default arguments when it is first imported, and torch.optim imports it
+    # (through torch._dynamo) when the first optimizer is built. Imported after
+    # init_process_group, those defaults keep gloo's group alive past
+    # destroy_process_group(), and its worker threads then abort the
+    # interpreter's exit ("terminate called without an active exception") in
+    # about one run in four. Imported here, before the script's
+    # init_process_group, the defaults bind None.
+    import torch.distributed.nn.functional  # noqa: F401
+
 from . import hooks, kernels
 from .adasum import adasum_allreduce, adasum_allreduce_flat
 from .allreduce import all_reduce_plan
