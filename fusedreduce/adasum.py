@@ -15,14 +15,19 @@ Entry points, from the highest level down:
   ``adasum_hook`` runs on a DDP bucket);
 - ``AdaSumReducer``: a ``DistributedGradReducer`` whose buckets combine by
   AdaSum during backward (``DistributedOptimizer(reduce_method="adasum")``);
+- ``adasum_halve`` / ``adasum_gather`` with ``adasum_tree_share``: the tree's
+  two phases apart, for ``DistributedOptimizer(shard=True)``, which steps the
+  slice the halving leaves each rank and gathers the parameters by the
+  reverse swaps;
 - ``_combine_along_tree``: the tree itself over an explicit list of ranks.
 
-A little over 300 lines: the tree and its entry points are one concept, and
-the entry points' docstrings state the semantics users rely on.
+About 500 lines: the tree and its entry points are one concept, and the entry
+points' docstrings state the semantics users rely on.
 """
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -35,6 +40,7 @@ from .buckets import Bucket, BucketPlan
 from .precision import communication_dtype
 from .process_group import (consecutive_block, global_ranks, require_process_group,
                             verify_same_on_all_ranks)
+from .sharded import _all_gather
 from .reducer import DistributedGradReducer
 
 
@@ -272,14 +278,86 @@ def adasum_flat_unchecked(buffer: torch.Tensor, boundaries: Sequence[int], group
                           exchanges_only: bool) -> None:
     """``adasum_allreduce_flat`` on arguments its caller has checked or built
     (the plan's buckets, ``adasum_hook``'s DDP buckets)."""
-    rank = dist.get_rank(group)
+    _average_in_blocks(buffer, group, local_size, prescaled)
+    column, me = _column(group, local_size)
+    _combine_along_tree(buffer, boundaries, column, me, group, backend, exchanges_only)
+
+
+def _average_in_blocks(buffer: torch.Tensor, group, local_size: int, prescaled: bool) -> None:
     if local_size > 1:
         if not prescaled:
             buffer.mul_(1.0 / local_size)
         dist.all_reduce(buffer, group=consecutive_block(group, local_size))
-    column = global_ranks(group)[rank % local_size::local_size]
-    _combine_along_tree(buffer, boundaries, column, rank // local_size, group, backend,
-                        exchanges_only)
+
+
+def _column(group, local_size: int) -> Tuple[List[int], int]:
+    """The global ranks that run the tree with this one (the same position
+    in every block of ``local_size``), and this rank's index among them."""
+    rank = dist.get_rank(group)
+    return global_ranks(group)[rank % local_size::local_size], rank // local_size
+
+
+@dataclass(frozen=True)
+class TreeShare:
+    """Where AdaSum's tree leaves this rank's part of one buffer when it stops
+    after the halving (``adasum_halve``), and how ``adasum_gather`` rebuilds
+    the whole from every rank's part.
+
+    Attributes:
+        levels: the halving's swaps (kept slice, given slice, peer's global rank).
+        held: the element range the halving leaves combined here (empty on a
+            rank folded into the tree's power-of-two part, whose block's
+            data another rank carries).
+        owned: this rank's share of ``held``: all of it, or with
+            ``local_size`` k (k ranks of a block hold the same slice) one of
+            k consecutive pieces. Across the group the owned ranges are
+            disjoint and cover the buffer.
+    """
+
+    levels: tuple
+    held: Tuple[int, int]
+    owned: Tuple[int, int]
+
+
+def adasum_tree_share(boundaries: Sequence[int], size: int, group, local_size: int) -> TreeShare:
+    """This rank's ``TreeShare`` of a buffer of ``size`` elements cut at ``boundaries``."""
+    column, me = _column(group, local_size)
+    levels = tuple(_tree_levels(boundaries, size, column, me))
+    top = 1 << (len(column).bit_length() - 1)
+    lo, hi = (0, 0) if me >= top else levels[-1][0] if levels else (0, size)
+    # equal pieces but the last, so the block can all-gather them
+    piece, size_of_piece = dist.get_rank(group) % local_size, -(-(hi - lo) // local_size)
+    owned = (min(lo + piece * size_of_piece, hi), min(lo + (piece + 1) * size_of_piece, hi))
+    return TreeShare(levels, (lo, hi), owned)
+
+
+def adasum_halve(buffer: torch.Tensor, boundaries: Sequence[int], group, local_size: int,
+                 backend: str, prescaled: bool) -> None:
+    """AdaSum's tree up to the end of its halving: ``buffer[share.held]``
+    then holds that slice of ``adasum_flat_unchecked``'s result, bitwise (the
+    rest of ``buffer`` is scratch)."""
+    _average_in_blocks(buffer, group, local_size, prescaled)
+    column, me = _column(group, local_size)
+    _halve_along_tree(buffer, boundaries, column, me, group, backend, False)
+
+
+def adasum_gather(buffer: torch.Tensor, share: TreeShare, group, local_size: int) -> None:
+    """The whole ``buffer`` on every rank from each rank's ``buffer[share.owned]``
+    (any dtype): a block's ranks all-gather their pieces of ``held`` (through
+    kept scratch buffers: the last piece is short), then the tree's reverse
+    swaps run."""
+    lo, hi = share.held
+    if local_size > 1 and hi > lo:
+        start, end = share.owned
+        piece = -(-(hi - lo) // local_size)
+        send = kernels.scratch_buffer("adasum_piece", (piece,), buffer.dtype, buffer.device)
+        pieces = kernels.scratch_buffer("adasum_pieces", (piece * local_size,), buffer.dtype,
+                                        buffer.device)
+        send[:end - start].copy_(buffer[start:end])
+        _all_gather(pieces, send, consecutive_block(group, local_size)).wait()
+        buffer[lo:hi].copy_(pieces[:hi - lo])
+    column, me = _column(group, local_size)
+    _gather_along_tree(buffer, share.levels, column, me, group)
 
 
 # ------------------------------------------------------------------ the tree
@@ -382,18 +460,38 @@ def _level_stats(left: torch.Tensor, right: torch.Tensor, boundaries: Sequence[i
     return kernels.adasum_reduce_chunks(partials, boundaries, backend=backend)
 
 
-def _combine_along_tree(buffer: torch.Tensor, boundaries: Sequence[int], ranks: Sequence[int],
-                        me: int, group, backend: str, exchanges_only: bool) -> None:
-    """AdaSum of the ``buffer``s of ``ranks`` (global ranks; this one is
-    ``ranks[me]``), in place, along the tree ``adasum_allreduce_flat`` describes.
+def _tree_levels(boundaries: Sequence[int], size: int, ranks: Sequence[int],
+                 me: int) -> List[Tuple[Tuple[int, int], Tuple[int, int], int]]:
+    """The halving levels of the tree for ``ranks[me]``: per level, the slice
+    it keeps, the slice it gives and the global rank it swaps them with (none
+    off the tree's power-of-two part). The last kept slice is where the
+    halving leaves this rank's share of the combined buffer."""
+    n = len(ranks)
+    top = 1 << (n.bit_length() - 1)
+    if me >= top:
+        return []
+    lo, hi, distance, levels = 0, size, 1, []
+    while distance < top:
+        mid = _split_point(boundaries, lo, hi)
+        keep, give = ((lo, mid), (mid, hi)) if not me & distance else ((mid, hi), (lo, mid))
+        levels.append((keep, give, ranks[me ^ distance]))
+        lo, hi = keep
+        distance <<= 1
+    return levels
 
-    The power-of-two part runs as recursive vector halving with distance
-    doubling: at each level a rank swaps half of its slice with ``me ^ d`` (cut
-    on a chunk boundary, ``_split_point``), the 2d ranks sharing the level's
+
+def _halve_along_tree(buffer: torch.Tensor, boundaries: Sequence[int], ranks: Sequence[int],
+                      me: int, group, backend: str, exchanges_only: bool) -> None:
+    """The tree's first half: after it, the slice ``_tree_levels`` ends on
+    holds its part of the AdaSum of the ``ranks``' buffers (a rank off the
+    power-of-two part has sent its buffer and holds nothing).
+
+    At each level a rank swaps half of its slice with ``me ^ d`` (cut on a
+    chunk boundary, ``_split_point``), the 2d ranks sharing the level's
     vectors sum their per-chunk partial statistics by a butterfly exchange
     (``_level_stats``; ``3 * 8`` bytes per chunk of the buffer), and the
-    halves are combined; a reverse all-gather then rebuilds the result. The
-    received vectors go into a kept scratch buffer (``kernels.scratch_buffer``).
+    halves are combined. The received vectors go into a kept scratch buffer
+    (``kernels.scratch_buffer``).
     """
     n = len(ranks)
     if n == 1:
@@ -401,7 +499,6 @@ def _combine_along_tree(buffer: torch.Tensor, boundaries: Sequence[int], ranks: 
     top = 1 << (n.bit_length() - 1)
     if me >= top:
         _send(buffer, ranks[me - top], group)
-        _recv(buffer, ranks[me - top], group)
         return
     if me + top < n:
         other = kernels.scratch_buffer("adasum_received", (buffer.numel(),), buffer.dtype,
@@ -411,12 +508,9 @@ def _combine_along_tree(buffer: torch.Tensor, boundaries: Sequence[int], ranks: 
             stats = kernels.adasum_stats(buffer, other, boundaries, backend=backend)
             kernels.adasum_combine(buffer, other, boundaries, stats, out=buffer, backend=backend)
     n_chunks = sum(kernels.adasum_chunk_counts(boundaries))
-    lo, hi, distance, levels = 0, buffer.numel(), 1, []
-    while distance < top:
-        peer = ranks[me ^ distance]
-        mid = _split_point(boundaries, lo, hi)
+    distance = 1
+    for keep, give, peer in _tree_levels(boundaries, buffer.numel(), ranks, me):
         lower = not me & distance
-        keep, give = ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
         received = kernels.scratch_buffer("adasum_received", (keep[1] - keep[0],),
                                           buffer.dtype, buffer.device)
         _exchange(buffer[give[0]:give[1]], received, peer, group)
@@ -427,10 +521,35 @@ def _combine_along_tree(buffer: torch.Tensor, boundaries: Sequence[int], ranks: 
         if not exchanges_only:
             kernels.adasum_combine(left, right, _clip(boundaries, *keep), stats, out=mine,
                                    backend=backend)
-        levels.append((keep, give, peer))
-        lo, hi = keep
         distance <<= 1
+
+
+def _gather_along_tree(buffer: torch.Tensor, levels, ranks: Sequence[int], me: int,
+                       group) -> None:
+    """The tree's second half: from each rank's last kept slice of ``levels``
+    (``_tree_levels``), the whole ``buffer`` on every rank of ``ranks`` (any
+    dtype: the slices are element ranges), by the levels' swaps in reverse
+    and a send to the rank folded in first, if any."""
+    n = len(ranks)
+    if n == 1:
+        return
+    top = 1 << (n.bit_length() - 1)
+    if me >= top:
+        _recv(buffer, ranks[me - top], group)
+        return
     for keep, give, peer in reversed(levels):
         _exchange(buffer[keep[0]:keep[1]], buffer[give[0]:give[1]], peer, group)
     if me + top < n:
         _send(buffer, ranks[me + top], group)
+
+
+def _combine_along_tree(buffer: torch.Tensor, boundaries: Sequence[int], ranks: Sequence[int],
+                        me: int, group, backend: str, exchanges_only: bool) -> None:
+    """AdaSum of the ``buffer``s of ``ranks`` (global ranks; this one is
+    ``ranks[me]``), in place, along the tree ``adasum_allreduce_flat``
+    describes: recursive vector halving with distance doubling
+    (``_halve_along_tree``), then the reverse all-gather
+    (``_gather_along_tree``)."""
+    _halve_along_tree(buffer, boundaries, ranks, me, group, backend, exchanges_only)
+    _gather_along_tree(buffer, _tree_levels(boundaries, buffer.numel(), ranks, me), ranks, me,
+                       group)

@@ -77,7 +77,12 @@ def part_ranges(bucket: Bucket, part: int) -> List[PartRange]:
     """
     if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < bucket.shards:
         raise ValueError(f"part={part!r} is not a part of a bucket in {bucket.shards} parts")
-    first, last = part * bucket.part_size, (part + 1) * bucket.part_size
+    return ranges_between(bucket, part * bucket.part_size, (part + 1) * bucket.part_size)
+
+
+def ranges_between(bucket: Bucket, first: int, last: int) -> List[PartRange]:
+    """The tensor elements in ``bucket[first:last]``, in bucket order
+    (``part_ranges`` for any contiguous range; offsets from ``first``)."""
     ranges = []
     for tensor, offset, numel in zip(bucket.tensor_indices, bucket.offsets, bucket.numels):
         start, end = max(offset, first), min(offset + numel, last)

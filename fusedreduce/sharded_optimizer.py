@@ -15,7 +15,9 @@
   the parameters with one unflatten launch per bucket.
 
 The layout is ``BucketPlan(..., shards=world_size)``: padding at bucket ends
-only, part ``r`` of every bucket owned by group rank ``r``.
+only, part ``r`` of every bucket owned by group rank ``r``. With AdaSum a
+rank owns instead the slice the tree's halving leaves it (``TreeShare``),
+and the parameters come back through the tree's reverse swaps.
 """
 from __future__ import annotations
 
@@ -29,11 +31,12 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from .adasum import adasum_bucket_boundaries, adasum_flat_unchecked
+from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_halve,
+                     adasum_tree_share)
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
 from .buckets import Bucket, BucketPlan
 from .reducer import DistributedGradReducer
-from .sharded import PartRange, _all_gather, part_ranges, start_bucket_reduce_scatter
+from .sharded import PartRange, _all_gather, ranges_between, start_bucket_reduce_scatter
 
 #: optimizers whose step updates every element from that element's gradient
 #: and state alone (and per-parameter scalars such as a step count), so a
@@ -134,6 +137,18 @@ class ShardedGradReducer(DistributedGradReducer):
         self._buffers = [self.plan.new_buffer(b) for b in self.plan.buckets]
         self.parts = [torch.empty(b.part_size, dtype=b.dtype, device=b.device)
                       for b in self.plan.buckets]
+        # AdaSum stops its tree after the halving: each rank owns the slice it
+        # holds then (unequal, chunk-aligned), and the parameters come back
+        # through the tree's reverse swaps
+        self.tree_shares: Optional[List[TreeShare]] = None
+        if adasum_local_size is not None and self.world_size > 1:
+            self.tree_shares = [adasum_tree_share(adasum_bucket_boundaries(b), b.size, group,
+                                                  adasum_local_size)
+                                for b in self.plan.buckets]
+            self.owned = [share.owned for share in self.tree_shares]
+        else:
+            self.owned = [(self.rank * b.part_size, (self.rank + 1) * b.part_size)
+                          for b in self.plan.buckets]
         self._zeros: Dict[int, torch.Tensor] = {}
         # torch's gloo backend reduce-scatters by all-reducing the whole input
         # and copying the part out (measured slower than the all-reduce alone:
@@ -167,7 +182,7 @@ class ShardedGradReducer(DistributedGradReducer):
         another rank's non-finite gradient without touching this rank's step."""
         sites = []
         for bucket in self.plan.buckets:
-            lo, hi = self.rank * bucket.part_size, (self.rank + 1) * bucket.part_size
+            lo, hi = self.owned[bucket.index]
             for slot, offset, numel in zip(bucket.tensor_indices, bucket.offsets,
                                            bucket.numels):
                 element = 0 if offset < lo or offset >= hi else hi - offset
@@ -214,9 +229,8 @@ class ShardedGradReducer(DistributedGradReducer):
         if self.adasum_local_size is not None:
             self.plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=self.backend)
             if self.world_size > 1:
-                adasum_flat_unchecked(buffer, adasum_bucket_boundaries(bucket), self.group,
-                                      self.adasum_local_size, self.backend, prescaled=True,
-                                      exchanges_only=False)
+                adasum_halve(buffer, adasum_bucket_boundaries(bucket), self.group,
+                             self.adasum_local_size, self.backend, prescaled=True)
             return PendingBucket(bucket, buffer, None)
         if self._all_reduce_instead:
             return start_bucket_all_reduce(self.plan, bucket, tensors, buffer, group=self.group,
@@ -232,7 +246,7 @@ class ShardedGradReducer(DistributedGradReducer):
         for p in pending:
             wait_for(p)
             bucket = p.bucket
-            lo, hi = self.rank * bucket.part_size, (self.rank + 1) * bucket.part_size
+            lo, hi = self.owned[bucket.index]
             if self.world_size == 1 and self.adasum_local_size is None:
                 flat = p.flat  # the part is the whole bucket
             else:
@@ -243,7 +257,7 @@ class ShardedGradReducer(DistributedGradReducer):
                 flat[hi:].zero_()
             _, postscale = self._scales[bucket.index]
             self.plan.unflatten(bucket, flat, outputs, scale=postscale, backend=self.backend)
-            if bucket.part_size:
+            if hi > lo:
                 # what GradScaler will read: the part's extremes as written
                 # (postscaled; a finite sum can still overflow a 16-bit .grad)
                 extremes.append(torch.stack(torch.aminmax(flat[lo:hi])).double() * postscale)
@@ -251,7 +265,8 @@ class ShardedGradReducer(DistributedGradReducer):
             values = torch.cat(extremes)
             if self._bounds is None:
                 self._bounds = torch.tensor(
-                    [self._overflow[b.index] for b in self.plan.buckets if b.part_size],
+                    [self._overflow[b.index] for b in self.plan.buckets
+                     if self.owned[b.index][1] > self.owned[b.index][0]],
                     dtype=torch.float64, device=values.device).repeat_interleave(2)
             nonfinite = (~torch.isfinite(values) | (values.abs() >= self._bounds)).any()
             nonfinite = nonfinite.to(torch.int32)
@@ -307,7 +322,7 @@ class ShardedParameters:
         self.per_bucket: List[List[_Shard]] = []
         for bucket in self.plan.buckets:
             shards = []
-            for r in part_ranges(bucket, reducer.rank):
+            for r in ranges_between(bucket, *reducer.owned[bucket.index]):
                 index = order[r.tensor]
                 shard = self._new_shard(self.params[index], index, r)
                 self.by_param[shard.param] = shard
@@ -326,9 +341,15 @@ class ShardedParameters:
         for bucket in self.plan.buckets:
             dtype = self._gather_dtype(bucket)
             flat = _reinterpret(reducer.buffers[bucket.index], dtype, bucket.size)
+            if flat is None:
+                flat = torch.empty(bucket.size, dtype=dtype, device=bucket.device)
+            self._gather_flat.append(flat)
+            if reducer.tree_shares is not None:
+                # the tree's swaps gather in place: this rank's slice of the flat buffer
+                lo, hi = reducer.owned[bucket.index]
+                self._send.append(flat[lo:hi])
+                continue
             send = _reinterpret(reducer.parts[bucket.index], dtype, bucket.part_size)
-            self._gather_flat.append(flat if flat is not None else
-                                     torch.empty(bucket.size, dtype=dtype, device=bucket.device))
             self._send.append(send if send is not None else
                               torch.empty(bucket.part_size, dtype=dtype, device=bucket.device))
         self._send_slices = [[self._send[b][s.range.offset:s.range.offset + s.range.numel]
@@ -426,9 +447,16 @@ class ShardedParameters:
                 if shards:
                     torch._foreach_copy_(self._send_slices[b],
                                          [s.tensor.reshape(-1) for s in shards])
+        shares = self.reducer.tree_shares
         for bucket in reversed(self.plan.buckets):
             if self.world_size == 1:
                 pending = PendingBucket(bucket, self._send[bucket.index], None)
+            elif shares is not None:
+                # point-to-point swaps that each wait: done here, written at once or deferred
+                flat = self._gather_flat[bucket.index]
+                adasum_gather(flat, shares[bucket.index], self.group,
+                              self.reducer.adasum_local_size)
+                pending = PendingBucket(bucket, flat, None)
             elif bucket.size:
                 flat = self._gather_flat[bucket.index]
                 pending = PendingBucket(bucket, flat,
