@@ -69,7 +69,7 @@ def flatten_cast_scale(
     out: Optional[torch.Tensor] = None,
     *,
     dtype: torch.dtype = torch.float32,
-    scale: float = 1.0,
+    scale: Union[float, torch.Tensor] = 1.0,
     check_finite: bool = False,
     offsets: Optional[Sequence[int]] = None,
     backend: str = "auto",
@@ -85,7 +85,11 @@ def flatten_cast_scale(
             fill; its size must be the packed size (the sum of numels) or, with
             ``offsets``, at least the end of the last segment (the rest is zeroed).
         dtype: the buffer's dtype when ``out`` is None.
-        scale: a finite factor applied in fp32 (fp64 when fp64 is involved).
+        scale: a finite factor applied in fp32 (fp64 when fp64 is involved):
+            a Python number, or a one-element fp32/fp64 tensor on the
+            buffer's device, read on the device at each call (no host sync
+            with Triton; the torch backend reads it to the host). A tensor's
+            finiteness is not checked: that would need its value on the host.
         check_finite: also return a 0-d bool tensor on the device, true if any
             input element is inf or NaN (no host sync on accelerators).
         offsets: where each tensor starts in the buffer (increasing, disjoint);
@@ -116,7 +120,7 @@ def flatten_cast_scale(
         >>> flatten_cast_scale(grads, scale=0.5).tolist()
         [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0]
     """
-    scale = check_scale(scale)
+    scale = _scale_argument(scale)
     launch = _kept_launch("flatten", backend, out, tensors, offsets)
     if launch is None:
         tensors = _checks.check_tensors(tensors, "tensors")
@@ -129,6 +133,7 @@ def flatten_cast_scale(
             _checks.check_disjoint(out, "out", tensors, "tensors")
             dtype, device = out.dtype, out.device
         chosen = backend_for(backend, device)
+        _check_scale_device(scale, device)
         kept = out is not None
         if out is None:
             out = torch.empty(size, dtype=dtype, device=device)
@@ -136,6 +141,8 @@ def flatten_cast_scale(
                                         out)
         if kept:  # a buffer made here is never passed again: nothing to keep
             _keep("flatten", backend, chosen, out, tensors, offsets, starts, launch)
+    else:
+        _check_scale_device(scale, out.device)
     flag = launch(tensors, out, scale, check_finite)
     return (out, flag) if check_finite else out
 
@@ -144,7 +151,7 @@ def unflatten_cast_scale(
     flat: torch.Tensor,
     tensors: Sequence[torch.Tensor],
     *,
-    scale: float = 1.0,
+    scale: Union[float, torch.Tensor] = 1.0,
     accumulate: bool = False,
     offsets: Optional[Sequence[int]] = None,
     backend: str = "auto",
@@ -158,7 +165,9 @@ def unflatten_cast_scale(
     Args:
         flat: a 1-D contiguous floating buffer.
         tensors: the destinations, on ``flat``'s device, written in place.
-        scale: a finite factor (fp32 math, fp64 when fp64 is involved).
+        scale: a finite factor (fp32 math, fp64 when fp64 is involved), or
+            a one-element fp32/fp64 tensor on ``flat``'s device, as in
+            ``flatten_cast_scale``.
         accumulate: add into the destinations instead of overwriting them.
         offsets: where each tensor's segment starts in ``flat``; default packed.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
@@ -179,7 +188,7 @@ def unflatten_cast_scale(
         >>> grads[1]
         tensor([ 8., 10., 12.])
     """
-    scale = check_scale(scale)
+    scale = _scale_argument(scale)
     launch = _kept_launch("unflatten", backend, flat, tensors, offsets)
     if launch is None:
         _checks.check_flat(flat, "flat")
@@ -194,7 +203,30 @@ def unflatten_cast_scale(
         chosen = backend_for(backend, flat.device)
         launch = chosen.prepare_unflatten(flat, tensors, starts)
         _keep("unflatten", backend, chosen, flat, tensors, offsets, starts, launch)
+    _check_scale_device(scale, flat.device)
     launch(flat, tensors, scale, bool(accumulate))
+
+
+def _scale_argument(scale):
+    """A checked Python scale as a float, or a checked tensor scale as it is.
+
+    Raises:
+        TypeError: neither a real number nor an fp32/fp64 tensor.
+        ValueError: a non-finite number, or a tensor of more than one element.
+    """
+    if isinstance(scale, torch.Tensor):
+        if scale.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"a tensor scale must be float32 or float64, got {scale.dtype}")
+        if scale.numel() != 1:
+            raise ValueError(f"a tensor scale must hold one element, got shape "
+                             f"{tuple(scale.shape)}")
+        return scale.detach()
+    return check_scale(scale)
+
+
+def _check_scale_device(scale, device: torch.device) -> None:
+    if isinstance(scale, torch.Tensor) and scale.device != device:
+        raise ValueError(f"the scale tensor is on {scale.device} but the buffer is on {device}")
 
 
 def _kept_launch(op: str, backend, buffer, tensors, offsets):

@@ -46,30 +46,38 @@ DIVISIBILITY = re.compile(r"tt\.divisibility = dense<(\d+)>")
 
 
 def variants(kernel: str):
-    """(signature, constexprs, attrs) of every launch the Python launcher can make."""
+    """(signature, constexprs, attrs) of every launch the Python launcher can make;
+    a scale read from an fp32 tensor (``SCALE_TENSOR``) with the mixed-dtype
+    ``KINDS`` only, the one branch it adds being the same in every variant."""
     for kinds in KINDS:
-        for buffer, size in BUFFER_TYPES.items():
-            for flag in (False, True):
-                if kernel == "flatten":
-                    # without check_finite the launcher passes the table as the flag
-                    signature = {"table": "*i64", "base": "*u8", "out": f"*{buffer}",
-                                 "flag": "*u8" if flag else "*i64", "n_segments": "i32",
-                                 "scale_high": "i32", "scale_low": "i32",
-                                 "KINDS": "constexpr", "CHECK_FINITE": "constexpr",
-                                 "BLOCK": "constexpr", "OUT_VEC": "constexpr"}
-                    constexprs = {"KINDS": kinds, "CHECK_FINITE": flag, "BLOCK": kernels.BLOCK,
-                                  "OUT_VEC": ALIGN_BYTES // size}
-                    pointers = 4
-                else:
-                    signature = {"table": "*i64", "base": "*u8", "flat": f"*{buffer}",
-                                 "n_segments": "i32", "scale_high": "i32",
-                                 "scale_low": "i32", "KINDS": "constexpr",
-                                 "ACCUMULATE": "constexpr", "BLOCK": "constexpr",
-                                 "FLAT_VEC": "constexpr"}
-                    constexprs = {"KINDS": kinds, "ACCUMULATE": flag, "BLOCK": kernels.BLOCK,
-                                  "FLAT_VEC": ALIGN_BYTES // size}
-                    pointers = 3
-                yield buffer, signature, constexprs, {(i,): ALIGNED for i in range(pointers)}
+        for scale_tensor in (False, True) if kinds == kernels.ALL_KINDS else (False,):
+            for buffer, size in BUFFER_TYPES.items():
+                for flag in (False, True):
+                    yield (buffer, *_variant(kernel, kinds, buffer, size, flag, scale_tensor))
+
+
+def _variant(kernel: str, kinds: int, buffer: str, size: int, flag: bool, scale_tensor: bool):
+    # a Python scale's launch passes the table as the scale pointer (never read)
+    scale_ptr = "*fp32" if scale_tensor else "*i64"
+    if kernel == "flatten":
+        # without check_finite the launcher passes the table as the flag
+        signature = {"table": "*i64", "base": "*u8", "out": f"*{buffer}",
+                     "flag": "*u8" if flag else "*i64", "n_segments": "i32",
+                     "scale_high": "i32", "scale_low": "i32", "scale_ptr": scale_ptr,
+                     "KINDS": "constexpr", "CHECK_FINITE": "constexpr",
+                     "BLOCK": "constexpr", "OUT_VEC": "constexpr", "SCALE_TENSOR": "constexpr"}
+        constexprs = {"KINDS": kinds, "CHECK_FINITE": flag, "BLOCK": kernels.BLOCK,
+                      "OUT_VEC": ALIGN_BYTES // size, "SCALE_TENSOR": scale_tensor}
+        pointers = 4
+    else:
+        signature = {"table": "*i64", "base": "*u8", "flat": f"*{buffer}",
+                     "n_segments": "i32", "scale_high": "i32", "scale_low": "i32",
+                     "scale_ptr": scale_ptr, "KINDS": "constexpr", "ACCUMULATE": "constexpr",
+                     "BLOCK": "constexpr", "FLAT_VEC": "constexpr", "SCALE_TENSOR": "constexpr"}
+        constexprs = {"KINDS": kinds, "ACCUMULATE": flag, "BLOCK": kernels.BLOCK,
+                      "FLAT_VEC": ALIGN_BYTES // size, "SCALE_TENSOR": scale_tensor}
+        pointers = 3
+    return signature, constexprs, {(i,): ALIGNED for i in range(pointers)}
 
 
 def global_accesses(ptx: str) -> dict:

@@ -239,6 +239,7 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
     plan = CopyPlan([out.dtype] * len(tensors), [t.dtype for t in tensors])
 
     def launch(tensors, out, scale, check_finite):
+        scale = _host_scale(scale)
         with torch.no_grad():
             # the gaps are zeroed after: whole pieces of the buffer may be scaled
             plan.run(segments, tensors, scale, runs=runs)
@@ -247,6 +248,14 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
             return _found_nonfinite(tensors, out) if check_finite else None
     launch.rebind = _reads_tensors_at_launch
     return launch
+
+
+def _host_scale(scale) -> float:
+    """A tensor scale's value as a Python float (exact: fp32 and fp64 values
+    are doubles): the routes below decide on it. On the CPU this is a plain
+    memory read; on an accelerator it waits for the device, which the Triton
+    backend never does."""
+    return scale.item() if isinstance(scale, torch.Tensor) else scale
 
 
 def _reads_tensors_at_launch(tensors, ptrs) -> None:
@@ -339,6 +348,7 @@ def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
         narrowing = ScaledNarrowing(flat, starts, tensors, plan.routes(False)[2])
 
     def launch(flat, tensors, scale, accumulate):
+        scale = _host_scale(scale)
         with torch.no_grad():
             plan.run(tensors, segments, scale, accumulate, products=narrowing)
     launch.rebind = _reads_tensors_at_launch

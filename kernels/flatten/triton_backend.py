@@ -9,7 +9,11 @@ layout (:func:`build_table`), uploads it once and keeps it on the device::
 
 The scale is not in the table: it travels with each launch as two 32-bit
 words of its float64 bits (``scale_words``), arguments Triton does not
-specialize on, so a new scale neither rebuilds the table nor compiles.
+specialize on, so a new scale neither rebuilds the table nor compiles. A
+scale held in a one-element fp32/fp64 tensor on the device (a loss scale's
+inverse, a clip coefficient) is read by every program instead
+(``SCALE_TENSOR``): no host read, and the launch stays the same from step to
+step.
 
 Every program copies one ``BLOCK`` of one segment, so a 1-element bias and a
 25M-element weight cost the same per program and no program idles on mixed
@@ -74,6 +78,14 @@ def _scale(high, low):
     """The float64 scale from its two 32-bit words (``scale_words``)."""
     bits = (high.to(tl.int64) << 32) | (low.to(tl.int64) & 0xFFFFFFFF)
     return bits.to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _scale_of(scale_ptr, high, low, SCALE_TENSOR: tl.constexpr):
+    """The launch's float64 scale: from the device tensor, or from its words."""
+    if SCALE_TENSOR:
+        return tl.load(scale_ptr).to(tl.float64)
+    return _scale(high, low)
 
 
 @triton.jit
@@ -155,12 +167,12 @@ def _gather_code(base, src_bytes, out, flat_start, start, numel, extent, kind, s
 
 
 @triton.jit(do_not_specialize=["scale_high", "scale_low"])
-def _flatten_kernel(table, base, out, flag, n_segments, scale_high, scale_low,
+def _flatten_kernel(table, base, out, flag, n_segments, scale_high, scale_low, scale_ptr,
                     KINDS: tl.constexpr, CHECK_FINITE: tl.constexpr,
-                    BLOCK: tl.constexpr, OUT_VEC: tl.constexpr):
+                    BLOCK: tl.constexpr, OUT_VEC: tl.constexpr, SCALE_TENSOR: tl.constexpr):
     seg, start, src_bytes, numel, extent, flat_start, kind = _segment(table, n_segments, BLOCK,
                                                                       OUT_VEC)
-    scale = _scale(scale_high, scale_low)
+    scale = _scale_of(scale_ptr, scale_high, scale_low, SCALE_TENSOR)
     code = kind & 255
     # single-dtype launches compile one branch; mixed launches pick per segment
     for CODE in tl.static_range(4):
@@ -226,12 +238,12 @@ def _scatter_code(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
 
 
 @triton.jit(do_not_specialize=["scale_high", "scale_low"])
-def _unflatten_kernel(table, base, flat, n_segments, scale_high, scale_low,
+def _unflatten_kernel(table, base, flat, n_segments, scale_high, scale_low, scale_ptr,
                       KINDS: tl.constexpr, ACCUMULATE: tl.constexpr,
-                      BLOCK: tl.constexpr, FLAT_VEC: tl.constexpr):
+                      BLOCK: tl.constexpr, FLAT_VEC: tl.constexpr, SCALE_TENSOR: tl.constexpr):
     seg, start, dst_bytes, numel, extent, flat_start, kind = _segment(table, n_segments, BLOCK,
                                                                       FLAT_VEC)
-    scale = _scale(scale_high, scale_low)
+    scale = _scale_of(scale_ptr, scale_high, scale_low, SCALE_TENSOR)
     code = kind & 255
     for CODE in tl.static_range(4):
         if ((KINDS >> CODE) & 1) != 0:
@@ -302,6 +314,15 @@ def scale_words(scale: float):
     bits = struct.unpack("<q", struct.pack("<d", scale))[0]
     low = bits & 0xFFFFFFFF
     return bits >> 32, low - (1 << 32) if low >= 1 << 31 else low
+
+
+def _scale_arguments(scale, placeholder: torch.Tensor):
+    """``(high, low, scale_ptr, SCALE_TENSOR)`` for a Python or a tensor scale;
+    a float's ``scale_ptr`` is ``placeholder`` (never read)."""
+    if isinstance(scale, torch.Tensor):
+        return 0, 0, scale, True
+    high, low = scale_words(scale)
+    return high, low, placeholder, False
 
 
 class _Layout:
@@ -394,12 +415,12 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
             torch._foreach_copy_(staging, [tensors[i] for i in staged])
         flag = torch.zeros(1, dtype=torch.uint8, device=out.device) if check_finite else None
         if layout.programs:
-            high, low = scale_words(scale)
+            high, low, scale_ptr, scale_tensor = _scale_arguments(scale, layout.table)
             _flatten_kernel[(layout.programs,)](
                 layout.table, layout.base(tensors, out), out,
                 flag if flag is not None else layout.table, layout.n_segments, high, low,
-                KINDS=layout.kinds, CHECK_FINITE=flag is not None, BLOCK=BLOCK,
-                OUT_VEC=layout.flat_vec, num_warps=NUM_WARPS)
+                scale_ptr, KINDS=layout.kinds, CHECK_FINITE=flag is not None, BLOCK=BLOCK,
+                OUT_VEC=layout.flat_vec, SCALE_TENSOR=scale_tensor, num_warps=NUM_WARPS)
         return flag.view(torch.bool)[0] if flag is not None else None
     return _rebindable(launch, layout)
 
@@ -416,11 +437,12 @@ def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
             if staged and accumulate:
                 torch._foreach_copy_(staging, [tensors[i] for i in staged])
             if layout.programs:
-                high, low = scale_words(scale)
+                high, low, scale_ptr, scale_tensor = _scale_arguments(scale, layout.table)
                 _unflatten_kernel[(layout.programs,)](
                     layout.table, layout.base(tensors, flat), flat, layout.n_segments,
-                    high, low, KINDS=layout.kinds, ACCUMULATE=accumulate, BLOCK=BLOCK,
-                    FLAT_VEC=layout.flat_vec, num_warps=NUM_WARPS)
+                    high, low, scale_ptr, KINDS=layout.kinds, ACCUMULATE=accumulate,
+                    BLOCK=BLOCK, FLAT_VEC=layout.flat_vec, SCALE_TENSOR=scale_tensor,
+                    num_warps=NUM_WARPS)
             if staged:
                 torch._foreach_copy_([tensors[i] for i in staged], staging)
     return _rebindable(launch, layout)
