@@ -31,6 +31,7 @@ COMMANDS: Dict[str, Sequence[str]] = {
     "collectives": ("reduce", "step", "adasum"),
     "hooks": ("step",),
     "adasum": ("adasum",),
+    "clip": ("clip",),
     "all": ("kernels", "reduce", "step", "adasum"),
 }
 HELP = {
@@ -40,6 +41,8 @@ HELP = {
     "hooks": "the training-step part of collectives: DDP vs the reducer's hooks and "
              "fusedreduce's DDP hooks",
     "adasum": "the AdaSum part of collectives: adasum_allreduce vs all_reduce, bytes sent",
+    "clip": "reduce and clip the gradients: the reducer's fused clipping (max_grad_norm) vs "
+            "torch's clip_grad_norm_(foreach=True) after it (N ranks)",
     "all": "kernels, then collectives",
 }
 QUICK_REPEATS = {"kernels": 10, "collectives": 3}
@@ -154,6 +157,8 @@ def _columns(benchmark: str, baseline: str) -> List[common.Column]:
         ("GB/s", "gbps", ".4g"), (f"x {baseline}", "ratio", ".2f")]
     if benchmark == "step":
         columns.append(("compute ms", "compute_ms", _ms))
+    if benchmark == "clip":
+        columns.append(("clip ms", "clip_ms", _ms))
     if benchmark == "adasum":
         columns += [("MB sent/rank", "bytes_sent_per_rank", lambda v: f"{v / 1e6:,.2f}"),
                     ("how", "bytes_sent_source", ""), ("x ring", "ratio_to_ring_bytes", ".4f")]
@@ -171,6 +176,8 @@ NOTES = {
             "compute ms: the same step without communication",
     "adasum": "GB/s: gradient bytes / time; x all_reduce: its time over the method's; "
               "bytes sent per rank counted for adasum, ring model for the others",
+    "clip": "mean of every rank's gradients, clipped to a total 2-norm of 1; clip ms: the "
+            "method's time minus reduce_only's (what clipping costs)",
 }
 SUMMARY = [("benchmark", "benchmark", ""), ("case", "case", ""),
            ("elements", "n_elements", ",d"), ("baseline", "baseline", ""),

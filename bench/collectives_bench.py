@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from typing import List
 
-from . import adasum_bench, common, ranks, reduce_bench, step_bench
+from . import adasum_bench, clip_bench, common, ranks, reduce_bench, step_bench
 
-PARTS = {module.NAME: module for module in (reduce_bench, step_bench, adasum_bench)}
+PARTS = {module.NAME: module for module in (reduce_bench, step_bench, adasum_bench,
+                                            clip_bench)}
 DEFAULT_SIZES = [4_000_000, 25_600_000]
 QUICK_SIZES = [1_000_000]
 DEFAULT_DTYPES = ["float32"]

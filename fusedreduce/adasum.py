@@ -165,6 +165,9 @@ class AdaSumReducer(DistributedGradReducer):
         reduce_dtype: float32 (16-bit gradients are combined in fp32) or
             float64.
         backend: the kernels' backend.
+        clipping: ``max_grad_norm``, ``norm_type`` and ``error_if_nonfinite``
+            as ``DistributedGradReducer`` takes them (the norm of the combined
+            gradients).
 
     Raises:
         ValueError: ``reduce_dtype`` is 16-bit (AdaSum's statistics and
@@ -174,10 +177,11 @@ class AdaSumReducer(DistributedGradReducer):
 
     def __init__(self, parameters, group: Optional[dist.ProcessGroup] = None, *,
                  local_size: int = 1, bucket_cap_mb: float = 25.0,
-                 reduce_dtype: torch.dtype = torch.float32, backend: str = "auto") -> None:
+                 reduce_dtype: torch.dtype = torch.float32, backend: str = "auto",
+                 **clipping) -> None:
         check_adasum_reduce_dtype(reduce_dtype)
         super().__init__(parameters, mean=False, group=group, bucket_cap_mb=bucket_cap_mb,
-                         reduce_dtype=reduce_dtype, backend=backend)
+                         reduce_dtype=reduce_dtype, backend=backend, **clipping)
         self.local_size = check_local_size(local_size, self.world_size)
         # prescaled by 1/local_size in the flatten, as adasum_allreduce does
         self._scales = [(1.0 / local_size, 1.0)] * len(self.plan.buckets)

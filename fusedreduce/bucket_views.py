@@ -126,12 +126,16 @@ class BucketViews:
             return None
         return torch.stack(flags).any() if len(flags) > 1 else flags[0]
 
-    def scatter(self, bucket: Bucket, postscale: float) -> None:
-        """Write the reduced buffer back into the gradients, times ``postscale``."""
+    def scatter(self, bucket: Bucket, postscale) -> None:
+        """Write the reduced buffer back into the gradients, times ``postscale``
+        (a number, or a one-element tensor on the device: the clip's)."""
         with torch.no_grad():
             for run in self.runs[bucket.index]:
                 if run.dtype == bucket.dtype:
-                    if postscale != 1.0:
+                    if isinstance(postscale, torch.Tensor):
+                        # in the buffer's dtype, as the kernels take a scale
+                        run.comm.mul_(postscale.to(run.comm.dtype))
+                    elif postscale != 1.0:
                         run.comm.mul_(postscale)
                 else:
                     kernels.unflatten_cast_scale(run.comm, [run.source], scale=postscale,

@@ -26,6 +26,7 @@ from ._checks import check_instance, check_int
 from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
                      check_local_size)
 from .broadcast import broadcast_tensors
+from .clipping import check_clipping
 from .process_group import require_process_group
 from .reducer import DistributedGradReducer
 from .sharded_optimizer import (ShardedGradReducer, ShardedParameters, check_master_dtype,
@@ -104,8 +105,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             consecutive blocks of this many ranks first (a node's GPUs), then
             AdaSum across the blocks, as ``hooks.adasum_hook``'s ``local_size``.
         shard: shard the optimizer state and master weights across the group
-            (see above); AdaSum combines whole buckets along its tree, then
-            each rank steps its part.
+            (see above); AdaSum stops its tree after the halving, each rank
+            steps the slice it holds there, and the tree's reverse swaps
+            gather the parameters.
         master_dtype: with ``shard=True``, the dtype 16-bit parameters are
             stepped in (their optimizer state is kept in it too); wider
             parameters are stepped in their own dtype.
@@ -119,6 +121,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             comes between and with the forward itself (Megatron's and FSDP2's
             prefetch). Parameters read outside a module's forward need
             ``finish_param_gather()`` first.
+        max_grad_norm: clip the reduced gradients to this total norm in the
+            pass that writes them back (``DistributedGradReducer``'s
+            option; with ``shard=True`` the norm of every rank's part and one
+            small all-reduce). ``grad_norm`` then holds the total norm before
+            clipping. None (default): no clipping.
+        norm_type: the clipping norm's order (``math.inf``: the max norm).
+        error_if_nonfinite: raise from the backward pass if the total norm is
+            inf or NaN, before any gradient is written back.
 
     Raises:
         ValueError: ``reduce_method`` is not "sum", "mean" or "adasum"; a bad
@@ -158,6 +168,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         master_dtype: torch.dtype = torch.float32,
         assume_elementwise: bool = False,
         overlap_param_gather: bool = False,
+        max_grad_norm: Optional[float] = None,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
     ) -> None:
         if not isinstance(shard, bool):
             raise TypeError(f"shard must be True or False, got {shard!r}")
@@ -179,6 +192,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_int(bcast_period, "bcast_period", minimum=-1)
         check_int(param_pack_thd, "param_pack_thd")
         check_int(backward_passes_per_step, "backward_passes_per_step")
+        check_clipping(max_grad_norm, norm_type, error_if_nonfinite)
         world_size = require_process_group(group)
         if reduce_method == "adasum":
             # checked here too, before the optimizer's state is taken over
@@ -192,7 +206,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # param_pack=False: a one-byte cap puts every gradient in its own bucket
         cap_bytes = param_pack_thd if param_pack else 1
         self._reducer_args = dict(group=group, bucket_cap_mb=cap_bytes / 2 ** 20,
-                                  reduce_dtype=reduce_dtype)
+                                  reduce_dtype=reduce_dtype, max_grad_norm=max_grad_norm,
+                                  norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
         if reduce_method == "adasum":
             self._reducer_class = AdaSumReducer
             self._reducer_args["local_size"] = local_size
@@ -213,6 +228,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if shard:
             # masters are taken from the broadcast parameters
             self._take_shards(self.state)
+
+    @property
+    def grad_norm(self) -> Optional[torch.Tensor]:
+        """With ``max_grad_norm``: the total norm of the gradients the last
+        reducing backward produced, before clipping (0-d fp32 on their
+        device, the same bits on every rank, as ``clip_grad_norm_`` returns
+        it); None before the first one, or without clipping."""
+        return self.reducer.grad_norm
 
     # ------------------------------------------- which parameters are reduced
     def _all_params(self):

@@ -23,6 +23,8 @@ from .allreduce import (PendingBucket, finish_bucket, start_all_reduce, start_bu
                         wait_for)
 from .bucket_views import BucketViews
 from .buckets import BucketPlan
+from .clipping import bucket_scales, check_clipping, clip_scales, flat_norm_power, \
+    raise_if_nonfinite
 from .overlap import BackwardOverlap
 from .precision import communication_dtype, split_scale
 from .process_group import require_process_group, verify_same_on_all_ranks
@@ -55,6 +57,15 @@ class DistributedGradReducer:
             bool tensor, true on every rank if any rank's gradient had an inf or
             NaN.
         backend: the kernels' backend (``"auto"``, ``"triton"``, ``"torch"``).
+        max_grad_norm: clip the reduced gradients to this total norm, as
+            ``torch.nn.utils.clip_grad_norm_`` would, in the pass that writes
+            them back (``fusedreduce.clipping``): the norm comes from the
+            reduced flat buffers and the coefficient stays on the device.
+            ``grad_norm`` then holds the total norm before clipping (0-d
+            fp32), the same bits on every rank. None (default): no clipping.
+        norm_type: the norm's order (``math.inf``: the max norm).
+        error_if_nonfinite: raise if the total norm is inf or NaN (reads it on
+            the host), before any gradient is written back.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
@@ -83,8 +94,17 @@ class DistributedGradReducer:
         prescale: Optional[float] = None,
         check_finite: bool = False,
         backend: str = "auto",
+        max_grad_norm: Optional[float] = None,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
     ) -> None:
         self.parameters: List[torch.Tensor] = tensor_list(parameters, "parameters")
+        self.max_grad_norm, self.norm_type = check_clipping(max_grad_norm, norm_type,
+                                                            error_if_nonfinite)
+        self.error_if_nonfinite = error_if_nonfinite
+        #: the total norm of the last reduced gradients, before clipping
+        #: (with ``max_grad_norm``): a 0-d fp32 tensor on their device
+        self.grad_norm: Optional[torch.Tensor] = None
         for i, p in enumerate(self.parameters):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"parameters[{i}] must be a tensor, got {type(p).__name__}")
@@ -219,13 +239,37 @@ class DistributedGradReducer:
         _, postscale = self._scales[pending.bucket.index]
         finish_bucket(self.plan, pending, outputs, postscale=postscale, backend=self.backend)
 
+    def _clipped_postscales(self, pending: Sequence[PendingBucket]) -> List:
+        """Wait for every bucket; the norm of the reduced gradients
+        (``grad_norm``) and each bucket's postscale times the clip coefficient,
+        as a one-element device tensor (see ``clipping``).
+
+        Raises:
+            RuntimeError: the norm is non-finite and ``error_if_nonfinite``.
+        """
+        for p in pending:
+            wait_for(p)
+        if not pending:
+            return []
+        powers = [flat_norm_power(p.flat[:p.bucket.size], self.norm_type) for p in pending]
+        postscales = [self._scales[p.bucket.index][1] for p in pending]
+        self.grad_norm, scales = clip_scales(powers, postscales, self.max_grad_norm,
+                                             self.norm_type)
+        if self.error_if_nonfinite:
+            raise_if_nonfinite(self.grad_norm, self.norm_type)
+        return bucket_scales(scales)
+
     def _finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
         """Finish a backward pass's buckets (the hooks' path)."""
-        for p in pending:
+        scales = self._clipped_postscales(pending) if self.max_grad_norm is not None else None
+        for i, p in enumerate(pending):
             if self._views is not None and self._views.viewed(p.bucket):
                 wait_for(p)
-                _, postscale = self._scales[p.bucket.index]
+                postscale = self._scales[p.bucket.index][1] if scales is None else scales[i]
                 self._views.scatter(p.bucket, postscale)  # the views are the outputs
+            elif scales is not None:
+                self.plan.unflatten(p.bucket, p.flat, outputs, scale=scales[i],
+                                    backend=self.backend)
             else:
                 self._finish_flat(p, outputs)
         self._record_nonfinite(pending)
@@ -286,8 +330,13 @@ class DistributedGradReducer:
             buffers = self._buffers
         pending = [self._start_flat(bucket, ordered, buffer)
                    for bucket, buffer in zip(self.plan.buckets, buffers)]
-        for p in pending:
-            self._finish_flat(p, outputs)
+        if self.max_grad_norm is not None:
+            for p, scale in zip(pending, self._clipped_postscales(pending)):
+                self.plan.unflatten(p.bucket, p.flat, outputs, scale=scale,
+                                    backend=self.backend)
+        else:
+            for p in pending:
+                self._finish_flat(p, outputs)
         self._record_nonfinite(pending)
         result = [None] * len(grad_list)
         for slot, i in enumerate(self._order):

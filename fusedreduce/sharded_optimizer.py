@@ -35,6 +35,7 @@ from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_
                      adasum_tree_share)
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
 from .buckets import Bucket, BucketPlan
+from .clipping import bucket_scales, clip_scales, flat_norm_power, raise_if_nonfinite
 from .reducer import DistributedGradReducer
 from .sharded import PartRange, _all_gather, ranges_between, start_bucket_reduce_scatter
 
@@ -123,10 +124,11 @@ class ShardedGradReducer(DistributedGradReducer):
 
     def __init__(self, parameters: Sequence[torch.Tensor], *, group, mean: bool,
                  bucket_cap_mb: float, reduce_dtype: torch.dtype,
-                 adasum_local_size: Optional[int] = None, backend: str = "auto") -> None:
+                 adasum_local_size: Optional[int] = None, backend: str = "auto",
+                 **clipping) -> None:
         super().__init__(parameters, mean=mean and adasum_local_size is None, group=group,
                          bucket_cap_mb=bucket_cap_mb, reduce_dtype=reduce_dtype,
-                         backend=backend)
+                         backend=backend, **clipping)
         self.adasum_local_size = adasum_local_size
         if adasum_local_size is not None:
             # AdaSum's flatten prescales by 1/local_size, as adasum_allreduce does
@@ -241,8 +243,26 @@ class ShardedGradReducer(DistributedGradReducer):
                                            world_size=self.world_size, prescale=prescale,
                                            backend=self.backend)
 
+    def _clipped_part_postscales(self, pending: Sequence[PendingBucket],
+                                 flats: Sequence[torch.Tensor]) -> list:
+        """Each bucket's postscale times the clip coefficient: the norm from
+        every rank's owned parts (each element is owned once) and one small
+        all-reduce of the per-bucket sums of powers (maxima for the max
+        norm), so every rank computes the same bits."""
+        parts = [flat[slice(*self.owned[p.bucket.index])] for p, flat in zip(pending, flats)]
+        powers = torch.stack([flat_norm_power(part, self.norm_type) for part in parts])
+        if self.world_size > 1:
+            op = dist.ReduceOp.MAX if self.norm_type == math.inf else dist.ReduceOp.SUM
+            dist.all_reduce(powers, op=op, group=self.group)
+        postscales = [self._scales[p.bucket.index][1] for p in pending]
+        self.grad_norm, scales = clip_scales(list(powers.unbind(0)), postscales,
+                                             self.max_grad_norm, self.norm_type)
+        if self.error_if_nonfinite:
+            raise_if_nonfinite(self.grad_norm, self.norm_type)
+        return bucket_scales(scales)
+
     def _finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
-        extremes: List[torch.Tensor] = []
+        flats = []
         for p in pending:
             wait_for(p)
             bucket = p.bucket
@@ -255,7 +275,15 @@ class ShardedGradReducer(DistributedGradReducer):
                     flat[lo:hi].copy_(p.flat)
                 flat[:lo].zero_()
                 flat[hi:].zero_()
-            _, postscale = self._scales[bucket.index]
+            flats.append(flat)
+        if self.max_grad_norm is not None and pending:
+            scales = self._clipped_part_postscales(pending, flats)
+        else:
+            scales = [self._scales[p.bucket.index][1] for p in pending]
+        extremes: List[torch.Tensor] = []
+        for p, flat, postscale in zip(pending, flats, scales):
+            bucket = p.bucket
+            lo, hi = self.owned[bucket.index]
             self.plan.unflatten(bucket, flat, outputs, scale=postscale, backend=self.backend)
             if hi > lo:
                 # what GradScaler will read: the part's extremes as written

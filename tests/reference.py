@@ -183,3 +183,19 @@ def adasum_of_blocks(per_rank: Sequence[torch.Tensor], local_size: int) -> torch
     blocks = [sum(vectors[i:i + local_size]) / local_size
               for i in range(0, len(vectors), local_size)]
     return adasum_tree(blocks)
+
+
+def reference_clip(grads: Sequence[torch.Tensor], max_norm: float,
+                   norm_type: float) -> Tuple[float, List[torch.Tensor]]:
+    """``torch.nn.utils.clip_grad_norm_``'s semantics in float64: the total
+    norm of order ``norm_type`` over every element (an exactly rounded sum of
+    the p-th powers; the largest magnitude for ``math.inf``), the coefficient
+    ``min(1, max_norm / (norm + 1e-6))`` and the clipped gradients (new
+    float64 tensors)."""
+    values = [abs(v) for g in grads for v in g.double().flatten().tolist()]
+    if norm_type == math.inf:
+        norm = max(values, default=0.0)
+    else:
+        norm = math.fsum(v ** norm_type for v in values) ** (1.0 / norm_type)
+    coefficient = min(1.0, max_norm / (norm + 1e-6))
+    return norm, [g.double() * coefficient for g in grads]

@@ -1,0 +1,42 @@
+"""The clipping benchmark (``clip``) runs end to end and writes well-formed results.
+
+No timing is asserted: these tests prove the benchmark works, never that one
+method is faster than another.
+"""
+import math
+
+from bench_utils import assert_exits_cleanly_and_prints, check_record, quick_run_fixture
+
+METHODS = ["reduce_only", "torch_clip", "fused_clip"]
+
+quick_run = quick_run_fixture(
+    "clip", ["clip", "--quick", "--world-size", "2", "--sizes", "30K", "--repeats", "2",
+             "--dtype", "float32,bfloat16", "--no-progress"],
+    "``clip --quick`` run on 2 gloo ranks with small gradient lists")
+
+
+def test_quick_clip_benchmark_exits_cleanly_and_prints_every_method(quick_run):
+    process, _ = quick_run
+    assert_exits_cleanly_and_prints(process, METHODS + ["clip ms"])
+
+
+def test_quick_clip_benchmark_writes_the_documented_json(quick_run):
+    _, record = quick_run
+    results = check_record(record, ["clip"])
+    assert record["config"]["command"] == "clip"
+    assert record["config"]["collectives"]["parts"] == ["clip"]
+    # two models x two dtypes, three methods each
+    assert len(results) == 2 * 2 * 3
+    cases = list(dict.fromkeys(r["case"] for r in results))
+    assert [c.split()[0] for c in cases] == ["resnet50", "transformer"] * 2
+    for case in cases:
+        group = [r for r in results if r["case"] == case]
+        assert [r["method"] for r in group] == METHODS
+        assert [r["role"] for r in group] == ["reference", "baseline", "ours"]
+        assert all(r["baseline"] == "torch_clip" for r in group)
+        floor = group[0]["time_ms"]
+        assert group[0]["clip_ms"] == 0
+        for r in group:
+            assert math.isclose(r["clip_ms"], r["time_ms"] - floor)
+            assert r["n_tensors"] == (161 if case.startswith("resnet50") else 147)
+            assert r["bytes"] == r["n_elements"] * (4 if r["dtype"] == "float32" else 2)
