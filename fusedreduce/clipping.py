@@ -13,7 +13,11 @@ and writes them back with one unflatten launch per bucket anyway, so here:
 - the clip coefficient ``min(1, max_norm / (norm + 1e-6))`` is torch's,
   computed in fp32 on the device, and multiplied into each bucket's
   postscale as a one-element fp64 tensor the unflatten kernel reads: no host
-  sync, no extra pass over the gradients.
+  sync, no extra pass over the gradients;
+- under a GradScaler the gradients are scaled: ``loss_scale`` (the scaler's
+  current scale as a device tensor, ``scaler.scale(torch.ones(()))``) divides
+  the norm, so the limit applies to the true gradients, and the written
+  gradients keep their scale for ``scaler.step`` to unscale.
 """
 from __future__ import annotations
 
@@ -73,11 +77,14 @@ def flat_norm_power(buffer: torch.Tensor, norm_type: float) -> torch.Tensor:
 
 
 def clip_scales(powers: Sequence[torch.Tensor], postscales: Sequence[float], max_norm: float,
-                norm_type: float) -> Tuple[torch.Tensor, torch.Tensor]:
+                norm_type: float, loss_scale=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(total_norm, scales)`` from each bucket's ``flat_norm_power`` and the
-    postscale its unflatten applies: the norm of the written gradients (0-d
-    fp32, as torch's ``clip_grad_norm_`` returns it) and, per bucket, the
-    postscale times the clip coefficient (an fp64 vector on the device)."""
+    postscale its unflatten applies: the norm of the written gradients
+    divided by ``loss_scale`` (a number or a one-element tensor; None: 1),
+    as a 0-d fp32 tensor like torch's ``clip_grad_norm_`` returns, and, per
+    bucket, the postscale times the clip coefficient (an fp64 vector on the
+    device). The gradients keep their loss scale: a GradScaler unscales
+    them as usual."""
     device = powers[0].device
     post = torch.tensor([abs(s) for s in postscales], dtype=torch.float64, device=device)
     stacked = torch.stack(list(powers))
@@ -85,6 +92,9 @@ def clip_scales(powers: Sequence[torch.Tensor], postscales: Sequence[float], max
         total = (stacked * post).max()
     else:
         total = (stacked * post.pow(norm_type)).sum().pow(1.0 / norm_type)
+    if loss_scale is not None:
+        total = total / (loss_scale.to(device, torch.float64).reshape(())
+                         if isinstance(loss_scale, torch.Tensor) else float(loss_scale))
     total = total.float()
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
     signed = torch.tensor(list(postscales), dtype=torch.float64, device=device)

@@ -237,6 +237,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         it); None before the first one, or without clipping."""
         return self.reducer.grad_norm
 
+    @property
+    def loss_scale(self):
+        """With ``max_grad_norm`` under a GradScaler: the scale the gradients
+        carry (set it before each backward to
+        ``scaler.scale(torch.ones((), device=...))``, a device tensor: no host
+        sync), so the limit applies to the unscaled norm; the gradients stay
+        scaled for ``scaler.step``. None: unscaled gradients."""
+        return self.reducer.loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value) -> None:
+        self.reducer.loss_scale = value
+
     # ------------------------------------------- which parameters are reduced
     def _all_params(self):
         return [p for g in self.param_groups for p in g["params"]]
@@ -280,9 +293,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.shard:
             self.reducer.rehook()  # the layout stays: the state sits on it
             return
-        reduced = self.reducer.reduced
+        reduced, loss_scale = self.reducer.reduced, self.reducer.loss_scale
         self.reducer.remove_hooks()
         self.reducer = self._hooked_reducer()
+        self.reducer.loss_scale = loss_scale
         if reduced:
             self.reducer.mark_reduced()
 

@@ -105,6 +105,10 @@ class DistributedGradReducer:
         #: the total norm of the last reduced gradients, before clipping
         #: (with ``max_grad_norm``): a 0-d fp32 tensor on their device
         self.grad_norm: Optional[torch.Tensor] = None
+        #: with ``max_grad_norm`` under a GradScaler: the scale the gradients
+        #: carry (a number, or a one-element tensor on their device, read
+        #: there at each reduction), so the limit applies to the unscaled norm
+        self.loss_scale: Optional[Union[float, torch.Tensor]] = None
         for i, p in enumerate(self.parameters):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"parameters[{i}] must be a tensor, got {type(p).__name__}")
@@ -254,7 +258,7 @@ class DistributedGradReducer:
         powers = [flat_norm_power(p.flat[:p.bucket.size], self.norm_type) for p in pending]
         postscales = [self._scales[p.bucket.index][1] for p in pending]
         self.grad_norm, scales = clip_scales(powers, postscales, self.max_grad_norm,
-                                             self.norm_type)
+                                             self.norm_type, self.loss_scale)
         if self.error_if_nonfinite:
             raise_if_nonfinite(self.grad_norm, self.norm_type)
         return bucket_scales(scales)

@@ -256,7 +256,7 @@ class ShardedGradReducer(DistributedGradReducer):
             dist.all_reduce(powers, op=op, group=self.group)
         postscales = [self._scales[p.bucket.index][1] for p in pending]
         self.grad_norm, scales = clip_scales(list(powers.unbind(0)), postscales,
-                                             self.max_grad_norm, self.norm_type)
+                                             self.max_grad_norm, self.norm_type, self.loss_scale)
         if self.error_if_nonfinite:
             raise_if_nonfinite(self.grad_norm, self.norm_type)
         return bucket_scales(scales)

@@ -40,15 +40,19 @@ SHAPES = ((7, 13), (13,), (5, 3), (3000,))  # the last spans two norm rows
 TIMEOUT = 300.0
 
 
-def _params():
+#: GradScaler refuses fp16 gradients (it expects fp32 masters there)
+SCALER_DTYPES = (torch.float32, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _params(dtypes=DTYPES):
     return [torch.zeros(shape, dtype=dtype, requires_grad=True)
-            for shape, dtype in zip(SHAPES, DTYPES)]
+            for shape, dtype in zip(SHAPES, dtypes)]
 
 
-def _grads(rank, step, magnitude=1.0):
+def _grads(rank, step, magnitude=1.0, dtypes=DTYPES):
     gen = torch.Generator().manual_seed(100 * rank + step)
     return [(torch.randn(shape, generator=gen) * magnitude).to(dtype)
-            for shape, dtype in zip(SHAPES, DTYPES)]
+            for shape, dtype in zip(SHAPES, dtypes)]
 
 
 def _backward(params, grads):
@@ -105,6 +109,25 @@ def _optimizer(rank, shard, max_norm=1.0, norm_type=2.0):
     return {"grads": [-p.detach().clone() for p in params], "norm": opt.grad_norm.clone()}
 
 
+def _grad_scaler(rank, shard):
+    """The documented recipe: DistributedOptimizer(SGD(lr=1), max_grad_norm=1)
+    under torch.amp.GradScaler, the scaler's scale handed over as a device
+    tensor before backward: the limit applies to the unscaled norm and
+    scaler.step unscales the clipped gradients as usual."""
+    from fusedreduce import DistributedOptimizer
+    params = _params(SCALER_DTYPES)
+    opt = DistributedOptimizer(torch.optim.SGD(params, lr=1.0), param_pack_thd=4000,
+                               shard=shard, max_grad_norm=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opt.loss_scale = scaler.scale(torch.ones(()))
+    local = _grads(rank, 0, dtypes=SCALER_DTYPES)
+    scaler.scale(sum((p.float() * g.float()).sum() for p, g in zip(params, local))).backward()
+    scaler.step(opt)
+    scaler.update()
+    return {"grads": [-p.detach().clone() for p in params], "norm": opt.grad_norm.clone(),
+            "local": local, "scale_after": scaler.get_scale()}
+
+
 def on_rank(rank, world_size):
     return {
         "l2": _hooked(rank, 1.0),
@@ -121,6 +144,8 @@ def on_rank(rank, world_size):
         "optimizer": _optimizer(rank, False),
         "optimizer_sharded": _optimizer(rank, True),
         "optimizer_sharded_inf_norm": _optimizer(rank, True, 0.5, math.inf),
+        "grad_scaler": _grad_scaler(rank, False),
+        "grad_scaler_sharded": _grad_scaler(rank, True),
         "local": [_grads(rank, step) for step in range(2)],
     }
 
@@ -190,6 +215,31 @@ def test_norm_and_gradients_are_the_same_bits_on_every_rank(ranks_once, world_si
         assert r["norm"].view(torch.int32) == results[0]["norm"].view(torch.int32), rank
         for a, b in zip(r["grads"], results[0]["grads"]):
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), rank
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("name", ["grad_scaler", "grad_scaler_sharded"])
+def test_under_a_grad_scaler_the_limit_applies_to_the_unscaled_norm(ranks_once, world_size,
+                                                                    name):
+    results = [r[name] for r in ranks_once(world_size)]
+    mean = [sum(r["local"][i].double() for r in results) / world_size
+            for i in range(len(SHAPES))]
+    magnitudes = [sum(r["local"][i].double().abs() for r in results) / world_size
+                  for i in range(len(SHAPES))]
+    want_norm, want = reference_clip(mean, 1.0, 2.0)
+    coefficient = min(1.0, 1.0 / (want_norm + 1e-6))
+    for rank, r in enumerate(results):
+        # a power-of-two scale multiplies and divides exactly: the same bound
+        # as unscaled clipping; the scaler found nothing and kept its scale
+        assert [g.dtype for g in r["grads"]] == list(SCALER_DTYPES)
+        norm = float(r["norm"])
+        assert abs(norm - want_norm) <= NORM_RTOL * want_norm, f"rank {rank}: norm {norm}"
+        for i, (got, exact, magnitude) in enumerate(zip(r["grads"], want, magnitudes)):
+            eps = torch.finfo(got.dtype).eps
+            bound = coefficient * world_size * EPS32 * magnitude + \
+                (NORM_RTOL + eps) * exact.abs() + 1e-30
+            assert torch.all((got.double() - exact).abs() <= bound), f"rank {rank}: {i}"
+        assert r["scale_after"] == 1024.0
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
