@@ -16,14 +16,23 @@ buckets) and clips the result to a total 2-norm of 1:
 
 ``clip_ms`` is a method's median minus ``reduce_only``'s: what clipping
 costs; ``ratio`` is ``torch_clip``'s time over the method's.
+
+On a few CPU cores the all-reduce's noise is larger than clipping's cost, so
+the same three are timed again on the write-back alone, without the
+collective (each rank's reduced buffers stand in, ``BucketPlan`` as the
+reducer lays them out): ``write_back`` (the unflatten with the mean's
+postscale), ``write_back_torch_clip`` (that, then ``clip_grad_norm_``) and
+``write_back_fused_clip`` (the norm of the buffers, then the unflatten with
+the coefficient in its scale), in cases labelled "write-back only".
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
 
-from fusedreduce import DistributedGradReducer
+from fusedreduce import BucketPlan, DistributedGradReducer, communication_dtype
+from fusedreduce.clipping import bucket_scales, clip_scales, flat_norm_power
 
 from . import common, timing
 from .models import TENSOR_LISTS
@@ -35,6 +44,8 @@ MODELS = ("resnet50", "transformer")
 METHODS = ("reduce_only", "torch_clip", "fused_clip")
 ROLES = {"reduce_only": "reference", "torch_clip": "baseline", "fused_clip": "ours"}
 BASELINE = "torch_clip"
+WRITE_BACK = {"write_back": "reduce_only", "write_back_torch_clip": "torch_clip",
+              "write_back_fused_clip": "fused_clip"}
 FIXED_DTYPE = None  # the gradients take --dtype
 
 
@@ -43,6 +54,47 @@ def _gradients(model: str, size: int, dtype: torch.dtype, device: torch.device,
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=gen).to(device, dtype)
             for shape in TENSOR_LISTS[model](size)]
+
+
+def _gradient_holders(grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Stand-in parameters: ``clip_grad_norm_`` clips their ``.grad``."""
+    return [torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape).requires_grad_()
+            for g in grads]
+
+
+def _clip_as_torch_does(holders: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
+    """``clip_grad_norm_(foreach=True)`` on ``grads`` (as the holders' ``.grad``)."""
+    for holder, grad in zip(holders, grads):
+        holder.grad = grad
+    torch.nn.utils.clip_grad_norm_(holders, MAX_NORM, foreach=True)
+
+
+def _write_backs(grads: List[torch.Tensor], world_size: int) -> Dict[str, Callable]:
+    """The write-back-only methods over the reducer's layout of ``grads``."""
+    plan = BucketPlan(grads, bucket_cap_mb=BUCKET_CAP_MB,  # fp32 buffers, as the reducer's
+                      comm_dtype=lambda dtype: communication_dtype(dtype, torch.float32))
+    buffers = [plan.flatten(bucket, grads) for bucket in plan.buckets]
+    outputs = [torch.empty_like(g) for g in grads]
+    postscale = 1.0 / world_size
+
+    def write_back():
+        for bucket, buffer in zip(plan.buckets, buffers):
+            plan.unflatten(bucket, buffer, outputs, scale=postscale)
+
+    holders = _gradient_holders(grads)
+
+    def torch_clip():
+        write_back()
+        _clip_as_torch_does(holders, outputs)
+
+    def fused_clip():
+        powers = [flat_norm_power(buffer, 2.0) for buffer in buffers]
+        _, scales = clip_scales(powers, [postscale] * len(buffers), MAX_NORM, 2.0)
+        for bucket, buffer, scale in zip(plan.buckets, buffers, bucket_scales(scales)):
+            plan.unflatten(bucket, buffer, outputs, scale=scale)
+
+    return {"write_back": write_back, "write_back_torch_clip": torch_clip,
+            "write_back_fused_clip": fused_clip}
 
 
 def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
@@ -56,13 +108,16 @@ def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
         clipping = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB,
                                           max_grad_norm=MAX_NORM)
 
-        def torch_clip(plain=plain, grads=grads):
-            torch.nn.utils.clip_grad_norm_(plain(grads), MAX_NORM, foreach=True)
+        holders = _gradient_holders(grads)
+
+        def torch_clip(plain=plain, grads=grads, holders=holders):
+            _clip_as_torch_does(holders, plain(grads))
 
         samples = timing.time_across_ranks(
             {"reduce_only": lambda plain=plain, grads=grads: plain(grads),
              "torch_clip": torch_clip,
-             "fused_clip": lambda clipping=clipping, grads=grads: clipping(grads)},
+             "fused_clip": lambda clipping=clipping, grads=grads: clipping(grads),
+             **_write_backs(grads, world_size)},
             config["repeats"], device)
         out[model] = {"samples": samples, "n_tensors": len(grads),
                       "n_elements": sum(g.numel() for g in grads)}
@@ -81,6 +136,15 @@ def records(outcome: Dict[int, dict], case: dict, config: dict) -> List[dict]:
         for method in METHODS:
             result = common.result(NAME, label, case["size"], method, ROLES[method], BASELINE,
                                    world_size, record["n_tensors"], record["n_elements"],
+                                   record["n_elements"] * measured["itemsize"],
+                                   record["samples"], dtype=case["dtype"])
+            result["clip_ms"] = result["time_ms"] - floor
+            results.append(result)
+        floor = timing.summary_ms(record["samples"]["write_back"])["time_ms"]
+        for method, like in WRITE_BACK.items():
+            result = common.result(NAME, f"{label}, write-back only", case["size"], method,
+                                   ROLES[like], "write_back_torch_clip", world_size,
+                                   record["n_tensors"], record["n_elements"],
                                    record["n_elements"] * measured["itemsize"],
                                    record["samples"], dtype=case["dtype"])
             result["clip_ms"] = result["time_ms"] - floor

@@ -8,6 +8,7 @@ import math
 from bench_utils import assert_exits_cleanly_and_prints, check_record, quick_run_fixture
 
 METHODS = ["reduce_only", "torch_clip", "fused_clip"]
+WRITE_BACK = ["write_back", "write_back_torch_clip", "write_back_fused_clip"]
 
 quick_run = quick_run_fixture(
     "clip", ["clip", "--quick", "--world-size", "2", "--sizes", "30K", "--repeats", "2",
@@ -17,7 +18,7 @@ quick_run = quick_run_fixture(
 
 def test_quick_clip_benchmark_exits_cleanly_and_prints_every_method(quick_run):
     process, _ = quick_run
-    assert_exits_cleanly_and_prints(process, METHODS + ["clip ms"])
+    assert_exits_cleanly_and_prints(process, METHODS + WRITE_BACK + ["clip ms"])
 
 
 def test_quick_clip_benchmark_writes_the_documented_json(quick_run):
@@ -25,15 +26,17 @@ def test_quick_clip_benchmark_writes_the_documented_json(quick_run):
     results = check_record(record, ["clip"])
     assert record["config"]["command"] == "clip"
     assert record["config"]["collectives"]["parts"] == ["clip"]
-    # two models x two dtypes, three methods each
-    assert len(results) == 2 * 2 * 3
+    # two models x two dtypes, with and without the collective, three methods each
+    assert len(results) == 2 * 2 * 2 * 3
     cases = list(dict.fromkeys(r["case"] for r in results))
-    assert [c.split()[0] for c in cases] == ["resnet50", "transformer"] * 2
+    assert [c.split()[0] for c in cases] == ["resnet50", "resnet50", "transformer",
+                                             "transformer"] * 2
     for case in cases:
         group = [r for r in results if r["case"] == case]
-        assert [r["method"] for r in group] == METHODS
+        alone = case.endswith("write-back only")
+        assert [r["method"] for r in group] == (WRITE_BACK if alone else METHODS)
         assert [r["role"] for r in group] == ["reference", "baseline", "ours"]
-        assert all(r["baseline"] == "torch_clip" for r in group)
+        assert all(r["baseline"] == group[1]["method"] for r in group)
         floor = group[0]["time_ms"]
         assert group[0]["clip_ms"] == 0
         for r in group:
