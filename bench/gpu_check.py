@@ -9,7 +9,8 @@ One command for a new GPU machine. In order:
    tensor list plus the awkward cases (0 and 1 elements, an odd length, a
    transposed and a misaligned view). Each result is compared with a reference
    computed on the CPU that does exactly the documented roundings: flatten and
-   unflatten must match it bit for bit, and the two backends each other (the
+   unflatten (with a Python scale, and with the scale held in a device
+   tensor: ``unflatten_device_scale``) must match it bit for bit, and the two backends each other (the
    docs' promise); accumulate and AdaSum within bounds derived from the
    dtypes' eps (see ``_bound``).
 2. **The kernel benchmark on the GPU** (``kernels_bench``: each call's device
@@ -54,10 +55,11 @@ from fusedreduce.kernels import (ADASUM_NORM_FLOOR, adasum_combine, adasum_stats
 
 from . import common, kernels_bench, plot
 
-KERNELS = ("flatten", "unflatten", "unflatten_accumulate", "adasum_stats", "adasum_combine")
+KERNELS = ("flatten", "unflatten", "unflatten_device_scale", "unflatten_accumulate",
+           "adasum_stats", "adasum_combine")
 CHECK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: kernels whose two backends must agree bit for bit (docs/concepts/how-it-works.md, "Numerics")
-BITWISE = ("flatten", "unflatten")
+BITWISE = ("flatten", "unflatten", "unflatten_device_scale")
 #: the scale of the checks: 1/3 is not exact in fp32, so a scale used unrounded shows
 CHECK_SCALE = 1 / 3
 CHECK_SIZE, QUICK_CHECK_SIZE = 1_000_000, 100_000
@@ -211,6 +213,21 @@ def _check_unflatten(tensors, dtype, backend):
     return got, _bits_equal(got, torch.cat(expected)), None
 
 
+def _check_unflatten_device_scale(tensors, dtype, backend):
+    """``unflatten`` with the scale held in an fp32 tensor on the device (a
+    loss scale's inverse, a clip coefficient): the value the tensor holds is
+    the scale, and the result must be bitwise the documented rounding of it."""
+    flat = _flat_for(tensors, dtype, tensors[0].device, 3)
+    held = torch.tensor(CHECK_SCALE, dtype=torch.float32, device=flat.device)
+    outputs = [torch.empty_like(t) for t in tensors]
+    unflatten_cast_scale(flat, outputs, scale=held, backend=backend)
+    value = float(held.cpu())
+    segments = torch.split(flat.cpu(), _segments(tensors))
+    expected = [reference_cast_scale(s, dtype, value) for s in segments]
+    got = torch.cat([o.cpu().reshape(-1) for o in outputs])
+    return got, _bits_equal(got, torch.cat(expected)), None
+
+
 def _check_accumulate(tensors, dtype, backend):
     flat = _flat_for(tensors, dtype, tensors[0].device, 2)
     outputs = [t.clone() for t in tensors]
@@ -288,6 +305,7 @@ def _check_adasum_combine(tensors, dtype, backend):
 
 
 CHECKS = {"flatten": _check_flatten, "unflatten": _check_unflatten,
+          "unflatten_device_scale": _check_unflatten_device_scale,
           "unflatten_accumulate": _check_accumulate, "adasum_stats": _check_adasum_stats,
           "adasum_combine": _check_adasum_combine}
 

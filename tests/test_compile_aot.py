@@ -72,8 +72,10 @@ def expected_128_bit(report: dict, variant: dict) -> tuple:
 def test_every_variant_compiles_to_ptx_whose_fast_path_is_all_128_bit(kernel, capability):
     report = compile_report(kernel, capability)
     # 5 KINDS x 4 buffers x the flag/accumulate constexpr, and the mixed KINDS
-    # again with the scale read from a tensor: its fast path stays 128-bit too
-    assert len(report["variants"]) == 5 * 4 * 2 + 4 * 2
+    # on an fp32 buffer again with the scale read from a tensor: its fast path
+    # stays 128-bit too
+    assert len(report["variants"]) == 5 * 4 * 2 + 2
+    assert sum(v["constexprs"]["SCALE_TENSOR"] for v in report["variants"]) == 2
     for variant in report["variants"]:
         name = f"{kernel} sm_{capability} {variant['buffer']} {variant['constexprs']}"
         assert variant["has_ptx"], f"{name}: no PTX"

@@ -96,6 +96,17 @@ def test_bounded_kernels_fail_the_check_when_off_by_more_than_their_bound(monkey
     assert all(r["max_error_over_bound"] > 1 for r in records)
 
 
+def test_the_device_scale_check_fails_when_the_tensor_scale_is_not_applied(monkeypatch):
+    real = gpu_check.unflatten_cast_scale
+
+    def ignores_tensors(flat, tensors, *, scale=1.0, **kwargs):
+        real(flat, tensors, scale=1.0 if isinstance(scale, torch.Tensor) else scale, **kwargs)
+    monkeypatch.setattr(gpu_check, "unflatten_cast_scale", ignores_tensors)
+    records = gpu_check.check_kernels(CPU, ["torch"], 0, shapes=SHAPES)
+    assert all(not r["correct"] for r in records if r["kernel"] == "unflatten_device_scale")
+    assert all(r["correct"] for r in records if r["kernel"] == "unflatten")
+
+
 def test_a_kernel_that_raises_is_recorded_as_wrong_with_its_error(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel image is available for execution on the device")
