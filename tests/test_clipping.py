@@ -128,6 +128,24 @@ def _grad_scaler(rank, shard):
             "local": local, "scale_after": scaler.get_scale()}
 
 
+def _adasum(rank, shard):
+    """AdaSum's combined gradients clipped, beside the same unclipped: the
+    clipped ones are the unclipped times the coefficient of their norm."""
+    from fusedreduce import DistributedOptimizer
+    out = {}
+    for max_norm in (None, 1.0):
+        params = _params(SCALER_DTYPES)
+        opt = DistributedOptimizer(torch.optim.SGD(params, lr=1.0), reduce_method="adasum",
+                                   param_pack_thd=4000, shard=shard, max_grad_norm=max_norm)
+        _backward(params, _grads(rank, 0, dtypes=SCALER_DTYPES))
+        opt.step()
+        key = "clipped" if max_norm else "unclipped"
+        out[key] = [-p.detach().clone() for p in params]
+        if max_norm:
+            out["norm"] = opt.grad_norm.clone()
+    return out
+
+
 def on_rank(rank, world_size):
     return {
         "l2": _hooked(rank, 1.0),
@@ -146,6 +164,8 @@ def on_rank(rank, world_size):
         "optimizer_sharded_inf_norm": _optimizer(rank, True, 0.5, math.inf),
         "grad_scaler": _grad_scaler(rank, False),
         "grad_scaler_sharded": _grad_scaler(rank, True),
+        "adasum": _adasum(rank, False),
+        "adasum_sharded": _adasum(rank, True),
         "local": [_grads(rank, step) for step in range(2)],
     }
 
@@ -240,6 +260,23 @@ def test_under_a_grad_scaler_the_limit_applies_to_the_unscaled_norm(ranks_once, 
                 (NORM_RTOL + eps) * exact.abs() + 1e-30
             assert torch.all((got.double() - exact).abs() <= bound), f"rank {rank}: {i}"
         assert r["scale_after"] == 1024.0
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("name", ["adasum", "adasum_sharded"])
+def test_adasum_clips_its_combined_gradients(ranks_once, world_size, name):
+    # the unclipped results were rounded to their dtypes (bf16 among them),
+    # the fused norm is of the fp32 values before that rounding: the norm, and
+    # through it the coefficient, may differ by bf16's eps
+    rounding = torch.finfo(torch.bfloat16).eps
+    for rank, r in enumerate(x[name] for x in ranks_once(world_size)):
+        want_norm, want = reference_clip(r["unclipped"], 1.0, 2.0)
+        assert abs(float(r["norm"]) - want_norm) <= (NORM_RTOL + rounding) * want_norm, rank
+        assert want_norm > 2.0  # the case clips
+        for i, (got, exact) in enumerate(zip(r["clipped"], want)):
+            eps = torch.finfo(got.dtype).eps
+            bound = (NORM_RTOL + rounding + 2 * eps) * exact.abs() + 1e-30
+            assert torch.all((got.double() - exact).abs() <= bound), f"rank {rank}: {i}"
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
