@@ -14,7 +14,9 @@ AdaSum's kernels per parameter segment.
   gradients.
 
 ``state`` is what torch's own hooks take (``None``: the world group; a
-``torch.distributed.ProcessGroup``), with defaults, or a ``HookState``.
+``torch.distributed.ProcessGroup``), with defaults, or a ``HookState``;
+``HookState(max_grad_norm=...)`` also clips the reduced gradients, in the
+pass that writes each bucket back (``HookState.clipped``).
 
 This module must not use ``from __future__ import annotations``: DDP compares
 the hooks' annotations with the real ``dist.GradBucket`` and
@@ -29,6 +31,8 @@ from . import kernels
 from ._checks import check_int, check_prescale
 from .adasum import adasum_allreduce_plan, adasum_flat_unchecked, check_local_size
 from .buckets import BucketPlan, TensorSpec
+from .clipping import bucket_scales, check_clipping, clip_scales, flat_norm_power, \
+    raise_if_nonfinite
 from .precision import communication_dtype, split_scale
 from .process_group import global_ranks, require_process_group
 
@@ -59,6 +63,16 @@ class HookState:
         local_size: ``adasum_hook`` first averages inside consecutive blocks
             of this many ranks, then AdaSums across them.
         backend: the kernels' backend (``"auto"``, ``"triton"``, ``"torch"``).
+        max_grad_norm: clip the reduced gradients of every bucket to this total
+            norm, as ``clip_grad_norm_`` would: each bucket's future completes
+            when the last bucket is reduced, and the clip coefficient rides
+            in the pass that writes each bucket back (its postscale or its
+            cast back; AdaSum's 16-bit buckets take one extra multiply).
+            ``grad_norm`` then holds the total norm of the last iteration.
+            None (default): no clipping.
+        norm_type: the clipping norm's order (``math.inf``: the max norm).
+        error_if_nonfinite: fail the backward pass (every bucket's future) if
+            the total norm is inf or NaN, before any bucket is written back.
 
     Raises:
         ValueError: a zero or non-finite ``prescale``; ``local_size`` not a
@@ -78,8 +92,16 @@ class HookState:
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *,
                  prescale: Optional[float] = None, local_size: int = 1,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", max_grad_norm: Optional[float] = None,
+                 norm_type: float = 2.0, error_if_nonfinite: bool = False) -> None:
         check_prescale(prescale)
+        self.max_grad_norm, self.norm_type = check_clipping(max_grad_norm, norm_type,
+                                                            error_if_nonfinite)
+        self.error_if_nonfinite = error_if_nonfinite
+        #: with ``max_grad_norm``: the total norm before clipping of the last
+        #: iteration's reduced buckets (0-d fp32), or None
+        self.grad_norm: Optional[torch.Tensor] = None
+        self._clipping: list = []  # this iteration's buckets so far
         check_int(local_size, "local_size")
         # the name only: the buckets' device (known at the first bucket) decides
         # whether it can run there
@@ -134,6 +156,7 @@ class HookState:
         state["_world_size"] = None
         state["_adasum_plans"] = {}
         state["_wires"], state["_iteration"] = {}, 0
+        state["_clipping"], state["grad_norm"] = [], None
         if group is not None:
             # a group's members are known only while it exists; record them so
             # that the other side can tell whether the world is the same group
@@ -166,6 +189,46 @@ class HookState:
                                                     device=buffer.device), 0]
         entry[1] = self._iteration
         return entry[0]
+
+    def clipped(self, bucket: dist.GradBucket, reduced: torch.futures.Future,
+                flat_of, postscale: float, write_back) -> torch.futures.Future:
+        """The future DDP waits on for ``bucket`` when clipping: ``reduced``
+        completes when its collective has; ``flat_of()`` is then the reduced
+        flat buffer (times ``1/postscale`` of what is written), and
+        ``write_back(scale)`` writes the bucket with ``scale`` (postscale times
+        the coefficient, a one-element device tensor) and returns DDP's
+        result. Every bucket's future completes after the last one's
+        collective, when the total norm is known."""
+        if bucket.index() == 0:
+            self._clipping = []
+        device = bucket.buffer().device
+        out = torch.futures.Future(devices=[device]) if device.type == "cuda" \
+            else torch.futures.Future()
+        self._clipping.append((reduced, flat_of, postscale, write_back, out))
+        if bucket.is_last():
+            entries, self._clipping = self._clipping, []
+            torch.futures.collect_all([e[0] for e in entries]).then(
+                lambda _: self._clip_all(entries))
+        return out
+
+    def _clip_all(self, entries) -> None:
+        try:
+            for reduced, *_ in entries:
+                reduced.value()  # raises if a collective failed
+            powers = [flat_norm_power(flat_of(), self.norm_type)
+                      for _, flat_of, *_ in entries]
+            self.grad_norm, scales = clip_scales(powers, [e[2] for e in entries],
+                                                 self.max_grad_norm, self.norm_type)
+            if self.error_if_nonfinite:
+                raise_if_nonfinite(self.grad_norm, self.norm_type)
+            results = [write_back(scale) for (_, _, _, write_back, _), scale
+                       in zip(entries, bucket_scales(scales))]
+        except Exception as exc:  # noqa: BLE001 (every bucket's future must complete)
+            for *_, out in entries:
+                out.set_exception(exc)
+            return
+        for (*_, out), result in zip(entries, results):
+            out.set_result(result)
 
     def adasum_plan_for(self, grads) -> BucketPlan:
         """The one-bucket AdaSum plan of a DDP bucket holding ``grads``, kept per
@@ -226,6 +289,9 @@ def _reduce_in(state: HookState, bucket: dist.GradBucket,
             # by default DDP's own rounding: each addend times fp32(1/n), then the sum
             buffer.mul_(before)
         work = dist.all_reduce(buffer, group=state.group, async_op=True)
+        if state.max_grad_norm is not None:
+            return state.clipped(bucket, work.get_future(), lambda: buffer, after,
+                                 lambda scale: buffer.mul_(scale.to(buffer.dtype)))
 
         def finish_in_place(future):
             reduced = future.value()[0]
@@ -235,6 +301,11 @@ def _reduce_in(state: HookState, bucket: dist.GradBucket,
     wire = kernels.flatten_cast_scale([buffer], state.wire_for(bucket, dtype), scale=before,
                                       backend=state.backend)
     work = dist.all_reduce(wire, group=state.group, async_op=True)
+    if state.max_grad_norm is not None:
+        def write_back(scale):
+            kernels.unflatten_cast_scale(wire, [buffer], scale=scale, backend=state.backend)
+            return buffer
+        return state.clipped(bucket, work.get_future(), lambda: wire, after, write_back)
 
     def decompress(future):
         future.value()  # raises if the collective failed
@@ -307,11 +378,14 @@ def fusedreduce_adasum_hook(state: Optional[HookState],
         adasum_flat_unchecked(buffer, boundaries + [buffer.numel()], state.group,
                               state.local_size, state.backend, prescaled=False,
                               exchanges_only=False)
-        return _future_of(buffer)
-    outputs = [buffer[lo:hi].view(g.shape)
-               for g, lo, hi in zip(grads, boundaries[:-1], boundaries[1:])]
-    adasum_allreduce_plan(state.adasum_plan_for(grads), grads, outputs, group=state.group,
-                          local_size=state.local_size, backend=state.backend)
+    else:
+        outputs = [buffer[lo:hi].view(g.shape)
+                   for g, lo, hi in zip(grads, boundaries[:-1], boundaries[1:])]
+        adasum_allreduce_plan(state.adasum_plan_for(grads), grads, outputs, group=state.group,
+                              local_size=state.local_size, backend=state.backend)
+    if state.max_grad_norm is not None:
+        return state.clipped(bucket, _future_of(buffer), lambda: buffer, 1.0,
+                             lambda scale: buffer.mul_(scale.to(buffer.dtype)))
     return _future_of(buffer)
 
 

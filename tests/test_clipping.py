@@ -146,6 +146,52 @@ def _adasum(rank, shard):
     return out
 
 
+class _Given(torch.nn.Module):
+    """Parameters whose gradients are whatever ``forward(grads)``'s sum is
+    differentiated against (``SCALER_DTYPES``: DDP buckets by dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(_params(SCALER_DTYPES))
+
+    def forward(self, grads):
+        return sum((p.float() * g.float()).sum() for p, g in zip(self.weights, grads))
+
+
+def _ddp(rank, hook_name, max_norm):
+    """Two DDP iterations (DDP rebuilds its buckets after the first) with a
+    fusedreduce hook whose HookState clips; the gradients and norm of each."""
+    from torch.nn.parallel import DistributedDataParallel
+    from fusedreduce import hooks
+    model = DistributedDataParallel(_Given(), bucket_cap_mb=0.004)
+    state = hooks.HookState(max_grad_norm=max_norm)
+    model.register_comm_hook(state, getattr(hooks, hook_name))
+    out = []
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        model(_grads(rank, step, dtypes=SCALER_DTYPES)).backward()
+        out.append({"grads": [p.grad.clone() for p in model.module.weights],
+                    "norm": None if state.grad_norm is None else state.grad_norm.clone()})
+    return out
+
+
+def _ddp_inf_raises(rank, world_size):
+    """An inf on the last rank with error_if_nonfinite: what backward raises."""
+    from torch.nn.parallel import DistributedDataParallel
+    from fusedreduce import hooks
+    model = DistributedDataParallel(_Given(), bucket_cap_mb=0.004)
+    model.register_comm_hook(hooks.HookState(max_grad_norm=1.0, error_if_nonfinite=True),
+                             hooks.allreduce_hook)
+    grads = _grads(rank, 0, dtypes=SCALER_DTYPES)
+    if rank == world_size - 1:
+        grads[0][0, 0] = math.inf
+    try:
+        model(grads).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 def on_rank(rank, world_size):
     return {
         "l2": _hooked(rank, 1.0),
@@ -166,6 +212,14 @@ def on_rank(rank, world_size):
         "grad_scaler_sharded": _grad_scaler(rank, True),
         "adasum": _adasum(rank, False),
         "adasum_sharded": _adasum(rank, True),
+        "ddp_allreduce": _ddp(rank, "allreduce_hook", 1.0),
+        "ddp_bf16": _ddp(rank, "bf16_compress_hook", 1.0),
+        "ddp_adasum": _ddp(rank, "adasum_hook", 1.0),
+        "ddp_adasum_unclipped": _ddp(rank, "adasum_hook", None),
+        "ddp_under_the_limit": _ddp(rank, "allreduce_hook", 1e6),
+        "ddp_unclipped": _ddp(rank, "allreduce_hook", None),
+        "ddp_inf_raises": _ddp_inf_raises(rank, world_size),
+        "local_scaler_dtypes": [_grads(rank, step, dtypes=SCALER_DTYPES) for step in range(2)],
         "local": [_grads(rank, step) for step in range(2)],
     }
 
@@ -277,6 +331,60 @@ def test_adasum_clips_its_combined_gradients(ranks_once, world_size, name):
             eps = torch.finfo(got.dtype).eps
             bound = (NORM_RTOL + rounding + 2 * eps) * exact.abs() + 1e-30
             assert torch.all((got.double() - exact).abs() <= bound), f"rank {rank}: {i}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("name", ["ddp_allreduce", "ddp_bf16"])
+def test_ddp_hooks_clip_through_their_hook_state(ranks_once, world_size, name):
+    results = ranks_once(world_size)
+    wire = torch.finfo(torch.bfloat16).eps if name == "ddp_bf16" else 0.0
+    for step in range(2):  # DDP's first iteration, then its rebuilt buckets
+        mean = [sum(r["local_scaler_dtypes"][step][i].double() for r in results) / world_size
+                for i in range(len(SHAPES))]
+        magnitudes = [sum(r["local_scaler_dtypes"][step][i].double().abs() for r in results)
+                      / world_size for i in range(len(SHAPES))]
+        want_norm, want = reference_clip(mean, 1.0, 2.0)
+        coefficient = min(1.0, 1.0 / (want_norm + 1e-6))
+        assert coefficient < 0.5
+        for rank, r in enumerate(x[name][step] for x in results):
+            # bf16 on the wire: each rank's share is rounded to bf16 once
+            norm = float(r["norm"])
+            assert abs(norm - want_norm) <= (NORM_RTOL + wire) * want_norm, (rank, step)
+            for i, (got, exact, magnitude) in enumerate(zip(r["grads"], want, magnitudes)):
+                eps = torch.finfo(got.dtype).eps
+                bound = coefficient * (world_size * EPS32 + wire) * magnitude + \
+                    (NORM_RTOL + wire + eps) * exact.abs() + 1e-30
+                assert torch.all((got.double() - exact).abs() <= bound), (rank, step, i)
+            first = results[0][name][step]
+            assert torch.equal(r["norm"], first["norm"])
+            assert all(torch.equal(a, b) for a, b in zip(r["grads"], first["grads"]))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ddp_adasum_hook_clips_and_a_norm_under_the_limit_changes_nothing(ranks_once,
+                                                                         world_size):
+    rounding = torch.finfo(torch.bfloat16).eps  # as for the optimizer's AdaSum above
+    for rank, r in enumerate(ranks_once(world_size)):
+        for step in range(2):
+            unclipped = r["ddp_adasum_unclipped"][step]["grads"]
+            clipped = r["ddp_adasum"][step]
+            want_norm, want = reference_clip(unclipped, 1.0, 2.0)
+            norm = float(clipped["norm"])
+            assert abs(norm - want_norm) <= (NORM_RTOL + rounding) * want_norm, (rank, step)
+            for i, (got, exact) in enumerate(zip(clipped["grads"], want)):
+                eps = torch.finfo(got.dtype).eps
+                bound = (NORM_RTOL + rounding + 2 * eps) * exact.abs() + 1e-30
+                assert torch.all((got.double() - exact).abs() <= bound), (rank, step, i)
+            assert all(torch.equal(a, b) for a, b in
+                       zip(r["ddp_under_the_limit"][step]["grads"],
+                           r["ddp_unclipped"][step]["grads"]))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_a_ddp_hook_with_error_if_nonfinite_fails_backward_on_every_rank(ranks_once,
+                                                                        world_size):
+    for r in ranks_once(world_size):
+        assert r["ddp_inf_raises"] is not None and "non-finite" in r["ddp_inf_raises"]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
