@@ -32,10 +32,10 @@ from typing import Callable, Dict, List
 import torch
 
 from fusedreduce import BucketPlan, DistributedGradReducer, communication_dtype
-from fusedreduce.clipping import bucket_scales, clip_scales, flat_norm_power
+from fusedreduce.clipping import clip_scales, flat_norm_power
 
 from . import common, timing
-from .models import TENSOR_LISTS
+from .models import gradients
 
 NAME = "clip"
 BUCKET_CAP_MB = 25.0
@@ -47,13 +47,6 @@ BASELINE = "torch_clip"
 WRITE_BACK = {"write_back": "reduce_only", "write_back_torch_clip": "torch_clip",
               "write_back_fused_clip": "fused_clip"}
 FIXED_DTYPE = None  # the gradients take --dtype
-
-
-def _gradients(model: str, size: int, dtype: torch.dtype, device: torch.device,
-               seed: int) -> List[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=gen).to(device, dtype)
-            for shape in TENSOR_LISTS[model](size)]
 
 
 def _gradient_holders(grads: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -90,7 +83,7 @@ def _write_backs(grads: List[torch.Tensor], world_size: int) -> Dict[str, Callab
     def fused_clip():
         powers = [flat_norm_power(buffer, 2.0) for buffer in buffers]
         _, scales = clip_scales(powers, [postscale] * len(buffers), MAX_NORM, 2.0)
-        for bucket, buffer, scale in zip(plan.buckets, buffers, bucket_scales(scales)):
+        for bucket, buffer, scale in zip(plan.buckets, buffers, scales):
             plan.unflatten(bucket, buffer, outputs, scale=scale)
 
     return {"write_back": write_back, "write_back_torch_clip": torch_clip,
@@ -103,7 +96,7 @@ def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
     dtype = common.DTYPES[case["dtype"]]
     out = {}
     for model in MODELS:
-        grads = _gradients(model, case["size"], dtype, device, seed=rank)
+        grads = gradients(model, case["size"], dtype, device, seed=rank)
         plain = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB)
         clipping = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB,
                                           max_grad_norm=MAX_NORM)

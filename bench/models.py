@@ -175,10 +175,16 @@ TENSOR_LISTS: Dict[str, Callable[[int], List[Shape]]] = {
 }
 
 
-def resnet50_gradients(n: int, dtype: torch.dtype, device: torch.device,
-                       seed: int) -> List[torch.Tensor]:
-    """Random gradients shaped like a ``ResNet50`` of about ``n`` parameters
-    (``seed``: the rank, so that every rank holds different ones)."""
+def gradients(model: str, n: int, dtype: torch.dtype, device: torch.device,
+              seed: int) -> List[torch.Tensor]:
+    """Random gradients shaped like ``TENSOR_LISTS[model]`` at about ``n``
+    parameters (``seed``: the rank, so that every rank holds different ones)."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=gen).to(device, dtype)
-            for shape in resnet50_shapes_for_size(n)]
+            for shape in TENSOR_LISTS[model](n)]
+
+
+def resnet50_gradients(n: int, dtype: torch.dtype, device: torch.device,
+                       seed: int) -> List[torch.Tensor]:
+    """``gradients("resnet50", ...)``: a ``ResNet50``'s of about ``n`` parameters."""
+    return gradients("resnet50", n, dtype, device, seed)

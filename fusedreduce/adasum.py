@@ -327,7 +327,7 @@ def adasum_tree_share(boundaries: Sequence[int], size: int, group, local_size: i
     """This rank's ``TreeShare`` of a buffer of ``size`` elements cut at ``boundaries``."""
     column, me = _column(group, local_size)
     levels = tuple(_tree_levels(boundaries, size, column, me))
-    top = 1 << (len(column).bit_length() - 1)
+    top = _power_of_two_part(len(column))
     lo, hi = (0, 0) if me >= top else levels[-1][0] if levels else (0, size)
     # equal pieces but the last, so the block can all-gather them
     piece, size_of_piece = dist.get_rank(group) % local_size, -(-(hi - lo) // local_size)
@@ -464,6 +464,12 @@ def _level_stats(left: torch.Tensor, right: torch.Tensor, boundaries: Sequence[i
     return kernels.adasum_reduce_chunks(partials, boundaries, backend=backend)
 
 
+def _power_of_two_part(n: int) -> int:
+    """How many of the tree's ``n`` ranks halve and swap: the largest power
+    of two <= n; rank r >= it is folded into r minus it first."""
+    return 1 << (n.bit_length() - 1)
+
+
 def _tree_levels(boundaries: Sequence[int], size: int, ranks: Sequence[int],
                  me: int) -> List[Tuple[Tuple[int, int], Tuple[int, int], int]]:
     """The halving levels of the tree for ``ranks[me]``: per level, the slice
@@ -471,7 +477,7 @@ def _tree_levels(boundaries: Sequence[int], size: int, ranks: Sequence[int],
     off the tree's power-of-two part). The last kept slice is where the
     halving leaves this rank's share of the combined buffer."""
     n = len(ranks)
-    top = 1 << (n.bit_length() - 1)
+    top = _power_of_two_part(n)
     if me >= top:
         return []
     lo, hi, distance, levels = 0, size, 1, []
@@ -500,7 +506,7 @@ def _halve_along_tree(buffer: torch.Tensor, boundaries: Sequence[int], ranks: Se
     n = len(ranks)
     if n == 1:
         return
-    top = 1 << (n.bit_length() - 1)
+    top = _power_of_two_part(n)
     if me >= top:
         _send(buffer, ranks[me - top], group)
         return
@@ -537,7 +543,7 @@ def _gather_along_tree(buffer: torch.Tensor, levels, ranks: Sequence[int], me: i
     n = len(ranks)
     if n == 1:
         return
-    top = 1 << (n.bit_length() - 1)
+    top = _power_of_two_part(n)
     if me >= top:
         _recv(buffer, ranks[me - top], group)
         return

@@ -77,14 +77,14 @@ def flat_norm_power(buffer: torch.Tensor, norm_type: float) -> torch.Tensor:
 
 
 def clip_scales(powers: Sequence[torch.Tensor], postscales: Sequence[float], max_norm: float,
-                norm_type: float, loss_scale=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                norm_type: float, loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``(total_norm, scales)`` from each bucket's ``flat_norm_power`` and the
     postscale its unflatten applies: the norm of the written gradients
     divided by ``loss_scale`` (a number or a one-element tensor; None: 1),
     as a 0-d fp32 tensor like torch's ``clip_grad_norm_`` returns, and, per
-    bucket, the postscale times the clip coefficient (an fp64 vector on the
-    device). The gradients keep their loss scale: a GradScaler unscales
-    them as usual."""
+    bucket, the postscale times the clip coefficient (one-element fp64 views
+    of one vector on the device: the unflatten's scale). The gradients keep
+    their loss scale: a GradScaler unscales them as usual."""
     device = powers[0].device
     post = torch.tensor([abs(s) for s in postscales], dtype=torch.float64, device=device)
     stacked = torch.stack(list(powers))
@@ -98,7 +98,7 @@ def clip_scales(powers: Sequence[torch.Tensor], postscales: Sequence[float], max
     total = total.float()
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
     signed = torch.tensor(list(postscales), dtype=torch.float64, device=device)
-    return total, signed * coefficient.double()
+    return total, list((signed * coefficient.double()).unbind(0))
 
 
 def raise_if_nonfinite(total: torch.Tensor, norm_type: float) -> None:
@@ -109,8 +109,3 @@ def raise_if_nonfinite(total: torch.Tensor, norm_type: float) -> None:
             f"it cannot be clipped; the gradients were not written back. Pass "
             f"error_if_nonfinite=False to clip anyway (they become NaN or zero, and a "
             f"GradScaler skips the step)")
-
-
-def bucket_scales(scales: Optional[torch.Tensor]) -> List[Optional[torch.Tensor]]:
-    """Each bucket's one-element view of ``scales`` (the unflatten's scale)."""
-    return [] if scales is None else list(scales.unbind(0))

@@ -31,8 +31,7 @@ from . import kernels
 from ._checks import check_int, check_prescale
 from .adasum import adasum_allreduce_plan, adasum_flat_unchecked, check_local_size
 from .buckets import BucketPlan, TensorSpec
-from .clipping import bucket_scales, check_clipping, clip_scales, flat_norm_power, \
-    raise_if_nonfinite
+from .clipping import check_clipping, clip_scales, flat_norm_power, raise_if_nonfinite
 from .precision import communication_dtype, split_scale
 from .process_group import global_ranks, require_process_group
 
@@ -222,7 +221,7 @@ class HookState:
             if self.error_if_nonfinite:
                 raise_if_nonfinite(self.grad_norm, self.norm_type)
             results = [write_back(scale) for (_, _, _, write_back, _), scale
-                       in zip(entries, bucket_scales(scales))]
+                       in zip(entries, scales)]
         except Exception as exc:  # noqa: BLE001 (every bucket's future must complete)
             for *_, out in entries:
                 out.set_exception(exc)

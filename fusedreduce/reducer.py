@@ -23,8 +23,7 @@ from .allreduce import (PendingBucket, finish_bucket, start_all_reduce, start_bu
                         wait_for)
 from .bucket_views import BucketViews
 from .buckets import BucketPlan
-from .clipping import bucket_scales, check_clipping, clip_scales, flat_norm_power, \
-    raise_if_nonfinite
+from .clipping import check_clipping, clip_scales, flat_norm_power, raise_if_nonfinite
 from .overlap import BackwardOverlap
 from .precision import communication_dtype, split_scale
 from .process_group import require_process_group, verify_same_on_all_ranks
@@ -244,24 +243,29 @@ class DistributedGradReducer:
         finish_bucket(self.plan, pending, outputs, postscale=postscale, backend=self.backend)
 
     def _clipped_postscales(self, pending: Sequence[PendingBucket]) -> List:
-        """Wait for every bucket; the norm of the reduced gradients
-        (``grad_norm``) and each bucket's postscale times the clip coefficient,
-        as a one-element device tensor (see ``clipping``).
-
-        Raises:
-            RuntimeError: the norm is non-finite and ``error_if_nonfinite``.
-        """
+        """Wait for every bucket; each bucket's postscale times the clip
+        coefficient of the reduced buffers' norm (``_clip``)."""
         for p in pending:
             wait_for(p)
         if not pending:
             return []
-        powers = [flat_norm_power(p.flat[:p.bucket.size], self.norm_type) for p in pending]
+        return self._clip(pending, [flat_norm_power(p.flat[:p.bucket.size], self.norm_type)
+                                    for p in pending])
+
+    def _clip(self, pending: Sequence[PendingBucket], powers: Sequence[torch.Tensor]) -> List:
+        """From each pending bucket's sum of powers (``clipping.flat_norm_power``):
+        the total norm into ``grad_norm``, and each bucket's postscale times
+        the clip coefficient, as a one-element device tensor (see ``clipping``).
+
+        Raises:
+            RuntimeError: the norm is non-finite and ``error_if_nonfinite``.
+        """
         postscales = [self._scales[p.bucket.index][1] for p in pending]
         self.grad_norm, scales = clip_scales(powers, postscales, self.max_grad_norm,
                                              self.norm_type, self.loss_scale)
         if self.error_if_nonfinite:
             raise_if_nonfinite(self.grad_norm, self.norm_type)
-        return bucket_scales(scales)
+        return scales
 
     def _finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
         """Finish a backward pass's buckets (the hooks' path)."""

@@ -35,7 +35,7 @@ from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_
                      adasum_tree_share)
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
 from .buckets import Bucket, BucketPlan
-from .clipping import bucket_scales, clip_scales, flat_norm_power, raise_if_nonfinite
+from .clipping import flat_norm_power
 from .reducer import DistributedGradReducer
 from .sharded import PartRange, _all_gather, ranges_between, start_bucket_reduce_scatter
 
@@ -254,12 +254,7 @@ class ShardedGradReducer(DistributedGradReducer):
         if self.world_size > 1:
             op = dist.ReduceOp.MAX if self.norm_type == math.inf else dist.ReduceOp.SUM
             dist.all_reduce(powers, op=op, group=self.group)
-        postscales = [self._scales[p.bucket.index][1] for p in pending]
-        self.grad_norm, scales = clip_scales(list(powers.unbind(0)), postscales,
-                                             self.max_grad_norm, self.norm_type, self.loss_scale)
-        if self.error_if_nonfinite:
-            raise_if_nonfinite(self.grad_norm, self.norm_type)
-        return bucket_scales(scales)
+        return self._clip(pending, list(powers.unbind(0)))
 
     def _finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
         flats = []
