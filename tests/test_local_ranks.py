@@ -42,7 +42,7 @@ def test_a_rank_that_raises_is_reported_with_its_traceback_and_the_others_do_not
     assert "ValueError: rank one gives up" in failure.value.failures[1]
     assert "rank 1" in str(failure.value)
     # the waiting rank fails or is killed after a short grace, not at the timeout
-    assert time.monotonic() - started < 90
+    assert time.monotonic() - started < 60
 
 
 def _rank_zero_sleeps(rank, world_size):
@@ -55,5 +55,5 @@ def test_ranks_that_never_finish_are_killed_at_the_timeout_and_named():
     started = time.monotonic()
     # long enough for rank 1 to start and return even on a loaded machine
     with pytest.raises(TimeoutError, match=r"ranks \[0\] did not finish"):
-        run_on_local_ranks(_rank_zero_sleeps, 2, timeout=30)
-    assert time.monotonic() - started < 90
+        run_on_local_ranks(_rank_zero_sleeps, 2, timeout=15)
+    assert time.monotonic() - started < 60
