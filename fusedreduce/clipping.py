@@ -21,10 +21,13 @@ and writes them back with one unflatten launch per bucket anyway, so here:
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+
+from .kernels._checks import refuse_in_capture
 
 #: elements per row of the norm's fixed summation order
 NORM_ROW = 2048
@@ -86,7 +89,7 @@ def clip_scales(powers: Sequence[torch.Tensor], postscales: Sequence[float], max
     of one vector on the device: the unflatten's scale). The gradients keep
     their loss scale: a GradScaler unscales them as usual."""
     device = powers[0].device
-    post = torch.tensor([abs(s) for s in postscales], dtype=torch.float64, device=device)
+    post, signed = _postscale_vectors(tuple(postscales), device)
     stacked = torch.stack(list(powers))
     if norm_type == math.inf:
         total = (stacked * post).max()
@@ -97,12 +100,24 @@ def clip_scales(powers: Sequence[torch.Tensor], postscales: Sequence[float], max
                          if isinstance(loss_scale, torch.Tensor) else float(loss_scale))
     total = total.float()
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    signed = torch.tensor(list(postscales), dtype=torch.float64, device=device)
     return total, list((signed * coefficient.double()).unbind(0))
+
+
+@functools.lru_cache(maxsize=64)
+def _postscale_vectors(postscales: Tuple[float, ...],
+                       device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The buckets' postscales, absolute and signed, as fp64 vectors on
+    ``device``: the same every step, so uploaded once (a per-step upload would
+    cost a host-to-device copy, and could not be captured in a CUDA graph)."""
+    signed = torch.tensor(postscales, dtype=torch.float64, device=device)
+    return signed.abs(), signed
 
 
 def raise_if_nonfinite(total: torch.Tensor, norm_type: float) -> None:
     """torch's ``error_if_nonfinite=True``: reads the norm on the host."""
+    refuse_in_capture(total.device, "error_if_nonfinite=True (the norm is read to the host)",
+                      "pass error_if_nonfinite=False; a GradScaler's skipped step, or "
+                      "grad_norm checked after the replay, tells a non-finite norm")
     if not bool(torch.isfinite(total)):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the reduced gradients is non-finite, so "

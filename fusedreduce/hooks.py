@@ -22,7 +22,7 @@ This module must not use ``from __future__ import annotations``: DDP compares
 the hooks' annotations with the real ``dist.GradBucket`` and
 ``torch.futures.Future[torch.Tensor]`` objects, not strings.
 """
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,8 @@ class HookState:
             when the last bucket is reduced, and the clip coefficient rides
             in the pass that writes each bucket back (its postscale or its
             cast back; AdaSum's 16-bit buckets take one extra multiply).
-            ``grad_norm`` then holds the total norm of the last iteration.
+            ``grad_norm`` then holds the total norm of the last iteration
+            (divided by ``loss_scale`` when that is set: under a GradScaler).
             None (default): no clipping.
         norm_type: the clipping norm's order (``math.inf``: the max norm).
         error_if_nonfinite: fail the backward pass (every bucket's future) if
@@ -100,6 +101,11 @@ class HookState:
         #: with ``max_grad_norm``: the total norm before clipping of the last
         #: iteration's reduced buckets (0-d fp32), or None
         self.grad_norm: Optional[torch.Tensor] = None
+        #: with ``max_grad_norm`` under a GradScaler: the scale the gradients
+        #: carry (set before each backward to ``scaler.scale(torch.ones((),
+        #: device=...))``: a device tensor, no host sync), so the limit applies
+        #: to the unscaled norm; the gradients stay scaled for ``scaler.step``
+        self.loss_scale: Optional[Union[float, torch.Tensor]] = None
         self._clipping: list = []  # this iteration's buckets so far
         check_int(local_size, "local_size")
         # the name only: the buckets' device (known at the first bucket) decides
@@ -217,7 +223,8 @@ class HookState:
             powers = [flat_norm_power(flat_of(), self.norm_type)
                       for _, flat_of, *_ in entries]
             self.grad_norm, scales = clip_scales(powers, [e[2] for e in entries],
-                                                 self.max_grad_norm, self.norm_type)
+                                                 self.max_grad_norm, self.norm_type,
+                                                 self.loss_scale)
             if self.error_if_nonfinite:
                 raise_if_nonfinite(self.grad_norm, self.norm_type)
             results = [write_back(scale) for (_, _, _, write_back, _), scale

@@ -65,7 +65,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     A parameter that no rank gave a gradient in a step keeps ``.grad = None``
     on every rank, so the wrapped optimizer skips it as torch does (as
     ``DistributedDataParallel(find_unused_parameters=True)`` leaves it): one
-    small all-reduce per reducing backward counts who had each gradient.
+    small all-reduce per reducing backward counts who had each gradient, and
+    its result is read to the host. ``find_unused_parameters=False`` saves
+    both when every parameter has a gradient in every step (what DDP's
+    default assumes); required to capture the step in a CUDA graph.
 
     ``shard=True`` (ZeRO on the fused buckets): each bucket is split into one
     contiguous part per rank (padding at bucket ends only); during backward
@@ -129,6 +132,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         norm_type: the clipping norm's order (``math.inf``: the max norm).
         error_if_nonfinite: raise from the backward pass if the total norm is
             inf or NaN, before any gradient is written back.
+        find_unused_parameters: ``True`` (default): find the parameters no
+            rank gave a gradient in a step and leave their ``.grad`` None
+            (above). ``False``: no count; a parameter without a gradient on
+            a rank contributes zeros and gets a zero ``.grad`` (the optimizer
+            then steps it: weight decay, momentum), with a warning the first
+            time.
 
     Raises:
         ValueError: ``reduce_method`` is not "sum", "mean" or "adasum"; a bad
@@ -139,7 +148,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``assume_elementwise``, or with ``gradient_as_bucket_view``;
             ``overlap_param_gather`` without ``shard``.
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; ``shard``
-            is not a bool; ``master_dtype`` is not a floating dtype.
+            or ``find_unused_parameters`` is not a bool; ``master_dtype`` is
+            not a floating dtype.
         RuntimeError: torch.distributed is not initialised.
 
     Examples:
@@ -171,9 +181,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         max_grad_norm: Optional[float] = None,
         norm_type: float = 2.0,
         error_if_nonfinite: bool = False,
+        find_unused_parameters: bool = True,
     ) -> None:
         if not isinstance(shard, bool):
             raise TypeError(f"shard must be True or False, got {shard!r}")
+        if not isinstance(find_unused_parameters, bool):
+            raise TypeError(f"find_unused_parameters must be True or False, got "
+                            f"{find_unused_parameters!r}")
         if shard:
             check_shardable(optimizer, assume_elementwise)
             check_master_dtype(master_dtype)
@@ -215,6 +229,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._reducer_class = DistributedGradReducer
             self._reducer_args["mean"] = reduce_method == "mean"
         self._gradient_as_bucket_view = gradient_as_bucket_view
+        self.find_unused_parameters = find_unused_parameters
         self.shard = shard
         self.master_dtype = master_dtype
         self.overlap_param_gather = bool(overlap_param_gather)
@@ -263,8 +278,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         args = dict(self._reducer_args)
         mean = args.pop("mean", False)
         local_size = args.pop("local_size", None)
-        return ShardedGradReducer(self._all_params(), mean=mean, adasum_local_size=local_size,
-                                  **args).register_hooks(self.backward_passes_per_step)
+        reducer = ShardedGradReducer(self._all_params(), mean=mean,
+                                     adasum_local_size=local_size, **args)
+        self._follow_unused(reducer)
+        return reducer.register_hooks(self.backward_passes_per_step)
+
+    def _follow_unused(self, reducer: DistributedGradReducer) -> None:
+        reducer.unused_grads_to_none = self.find_unused_parameters
+        reducer.warn_missing = not self.find_unused_parameters
 
     def _take_shards(self, full_state) -> None:
         """This rank's slices of the parameters, and its part of ``full_state``
@@ -276,7 +297,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _hooked_reducer(self) -> DistributedGradReducer:
         reducer = self._reducer_class(self._trainable, **self._reducer_args)
-        reducer.unused_grads_to_none = True
+        self._follow_unused(reducer)
         return reducer.register_hooks(self.backward_passes_per_step,
                                       gradient_as_bucket_view=self._gradient_as_bucket_view)
 

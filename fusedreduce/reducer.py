@@ -12,12 +12,14 @@ API; the overlap with backward is ``overlap.BackwardOverlap``.
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from . import kernels
+from .kernels._checks import refuse_in_capture
 from ._checks import check_distinct, check_int, check_prescale, tensor_list
 from .allreduce import (PendingBucket, finish_bucket, start_all_reduce, start_bucket_all_reduce,
                         wait_for)
@@ -151,6 +153,9 @@ class DistributedGradReducer:
         # DistributedOptimizer's rule (DDP's): a parameter no rank gave a
         # gradient in a pass keeps none, so the optimizer skips it
         self.unused_grads_to_none = False
+        # with the rule off, whether a pass that misses a gradient warns (once)
+        self.warn_missing = False
+        self._warned_missing = False
         # what every call's gradients must match, compared one property at a time
         self._expected = (list(map(_size, self.parameters)), list(map(_dtype, self.parameters)),
                           list(map(_device, self.parameters)), [torch.strided] * n)
@@ -281,26 +286,48 @@ class DistributedGradReducer:
             else:
                 self._finish_flat(p, outputs)
         self._record_nonfinite(pending)
-        if self.unused_grads_to_none:
-            self._settle_unused()
+        self._settle_unused()
 
     def _settle_unused(self, extra: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """After a pass: count, over the ranks, who had each gradient (one
-        small all-reduce, with ``extra``'s value summed alongside); a
-        parameter nobody had a gradient for gets ``.grad = None`` on every
-        rank. Returns ``extra``'s sum."""
+        """After a pass: with ``unused_grads_to_none``, count over the ranks
+        who had each gradient, and give a parameter nobody had a gradient for
+        ``.grad = None`` on every rank; ``extra``'s value is summed alongside
+        (one small all-reduce for both). Returns ``extra``'s sum.
+
+        Without ``unused_grads_to_none`` a parameter missing on this rank
+        contributes zeros and keeps its zero ``.grad``; the first time, a
+        ``warn_missing`` reducer says so (the counting all-reduce and its host
+        read are what ``find_unused_parameters=False`` saves)."""
+        if not self.unused_grads_to_none and self.warn_missing and self._overlap.missing \
+                and not self._warned_missing:
+            self._warned_missing = True
+            shapes = [tuple(self.parameters[self._order[slot]].shape)
+                      for slot in self._overlap.missing[:5]]
+            warnings.warn(
+                f"{len(self._overlap.missing)} parameters (shapes {shapes}...) had no gradient on "
+                f"this rank in this backward pass; with find_unused_parameters=False they "
+                f"contribute zeros and keep a zero .grad, so the optimizer steps them (weight "
+                f"decay, momentum). Pass find_unused_parameters=True to leave .grad None, as "
+                f"torch does, when no rank has one", RuntimeWarning, stacklevel=2)
+        slots = len(self.parameters) if self.unused_grads_to_none else 0
+        if extra is None and slots == 0:
+            return None
         if not self.parameters:
             return extra
-        counts = torch.ones(len(self.parameters) + 1, dtype=torch.int32,
-                            device=self.parameters[0].device)
-        if self._overlap.missing:
+        refuse_in_capture(self.parameters[0].device,
+                          "finding unused parameters (the ranks' counts are read to the host)",
+                          "pass find_unused_parameters=False when every parameter has a "
+                          "gradient in every step")
+        counts = torch.ones(slots + 1, dtype=torch.int32, device=self.parameters[0].device)
+        if slots and self._overlap.missing:
             counts[self._overlap.missing] = 0  # the hooks' slots: plan order
         counts[-1] = 0 if extra is None else extra
         if self.world_size > 1:
             dist.all_reduce(counts, group=self.group)
-        unused = (counts[:-1] == 0).nonzero().flatten().tolist()
-        for slot in unused:
-            self.parameters[self._order[slot]].grad = None
+        if slots:
+            unused = (counts[:-1] == 0).nonzero().flatten().tolist()
+            for slot in unused:
+                self.parameters[self._order[slot]].grad = None
         return counts[-1]
 
     def _record_nonfinite(self, pending: Sequence[PendingBucket]) -> None:

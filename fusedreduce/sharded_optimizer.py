@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
+from .kernels._checks import refuse_in_capture
 from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_halve,
                      adasum_tree_share)
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
@@ -295,6 +296,11 @@ class ShardedGradReducer(DistributedGradReducer):
             nonfinite = nonfinite.to(torch.int32)
         else:
             nonfinite = torch.zeros((), dtype=torch.int32)
+        if self.parameters:
+            refuse_in_capture(self.parameters[0].device,
+                              "a shard=True backward (the ranks' non-finite count is read to "
+                              "the host, so that GradScaler skips the step on every rank)",
+                              "capture an unsharded step; shard=True runs eagerly")
         ranks = self._settle_unused(nonfinite)
         found = bool(ranks > 0)
         self.found_nonfinite = torch.tensor(found)

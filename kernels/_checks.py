@@ -17,6 +17,26 @@ _SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
 _STRIDED = frozenset([torch.strided])
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether work issued now for ``device`` is being recorded into a CUDA
+    graph (``torch.cuda.graph``) instead of run."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def refuse_in_capture(device: torch.device, what: str, remedy: str) -> None:
+    """Raise before ``what`` if ``device``'s current stream is capturing.
+
+    A host read, or a host-to-device upload, inside a capture either fails
+    deep inside CUDA or is recorded with values that go stale on replay: say
+    which step cannot be captured, and what to do instead.
+
+    Raises:
+        RuntimeError: capturing now.
+    """
+    if capturing(device):
+        raise RuntimeError(f"{what} cannot run inside CUDA graph capture: {remedy}")
+
+
 def check_scale(scale, name: str = "scale") -> float:
     """``scale`` as a float.
 

@@ -50,6 +50,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from ._checks import refuse_in_capture
+
 #: prepared layouts kept at most (per process)
 KEPT = 64
 #: what ``Prepared.matches`` finds: another layout, the same one, or the same one moved
@@ -180,9 +182,18 @@ class Cache:
         prepared one (or the same one moved where it cannot be re-pointed)."""
         key = (op, backend, id(buffer))
         entry = self._entries.get(key)
+        found, ptrs = (MISS, None) if entry is None else entry.matches(buffer, tensors, offsets)
+        if found != SAME and isinstance(buffer, torch.Tensor):
+            # preparing or re-pointing a launch uploads its table (Triton) and
+            # validates on the host: a capture would replay a stale table
+            refuse_in_capture(
+                buffer.device, f"a {op} call whose layout no eager call prepared (new tensors, "
+                f"or the same ones at other addresses)",
+                "run the step eagerly first, with the tensors the capture will use, and keep "
+                "them where they are: optimizer.zero_grad(set_to_none=False), or "
+                "gradient_as_bucket_view=True, keeps every gradient at its address")
         if entry is None:
             return None
-        found, ptrs = entry.matches(buffer, tensors, offsets)
         if found == MISS or (found == MOVED and not entry.rebind(tensors, ptrs)):
             return None
         try:

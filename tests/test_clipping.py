@@ -175,6 +175,26 @@ def _ddp(rank, hook_name, max_norm):
     return out
 
 
+def _ddp_grad_scaler(rank):
+    """``_grad_scaler``'s recipe through DDP: the hook state takes the
+    scaler's scale as ``loss_scale``, so the limit applies to the unscaled
+    norm, and scaler.step unscales the clipped gradients."""
+    from torch.nn.parallel import DistributedDataParallel
+    from fusedreduce import hooks
+    model = DistributedDataParallel(_Given(), bucket_cap_mb=0.004)
+    state = hooks.HookState(max_grad_norm=1.0)
+    model.register_comm_hook(state, hooks.allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    state.loss_scale = scaler.scale(torch.ones(()))
+    local = _grads(rank, 0, dtypes=SCALER_DTYPES)
+    scaler.scale(model(local)).backward()
+    scaler.step(opt)
+    scaler.update()
+    return {"grads": [-p.detach().clone() for p in model.module.weights],
+            "norm": state.grad_norm.clone(), "local": local, "scale_after": scaler.get_scale()}
+
+
 def _ddp_inf_raises(rank, world_size):
     """An inf on the last rank with error_if_nonfinite: what backward raises."""
     from torch.nn.parallel import DistributedDataParallel
@@ -210,6 +230,7 @@ def on_rank(rank, world_size):
         "optimizer_sharded_inf_norm": _optimizer(rank, True, 0.5, math.inf),
         "grad_scaler": _grad_scaler(rank, False),
         "grad_scaler_sharded": _grad_scaler(rank, True),
+        "grad_scaler_ddp_hook": _ddp_grad_scaler(rank),
         "adasum": _adasum(rank, False),
         "adasum_sharded": _adasum(rank, True),
         "ddp_allreduce": _ddp(rank, "allreduce_hook", 1.0),
@@ -292,7 +313,7 @@ def test_norm_and_gradients_are_the_same_bits_on_every_rank(ranks_once, world_si
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("name", ["grad_scaler", "grad_scaler_sharded"])
+@pytest.mark.parametrize("name", ["grad_scaler", "grad_scaler_sharded", "grad_scaler_ddp_hook"])
 def test_under_a_grad_scaler_the_limit_applies_to_the_unscaled_norm(ranks_once, world_size,
                                                                     name):
     results = [r[name] for r in ranks_once(world_size)]

@@ -274,6 +274,57 @@ def _unused_against_ddp(rank, world_size, shard):
     return seen
 
 
+def _unused_not_found(rank, world_size, shard):
+    """find_unused_parameters=False against DDP(find_unused_parameters=True) +
+    AdamW where every gradient DDP leaves None is made zeros before the step
+    (what the option promises); the warnings, and the all-reduces per
+    backward of a model that uses every parameter, with the option and
+    without it."""
+    import warnings
+    ours, theirs = _Branchy(), _Branchy()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer = DistributedOptimizer(_adamw(ours.parameters()), shard=shard,
+                                         param_pack_thd=200, find_unused_parameters=False)
+        ddp = nn.parallel.DistributedDataParallel(theirs, find_unused_parameters=True)
+        plain = _adamw(theirs.parameters())
+        seen = []
+        for step in range(STEPS):
+            x = torch.randn(3, 5, generator=torch.Generator().manual_seed(10 * rank + step))
+            ours(x, step, rank).backward()
+            grads = {name: None if p.grad is None else p.grad.clone()
+                     for name, p in ours.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+            ddp(x, step, rank).backward()
+            for p in theirs.parameters():
+                if p.grad is None and p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            plain.step()
+            plain.zero_grad()
+            seen.append({"equal": [torch.equal(a, b) for a, b in zip(ours.parameters(),
+                                                                     theirs.parameters())],
+                         "sometimes_grad": grads["sometimes.weight"]})
+    warned = [str(w.message) for w in caught if "had no gradient on this rank" in str(w.message)]
+
+    def all_reduces_per_backward(find_unused):
+        model = _model()
+        opt = DistributedOptimizer(_adamw(model.parameters()), shard=shard, param_pack_thd=300,
+                                   find_unused_parameters=find_unused)
+        calls = []
+        original = dist.all_reduce
+        dist.all_reduce = lambda *a, **k: calls.append(1) or original(*a, **k)
+        try:
+            _loss(model, rank, 0).backward()
+        finally:
+            dist.all_reduce = original
+        opt.step()
+        return len(calls)
+
+    return {"seen": seen, "warned": warned,
+            "all_reduces": {flag: all_reduces_per_backward(flag) for flag in (True, False)}}
+
+
 def _zero_grad_then_step(rank, world_size):
     model = _model()
     optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True, param_pack_thd=300)
@@ -553,6 +604,8 @@ def on_rank(rank, world_size):
     if world_size == 2:
         results["unused_sharded"] = _unused_against_ddp(rank, world_size, True)
         results["unused_unsharded"] = _unused_against_ddp(rank, world_size, False)
+        results["unfound_sharded"] = _unused_not_found(rank, world_size, True)
+        results["unfound_unsharded"] = _unused_not_found(rank, world_size, False)
         results["structure"] = [_structure_changes(rank, world_size, shard)
                                 for shard in (True, False)]
     results["checkpoints"] = _checkpoints(rank, world_size)
@@ -840,6 +893,26 @@ def test_parameters_without_gradients_are_skipped_as_ddp_skips_them(ranks_once, 
             assert counts["sometimes.weight"] == step // 2 + 1
             assert counts["trunk.weight"] == counts["rank0.weight"] == step + 1
             assert counts["frozen.weight"] == 0
+
+
+@pytest.mark.parametrize("mode", ["unfound_sharded", "unfound_unsharded"])
+def test_without_finding_unused_parameters_they_step_on_zeros_after_one_warning(ranks_once,
+                                                                                 mode):
+    results = [r[mode] for r in ranks_once(2)]
+    for rank, r in enumerate(results):
+        for step, s in enumerate(r["seen"]):
+            assert all(s["equal"]), f"rank {rank}, step {step}: {s['equal']}"
+            # no rank used "sometimes" in odd steps: a zero gradient, not None
+            grad = s["sometimes_grad"]
+            assert grad is not None
+            if step % 2 == 1:
+                assert not grad.any(), f"rank {rank}, step {step}"
+        # every rank misses "sometimes" in odd steps, rank 1 also "rank0": once each
+        assert len(r["warned"]) == 1, r["warned"]
+        # the count of who had each gradient is the one all-reduce saved (the
+        # sharded path keeps one for the ranks' non-finite count)
+        with_count, without = r["all_reduces"][True], r["all_reduces"][False]
+        assert with_count - without == (0 if mode == "unfound_sharded" else 1), r["all_reduces"]
 
 
 def test_structure_changes_step_as_unsharded(ranks_once):

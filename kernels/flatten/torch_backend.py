@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 
 from .._common import SIXTEEN_BIT_DTYPES, compute_dtype, round_into
+from .._checks import refuse_in_capture
 
 # elements per piece: 256 KiB of fp32, so the second pass over a piece hits L2
 CACHE_PIECE = 1 << 16
@@ -255,7 +256,11 @@ def _host_scale(scale) -> float:
     are doubles): the routes below decide on it. On the CPU this is a plain
     memory read; on an accelerator it waits for the device, which the Triton
     backend never does."""
-    return scale.item() if isinstance(scale, torch.Tensor) else scale
+    if not isinstance(scale, torch.Tensor):
+        return scale
+    refuse_in_capture(scale.device, "the torch backend's read of a tensor scale",
+                      "use the Triton backend, which reads the scale on the device")
+    return scale.item()
 
 
 def _reads_tensors_at_launch(tensors, ptrs) -> None:

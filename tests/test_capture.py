@@ -1,0 +1,276 @@
+"""A step captured in a CUDA graph: what is refused during capture, and what
+replays.
+
+Inside ``torch.cuda.graph`` nothing may read the device from the host, and
+nothing may upload to it from pageable host memory: the first fails deep
+inside CUDA, the second is recorded with values that go stale on replay.
+fusedreduce keeps its steady state free of both (prepared launches, device-side
+clip coefficients, postscale vectors uploaded once), and refuses, with a
+``RuntimeError`` that names the step and the remedy, each thing that still
+needs one: a layout no eager call prepared, the torch backend's read of a
+tensor scale, ``find_unused_parameters=True``, ``error_if_nonfinite=True``, and
+``shard=True``'s backward.
+
+On the CPU, capture is simulated: ``kernels._checks.capturing`` is patched to
+say "capturing", and the host reads a capture forbids (``Tensor.item``,
+``tolist``, ``__bool__``, ``__float__``, ``__int__``) are patched to fail, so
+a steady-state step that passes here issues none of them from Python and
+takes none of the refused paths. The ``cuda_only`` tests capture a whole
+``DistributedOptimizer`` and ``register_hooks`` step on one GPU (NCCL, one
+rank: the collective is then skipped) and check that replays are bitwise the
+eager steps.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from fusedreduce.kernels import _checks as kernel_checks
+from fusedreduce.kernels import flatten_cast_scale, unflatten_cast_scale
+from fusedreduce.local_ranks import run_on_local_ranks
+from harness import run_ranks
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+
+@contextlib.contextmanager
+def simulated_capture(forbid_host_reads: bool = True):
+    """While inside: fusedreduce sees a capturing stream, and (with
+    ``forbid_host_reads``) a tensor read on the host raises."""
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    saved_capturing = kernel_checks.capturing
+
+    def forbidden(name):
+        def read(self, *args, **kwargs):
+            raise AssertionError(f"Tensor.{name} (a host read) during the simulated capture")
+        return read
+
+    kernel_checks.capturing = lambda device: True
+    if forbid_host_reads:
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, forbidden(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+        kernel_checks.capturing = saved_capturing
+
+
+# ---------------------------------------------------------------- the kernels
+
+def _grads():
+    return [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(5, dtype=torch.float16)]
+
+
+def test_a_prepared_layout_runs_in_capture_and_a_new_one_is_refused_before_writing(backend):
+    grads = _grads()
+    flat = torch.empty(11, dtype=torch.float32)
+    flatten_cast_scale(grads, out=flat, scale=0.5, backend=backend)  # the eager warm-up
+    want = flat.clone()
+    flat.fill_(7.0)
+    with simulated_capture(forbid_host_reads=False):
+        flatten_cast_scale(grads, out=flat, scale=0.5, backend=backend)
+        assert torch.equal(flat, want)
+        flat.fill_(7.0)
+        # the same shapes at other addresses (gradients set to None and
+        # allocated again) and a buffer never seen: both need a new launch
+        for tensors, out in (([g.clone() for g in grads], flat),
+                             (grads, torch.full((11,), 7.0))):
+            with pytest.raises(RuntimeError, match="CUDA graph capture.*set_to_none=False"):
+                flatten_cast_scale(tensors, out=out, scale=0.5, backend=backend)
+            assert torch.all(out == 7.0)
+
+
+def test_the_unflatten_s_prepared_layout_runs_in_capture_too(backend):
+    outputs = [torch.empty(2, 3), torch.empty(5, dtype=torch.float16)]
+    flat = torch.arange(11, dtype=torch.float32)
+    unflatten_cast_scale(flat, outputs, scale=2.0, backend=backend)
+    want = [o.clone() for o in outputs]
+    for o in outputs:
+        o.zero_()
+    with simulated_capture(forbid_host_reads=False):
+        unflatten_cast_scale(flat, outputs, scale=2.0, backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, want))
+
+
+def test_the_torch_backend_s_tensor_scale_is_refused_in_capture():
+    grads = _grads()
+    flat = torch.empty(11)
+    scale = torch.tensor(0.5)
+    flatten_cast_scale(grads, out=flat, scale=scale, backend="torch")
+    flat.fill_(7.0)
+    with simulated_capture(forbid_host_reads=False):
+        with pytest.raises(RuntimeError, match="CUDA graph capture.*Triton backend"):
+            flatten_cast_scale(grads, out=flat, scale=scale, backend="torch")
+    assert torch.all(flat == 7.0)
+
+
+def test_outside_a_capture_nothing_is_refused():
+    # the real check: a CPU tensor is never captured
+    assert not kernel_checks.capturing(torch.device("cpu"))
+    kernel_checks.refuse_in_capture(torch.device("cpu"), "anything", "nothing")
+
+
+# --------------------------------------------------------- a whole step, gloo
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(6, 7), torch.nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).square().mean()
+
+
+def _batch(rank, step):
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * rank + step))
+
+
+def _train(model, optimizer, rank, steps, first=0, capture_from=None):
+    """``steps`` steps; from step ``capture_from`` on, inside a simulated capture."""
+    for step in range(first, first + steps):
+        captured = capture_from is not None and step >= capture_from
+        with simulated_capture() if captured else contextlib.nullcontext():
+            optimizer.zero_grad(set_to_none=False)
+            model(_batch(rank, step)).backward()
+            optimizer.step()
+
+
+def _refusal(rank, make, steps=2):
+    """The message a simulated capture of the step after ``steps`` eager
+    ones raises, or None."""
+    model = _Net()
+    optimizer = make(model)
+    _train(model, optimizer, rank, steps)
+    try:
+        _train(model, optimizer, rank, 1, first=steps, capture_from=steps)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def capture_on_rank(rank, world_size):
+    from fusedreduce import DistributedOptimizer
+
+    def sgd(model):
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    results = {}
+    for name, options in (("plain", {}), ("clipped", {"max_grad_norm": 0.05}),
+                          ("bucket_views", {"gradient_as_bucket_view": True}),
+                          ("clipped_inf_norm", {"max_grad_norm": 0.05,
+                                                "norm_type": float("inf")})):
+        runs = []
+        for capture_from in (None, 2):
+            model = _Net()
+            optimizer = DistributedOptimizer(sgd(model), param_pack_thd=150,
+                                             find_unused_parameters=False, **options)
+            # the GPU's kernels (under Triton's interpreter): the torch
+            # fallback reads a tensor scale on the host, which is refused
+            optimizer.reducer.backend = "triton"
+            _train(model, optimizer, rank, 4, capture_from=capture_from)
+            runs.append([p.detach().clone() for p in model.parameters()])
+        results[name] = runs
+    results["refused"] = {
+        "find_unused": _refusal(rank, lambda m: DistributedOptimizer(sgd(m))),
+        "error_if_nonfinite": _refusal(rank, lambda m: DistributedOptimizer(
+            sgd(m), find_unused_parameters=False, max_grad_norm=1.0, error_if_nonfinite=True)),
+        "shard": _refusal(rank, lambda m: DistributedOptimizer(
+            sgd(m), find_unused_parameters=False, shard=True)),
+    }
+    return results
+
+
+@pytest.fixture(scope="module", params=[1, 2])
+def captured(request):
+    return run_ranks(capture_on_rank, request.param)
+
+
+@pytest.mark.parametrize("name", ["plain", "clipped", "bucket_views", "clipped_inf_norm"])
+def test_a_steady_state_step_passes_a_simulated_capture_and_gives_the_eager_step(captured,
+                                                                                  name):
+    for rank, r in enumerate(captured):
+        eager, in_capture = r[name]
+        assert all(torch.equal(a, b) for a, b in zip(eager, in_capture)), f"rank {rank}"
+        # and the steps did something
+        assert not all(torch.equal(a, b) for a, b in zip(eager, _Net().parameters()))
+
+
+@pytest.mark.parametrize("name, remedy", [
+    ("find_unused", "find_unused_parameters=False"),
+    ("error_if_nonfinite", "error_if_nonfinite=False"),
+    ("shard", "shard=True runs eagerly")])
+def test_what_needs_the_host_is_refused_during_capture_on_every_rank(captured, name, remedy):
+    for rank, r in enumerate(captured):
+        message = r["refused"][name]
+        assert message is not None and "CUDA graph capture" in message and remedy in message, \
+            f"rank {rank}: {message}"
+
+
+# ------------------------------------------------------ a real capture, a GPU
+
+def _capture_and_replay(rank, world_size, hooked: bool, clipped: bool):
+    """Warm up on a side stream, capture one step in ``torch.cuda.graph``,
+    replay it on new data copied into the static input; beside it, a twin
+    stepped eagerly on the same data. Returns both parameter lists per step."""
+    from fusedreduce import DistributedGradReducer, DistributedOptimizer
+    device = torch.device("cuda", rank)
+    clip = {"max_grad_norm": 0.05} if clipped else {}
+
+    def make():
+        model = _Net().to(device)
+        adam = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True)
+        if hooked:
+            reducer = DistributedGradReducer(list(model.parameters()), bucket_cap_mb=1e-4,
+                                             **clip).register_hooks()
+            return model, adam, reducer
+        return model, DistributedOptimizer(adam, param_pack_thd=150,
+                                           find_unused_parameters=False, **clip), None
+
+    graphed, graphed_optimizer, graphed_reducer = make()
+    twin, twin_optimizer, twin_reducer = make()
+    static_x = _batch(rank, 0).to(device)
+
+    def step(model, optimizer):
+        optimizer.zero_grad(set_to_none=False)
+        loss = model(static_x)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for warm in range(3):
+            static_x.copy_(_batch(rank, warm))
+            step(graphed, graphed_optimizer)
+            step(twin, twin_optimizer)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(graphed, graphed_optimizer)
+    seen = []
+    for replay in range(3, 7):
+        static_x.copy_(_batch(rank, replay))
+        graph.replay()
+        step(twin, twin_optimizer)
+        torch.cuda.synchronize(device)
+        seen.append(([p.detach().cpu() for p in graphed.parameters()],
+                     [p.detach().cpu() for p in twin.parameters()]))
+    del graphed_reducer, twin_reducer
+    return seen
+
+
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("hooked", [False, True], ids=["distributed_optimizer", "register_hooks"])
+@pytest.mark.parametrize("clipped", [False, True], ids=["unclipped", "clipped"])
+def test_a_captured_step_replays_bitwise_as_the_eager_step(hooked, clipped):
+    (seen,) = run_on_local_ranks(_capture_and_replay, 1, hooked, clipped, backend="nccl")
+    for replay, (graphed, eager) in enumerate(seen):
+        assert all(torch.equal(a, b) for a, b in zip(graphed, eager)), f"replay {replay}"
+    # the replays moved the parameters
+    assert not all(torch.equal(a, b) for a, b in zip(seen[0][0], seen[-1][0]))
