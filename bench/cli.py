@@ -158,7 +158,7 @@ def _columns(benchmark: str, baseline: str) -> List[common.Column]:
     if benchmark == "step":
         columns.append(("compute ms", "compute_ms", _ms))
     if benchmark == "clip":
-        columns.append(("clip ms", "clip_ms", _ms))
+        columns += [("clip ms", "clip_ms", _ms), ("launches", "launches", "d")]
     if benchmark == "adasum":
         columns += [("MB sent/rank", "bytes_sent_per_rank", lambda v: f"{v / 1e6:,.2f}"),
                     ("how", "bytes_sent_source", ""), ("x ring", "ratio_to_ring_bytes", ".4f")]

@@ -15,7 +15,9 @@ buckets) and clips the result to a total 2-norm of 1:
   unflatten that writes the outputs anyway.
 
 ``clip_ms`` is a method's median minus ``reduce_only``'s: what clipping
-costs; ``ratio`` is ``torch_clip``'s time over the method's.
+costs; ``ratio`` is ``torch_clip``'s time over the method's; ``launches`` is
+what one call launches (``timing.count_launches``: device kernels on a GPU,
+torch ops dispatched from Python on the CPU).
 
 On a few CPU cores the all-reduce's noise is larger than clipping's cost, so
 the same three are timed again on the write-back alone, without the
@@ -106,13 +108,14 @@ def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
         def torch_clip(plain=plain, grads=grads, holders=holders):
             _clip_as_torch_does(holders, plain(grads))
 
-        samples = timing.time_across_ranks(
-            {"reduce_only": lambda plain=plain, grads=grads: plain(grads),
-             "torch_clip": torch_clip,
-             "fused_clip": lambda clipping=clipping, grads=grads: clipping(grads),
-             **_write_backs(grads, world_size)},
-            config["repeats"], device)
-        out[model] = {"samples": samples, "n_tensors": len(grads),
+        fns = {"reduce_only": lambda plain=plain, grads=grads: plain(grads),
+               "torch_clip": torch_clip,
+               "fused_clip": lambda clipping=clipping, grads=grads: clipping(grads),
+               **_write_backs(grads, world_size)}
+        samples = timing.time_across_ranks(fns, config["repeats"], device)
+        # after the timed calls (warm): every rank runs each once more, alike
+        launches = {name: timing.count_launches(fn, device) for name, fn in fns.items()}
+        out[model] = {"samples": samples, "launches": launches, "n_tensors": len(grads),
                       "n_elements": sum(g.numel() for g in grads)}
     out["itemsize"] = dtype.itemsize
     return out
@@ -132,6 +135,7 @@ def records(outcome: Dict[int, dict], case: dict, config: dict) -> List[dict]:
                                    record["n_elements"] * measured["itemsize"],
                                    record["samples"], dtype=case["dtype"])
             result["clip_ms"] = result["time_ms"] - floor
+            result["launches"] = record["launches"][method]
             results.append(result)
         floor = timing.summary_ms(record["samples"]["write_back"])["time_ms"]
         for method, like in WRITE_BACK.items():
@@ -141,5 +145,6 @@ def records(outcome: Dict[int, dict], case: dict, config: dict) -> List[dict]:
                                    record["n_elements"] * measured["itemsize"],
                                    record["samples"], dtype=case["dtype"])
             result["clip_ms"] = result["time_ms"] - floor
+            result["launches"] = record["launches"][method]
             results.append(result)
     return results

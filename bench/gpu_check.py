@@ -12,7 +12,9 @@ One command for a new GPU machine. In order:
    unflatten (with a Python scale, and with the scale held in a device
    tensor: ``unflatten_device_scale``) must match it bit for bit, and the two backends each other (the
    docs' promise); accumulate and AdaSum within bounds derived from the
-   dtypes' eps (see ``_bound``).
+   dtypes' eps (see ``_bound``); the clipping norm (``clip_norm``: 2-norm
+   and max norm of the flattened gradients) within its rows' rounding of
+   float64, and the same bits from call to call.
 2. **The kernel benchmark on the GPU** (``kernels_bench``: each call's device
    time alone, from CUDA events with the call queued behind a spin kernel, L2
    flushed): GB/s, × a device-to-device copy of the same bytes, and
@@ -56,7 +58,7 @@ from fusedreduce.kernels import (ADASUM_NORM_FLOOR, adasum_combine, adasum_stats
 from . import common, kernels_bench, plot
 
 KERNELS = ("flatten", "unflatten", "unflatten_device_scale", "unflatten_accumulate",
-           "adasum_stats", "adasum_combine")
+           "clip_norm", "adasum_stats", "adasum_combine")
 CHECK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: kernels whose two backends must agree bit for bit (docs/concepts/how-it-works.md, "Numerics")
 BITWISE = ("flatten", "unflatten", "unflatten_device_scale")
@@ -245,6 +247,34 @@ def _check_accumulate(tensors, dtype, backend):
     return None, worst <= 1.0, worst
 
 
+def _check_clip_norm(tensors, dtype, backend):
+    """The clipping norm (``clipping.flat_norm_power``: rows of ``NORM_ROW``
+    elements, each row's norm in the buffer's precision, fp32 at least, the
+    rows added in fp64) of the flattened gradients, 2-norm and max norm,
+    against float64 on the CPU; and the same bits from a second call (the
+    value every rank computes must not vary)."""
+    from fusedreduce.clipping import NORM_ROW, flat_norm_power
+    flat = flatten_cast_scale(tensors, dtype=_flat_dtype(dtype), backend=backend)
+    exact = flat.cpu().to(torch.float64)
+    compute = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    worst, got = 0.0, []
+    for norm_type in (2.0, math.inf):
+        power = flat_norm_power(flat, norm_type)
+        again = flat_norm_power(flat, norm_type)
+        norm = float(power) if norm_type == math.inf else float(power) ** 0.5
+        want = float(exact.abs().max()) if norm_type == math.inf else float(exact.norm())
+        if not torch.equal(power, again):
+            return None, False, math.inf
+        # a row's sum of squares in `compute` is within (NORM_ROW - 1) roundings
+        # of its exact value; the square root halves the relative error. The
+        # max norm is exact
+        bound = (NORM_ROW * torch.finfo(compute).eps * want if norm_type != math.inf
+                 else 0.0) + 1e-300
+        worst = max(worst, abs(norm - want) / bound)
+        got.append(power.cpu())
+    return torch.stack(got), worst <= 1.0, worst
+
+
 def _segments(tensors) -> List[int]:
     return [t.numel() for t in tensors]
 
@@ -306,7 +336,8 @@ def _check_adasum_combine(tensors, dtype, backend):
 
 CHECKS = {"flatten": _check_flatten, "unflatten": _check_unflatten,
           "unflatten_device_scale": _check_unflatten_device_scale,
-          "unflatten_accumulate": _check_accumulate, "adasum_stats": _check_adasum_stats,
+          "unflatten_accumulate": _check_accumulate, "clip_norm": _check_clip_norm,
+          "adasum_stats": _check_adasum_stats,
           "adasum_combine": _check_adasum_combine}
 
 

@@ -13,6 +13,27 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def count_launches(fn: Callable[[], object], device: torch.device) -> int:
+    """What one call of ``fn`` launches: on a GPU, the device kernels, copies
+    and fills it runs (the profiler's CUDA events); on the CPU, the torch ops
+    it dispatches from Python (the profiler's outermost ``aten::`` events; a
+    foreach op is one). Either way, the per-op work the host does for it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        fn()
+        synchronize(device)
+    events = prof.events()
+    if device.type == "cuda":
+        return sum(1 for e in events if e.device_type == DeviceType.CUDA)
+    return sum(1 for e in events if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+
 def summary_ms(samples: Sequence[float]) -> Dict[str, float]:
     """``time_ms`` (the median call, which every derived figure uses) and
     ``time_ms_min`` (the fastest: the least disturbed when other work shares the machine)."""

@@ -18,7 +18,7 @@ quick_run = quick_run_fixture(
 
 def test_quick_clip_benchmark_exits_cleanly_and_prints_every_method(quick_run):
     process, _ = quick_run
-    assert_exits_cleanly_and_prints(process, METHODS + WRITE_BACK + ["clip ms"])
+    assert_exits_cleanly_and_prints(process, METHODS + WRITE_BACK + ["clip ms", "launches"])
 
 
 def test_quick_clip_benchmark_writes_the_documented_json(quick_run):
@@ -39,6 +39,12 @@ def test_quick_clip_benchmark_writes_the_documented_json(quick_run):
         assert all(r["baseline"] == group[1]["method"] for r in group)
         floor = group[0]["time_ms"]
         assert group[0]["clip_ms"] == 0
+        # counted, not timed: torch's clipping adds a multiply per gradient
+        # (the CPU counts ops dispatched; the per-tensor casts of the norms too),
+        # the fused one a few per bucket
+        launches = [r["launches"] for r in group]
+        assert all(type(n) is int and n > 0 for n in launches), launches
+        assert launches[0] < launches[2] < launches[1], launches
         for r in group:
             assert math.isclose(r["clip_ms"], r["time_ms"] - floor)
             assert r["n_tensors"] == (161 if case.startswith("resnet50") else 147)
