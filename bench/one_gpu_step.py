@@ -20,11 +20,17 @@ random batch, fp32, ``zero_grad(set_to_none=True)`` (torch's default), SGD:
   ``gradient_as_bucket_view``;
 - ``reducer_call``: after backward, ``DistributedGradReducer(params)`` called
   on the gradients (MindSpore's way), its new tensors set as ``.grad``;
-- ``distributed_optimizer``: ``DistributedOptimizer`` around SGD.
+- ``distributed_optimizer``: ``DistributedOptimizer`` around SGD
+  (``find_unused_parameters=False``: the model uses every parameter);
+- ``distributed_optimizer_graph`` (CUDA only): the same step captured whole in
+  a CUDA graph after an eager warm-up (``zero_grad(set_to_none=False)``, as
+  capture needs; docs/guides/cuda-graphs.md), each step one ``replay()``.
 
 Each method gets its own model, warms up five steps, then the methods are
 timed round-robin (each step synchronised, ``perf_counter``); the table gives
-the median step in ms and DDP's median over the method's.
+the median step in ms, DDP's median over the method's, and the host's
+median time per step in µs (from the call until it returns, before the
+synchronisation: the time the host spends issuing the step).
 """
 from __future__ import annotations
 
@@ -46,6 +52,8 @@ from .models import resnet50_for_size
 
 METHODS = ("no_communication", "ddp", "ddp_bucket_view", "ddp_allreduce_hook", "reducer_hooks",
            "reducer_hooks_bucket_view", "reducer_call", "distributed_optimizer")
+#: methods that need a GPU (left out on the CPU)
+CUDA_METHODS = ("distributed_optimizer_graph",)
 BASELINE = "ddp"
 BUCKET_CAP_MB = 25.0
 WARMUP = 5
@@ -66,21 +74,42 @@ def _step(method: str, config: dict, device: torch.device, batch, labels) -> Cal
     elif method in ("reducer_hooks", "reducer_hooks_bucket_view"):
         DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB).register_hooks(
             gradient_as_bucket_view=method == "reducer_hooks_bucket_view")
-    elif method == "distributed_optimizer":
-        optimizer = DistributedOptimizer(torch.optim.SGD(params, lr=0.01))
+    elif method in ("distributed_optimizer", "distributed_optimizer_graph"):
+        optimizer = DistributedOptimizer(torch.optim.SGD(params, lr=0.01),
+                                         find_unused_parameters=False)
     if optimizer is None:
         optimizer = torch.optim.SGD(params, lr=0.01)
     reducer = DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB) \
         if method == "reducer_call" else None
 
+    captured = method == "distributed_optimizer_graph"
+
     def step():
-        optimizer.zero_grad(set_to_none=True)
+        # a capture keeps the gradients where the warm-up prepared them
+        optimizer.zero_grad(set_to_none=not captured)
         torch.nn.functional.cross_entropy(net(batch), labels).backward()
         if reducer is not None:  # MindSpore's way: reduce after backward, new tensors back
             for p, g in zip(params, reducer([p.grad for p in params])):
                 p.grad = g
         optimizer.step()
+    if captured:
+        return _captured(step, device)
     return step
+
+
+def _captured(step: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """``step`` warmed up on a side stream, then captured whole in a CUDA
+    graph: the returned function replays it."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def rank_body(rank: int, world_size: int, config: dict) -> dict:
@@ -92,24 +121,33 @@ def rank_body(rank: int, world_size: int, config: dict) -> dict:
     batch = torch.randn(config["batch"], 3, image, image, generator=gen).to(device)
     reference = resnet50_for_size(config["size"])
     labels = torch.randint(0, reference.num_classes, (config["batch"],), generator=gen).to(device)
+    methods = methods_on(device)
     steps: Dict[str, Callable[[], None]] = {}
-    for method in METHODS:
+    for method in methods:
         steps[method] = _step(method, config, device, batch, labels)
         for _ in range(WARMUP):
             steps[method]()
-    samples: Dict[str, list] = {method: [] for method in METHODS}
+    samples: Dict[str, list] = {method: [] for method in methods}
+    host: Dict[str, list] = {method: [] for method in methods}
     for round_ in range(config["steps"]):
-        shift = round_ % len(METHODS)
-        for method in METHODS[shift:] + METHODS[:shift]:
+        shift = round_ % len(methods)
+        for method in methods[shift:] + methods[:shift]:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
             steps[method]()
+            issued = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             samples[method].append((time.perf_counter() - start) * 1e3)
+            host[method].append((issued - start) * 1e6)
     return {"device": str(device), "parameters": sum(p.numel() for p in reference.parameters()),
-            "samples": samples}
+            "samples": samples, "host_us": host}
+
+
+def methods_on(device: torch.device):
+    """The methods timed on ``device``: ``METHODS``, and ``CUDA_METHODS`` on a GPU."""
+    return METHODS + CUDA_METHODS if device.type == "cuda" else METHODS
 
 
 def main(argv=None) -> int:
@@ -132,15 +170,20 @@ def main(argv=None) -> int:
     record = run_on_local_ranks(rank_body, 1, config, backend=config["backend"],
                                 timeout=3600)[0]
     medians = {m: statistics.median(v) for m, v in record["samples"].items()}
+    host = {m: statistics.median(v) for m, v in record["host_us"].items()}
     print(f"# one rank ({config['backend']}) on {record['device']}: ResNet-50 with "
           f"{record['parameters']:,} parameters, batch {args.batch}x3x{args.image}x{args.image}, "
           f"fp32, median of {args.steps} steps")
-    print(f"{'method':28s} {'step ms':>9s} {'ddp / this':>11s}")
-    for method in METHODS:
-        print(f"{method:28s} {medians[method]:9.2f} {medians[BASELINE] / medians[method]:11.3f}")
+    print(f"{'method':28s} {'step ms':>9s} {'ddp / this':>11s} {'host us':>9s}")
+    for method in medians:
+        print(f"{method:28s} {medians[method]:9.2f} {medians[BASELINE] / medians[method]:11.3f} "
+              f"{host[method]:9.0f}")
+    if not on_gpu:
+        print(f"({', '.join(CUDA_METHODS)}: CUDA only)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": config, "record": record, "median_ms": medians}, f, indent=1)
+            json.dump({"config": config, "record": record, "median_ms": medians,
+                       "median_host_us": host}, f, indent=1)
         print(f"wrote {args.json}")
     return 0
 

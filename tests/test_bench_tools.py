@@ -77,5 +77,10 @@ def test_one_gpu_step_times_every_api_on_one_rank(tmp_path):
     for method in METHODS:
         assert any(line.split()[:1] == [method] for line in lines), method
     record = json.loads(path.read_text())
-    assert set(record["median_ms"]) == set(METHODS)
+    assert set(record["median_ms"]) == set(record["median_host_us"]) == set(METHODS)
     assert all(len(v) == 2 and all(t > 0 for t in v) for v in record["record"]["samples"].values())
+    # the host's share of a step cannot exceed the step
+    for method in METHODS:
+        assert all(h <= 1e3 * t for h, t in zip(record["record"]["host_us"][method],
+                                                record["record"]["samples"][method]))
+    assert "distributed_optimizer_graph: CUDA only" in process.stdout
