@@ -15,9 +15,7 @@ trains from the same start on the same batches:
   ``adasum_hook``: DDP with that ``fusedreduce.hooks`` hook;
 - ``reducer``: ``DistributedGradReducer(...).register_hooks()``, reducing
   ``.grad`` in fused buckets while backward runs;
-- ``distributed_optimizer``: ``DistributedOptimizer`` around the optimizer
-  (``find_unused_parameters=False``: every parameter has a gradient in every
-  step, what DDP's default assumes too);
+- ``distributed_optimizer``: ``DistributedOptimizer`` around the optimizer;
 - ``adasum_delta``: ``AdaSumByDeltaWeight``: each rank steps on its own
   gradient, then the weight changes are AdaSum-combined.
 
@@ -110,9 +108,7 @@ def setup(reduction: str, model: nn.Module, args):
         fusedreduce.DistributedGradReducer(list(model.parameters())).register_hooks()
         return model, optimizer
     if reduction == "distributed_optimizer":
-        # every parameter has a gradient in every step: no per-step count of
-        # who had which (DDP's default assumes the same)
-        return model, fusedreduce.DistributedOptimizer(optimizer, find_unused_parameters=False)
+        return model, fusedreduce.DistributedOptimizer(optimizer)
     return model, fusedreduce.AdaSumByDeltaWeight(optimizer)
 
 

@@ -186,6 +186,8 @@ class AdaSumReducer(DistributedGradReducer):
         # prescaled by 1/local_size in the flatten, as adasum_allreduce does
         self._scales = [(1.0 / local_size, 1.0)] * len(self.plan.buckets)
 
+    _sums_buffers = False  # AdaSum combines: no count can ride in the buffers
+
     def _start_flat(self, bucket, tensors, buffer: torch.Tensor) -> PendingBucket:
         prescale, _ = self._scales[bucket.index]
         self.plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=self.backend)

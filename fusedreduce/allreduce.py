@@ -44,14 +44,17 @@ class PendingBucket:
 def start_bucket_all_reduce(plan: BucketPlan, bucket: Bucket, tensors: Sequence[torch.Tensor],
                             buffer: torch.Tensor, *, group, world_size: int,
                             prescale: float = 1.0, backend: str = "auto",
-                            count_nonfinite: bool = False) -> PendingBucket:
+                            count_nonfinite: bool = False,
+                            mark_spare: Optional[int] = None) -> PendingBucket:
     """Flatten ``bucket`` into ``buffer`` (times ``prescale``) and start its all-reduce.
 
     With ``count_nonfinite``, ``buffer`` (``plan.new_buffer(bucket, spare=1)``) has
     one element more than the bucket: it carries 1 where this rank's inputs
     held an inf/NaN (else 0), so after the sum it counts the ranks that did, at
-    no extra collective. ``world_size`` is the group's: a world of one rank
-    starts no collective.
+    no extra collective. ``mark_spare=k``: spare element ``k`` (after the
+    bucket's, counted from 0) is set to 1 before the collective (the flatten
+    zeroed it), so its sum counts the ranks that marked it. ``world_size`` is
+    the group's: a world of one rank starts no collective.
     """
     # the buffer itself (never a fresh slice of it) goes to the kernels, so that
     # their launch prepared for it is found again next step; the spare element
@@ -62,6 +65,8 @@ def start_bucket_all_reduce(plan: BucketPlan, bucket: Bucket, tensors: Sequence[
         flat, flag = flat
         spare = buffer[bucket.size]
         spare.copy_(flag)
+    if mark_spare is not None:
+        buffer[bucket.size + mark_spare] = 1
     return start_all_reduce(bucket, buffer, group=group, world_size=world_size, spare=spare)
 
 

@@ -64,11 +64,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     followed at the next ``step()`` (see ``add_param_group`` and ``step``).
     A parameter that no rank gave a gradient in a step keeps ``.grad = None``
     on every rank, so the wrapped optimizer skips it as torch does (as
-    ``DistributedDataParallel(find_unused_parameters=True)`` leaves it): one
-    small all-reduce per reducing backward counts who had each gradient, and
-    its result is read to the host. ``find_unused_parameters=False`` saves
-    both when every parameter has a gradient in every step (what DDP's
-    default assumes); required to capture the step in a CUDA graph.
+    ``DistributedDataParallel(find_unused_parameters=True)`` leaves it). Each
+    bucket's all-reduce carries, in one spare element, how many ranks missed
+    one of its gradients, and one host read after backward checks it; only a
+    backward where some rank missed one adds a small all-reduce that counts
+    who had each gradient (AdaSum, whose combine is not a sum, adds it at
+    every backward). ``find_unused_parameters=False`` drops the check and
+    its host read when every parameter has a gradient in every step (what
+    DDP's default assumes); capturing the step in a CUDA graph needs it.
 
     ``shard=True`` (ZeRO on the fused buckets): each bucket is split into one
     contiguous part per rank (padding at bucket ends only); during backward

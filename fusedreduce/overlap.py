@@ -83,6 +83,11 @@ class BackwardOverlap:
         return self._passes_since_sync
 
     @property
+    def in_backward(self) -> bool:
+        """Whether a backward pass is running (its end not reached yet)."""
+        return self._in_backward
+
+    @property
     def sync_enabled(self) -> bool:
         return self._sync_enabled
 

@@ -156,6 +156,12 @@ class DistributedGradReducer:
         # with the rule off, whether a pass that misses a gradient warns (once)
         self.warn_missing = False
         self._warned_missing = False
+        # with the rule on and a summing collective: the spare element, after
+        # each bucket's, where a rank missing one of the bucket's gradients
+        # puts 1, so that the sum says whether any rank missed any (set when
+        # the buffers are made)
+        self._missing_spare: Optional[int] = None
+        self._spares_clear = False  # the last check found every such sum zero
         # what every call's gradients must match, compared one property at a time
         self._expected = (list(map(_size, self.parameters)), list(map(_dtype, self.parameters)),
                           list(map(_device, self.parameters)), [torch.strided] * n)
@@ -206,8 +212,24 @@ class DistributedGradReducer:
                                  f"parameters[{i}] is {tuple(p.shape)} {p.dtype} on {p.device}")
 
     # ---------------------------------------------------------- one reduction
+    #: whether the buckets' collective sums every element of the buffer (a count
+    #: can travel in a spare element); AdaSum's combine does not
+    _sums_buffers = True
+
     def _new_buffers(self) -> List[torch.Tensor]:
-        return [self.plan.new_buffer(b, spare=int(self.check_finite)) for b in self.plan.buckets]
+        spare = int(self.check_finite)
+        if self.unused_grads_to_none and self._sums_buffers and self.world_size > 1:
+            self._missing_spare, spare = spare, spare + 1
+        return [self.plan.new_buffer(b, spare=spare) for b in self.plan.buckets]
+
+    def _missing_in(self, bucket) -> bool:
+        """Whether this rank misses one of ``bucket``'s gradients in this
+        pass: only a bucket started when backward ended can (one started
+        during backward had every gradient)."""
+        if self._overlap.in_backward or not self._overlap.missing:
+            return False
+        missing = set(self._overlap.missing)
+        return any(slot in missing for slot in bucket.tensor_indices)
 
     def _start(self, index: int, tensors: Sequence[Optional[torch.Tensor]]) -> PendingBucket:
         """Start bucket ``index`` of a backward pass (the hooks' path)."""
@@ -223,6 +245,14 @@ class DistributedGradReducer:
             if flag is not None:
                 spare = buffer[bucket.size]
                 spare.copy_(flag)
+            if self._missing_spare is not None:
+                # the views' buffer keeps the last sum there: rewritten unless
+                # the last check found every sum zero (a stale non-zero only
+                # sends that check to the exact count, which clears it)
+                if self._missing_in(bucket):
+                    buffer[bucket.size + self._missing_spare] = 1
+                elif not self._spares_clear:
+                    buffer[bucket.size + self._missing_spare] = 0
             return self._communicate(bucket, buffer, spare)
         return self._start_flat(bucket, tensors, buffer)
 
@@ -230,10 +260,15 @@ class DistributedGradReducer:
                     buffer: torch.Tensor) -> PendingBucket:
         """Flatten ``bucket``'s tensors into ``buffer`` and start its all-reduce."""
         prescale, _ = self._scales[bucket.index]
+        # the flatten zeroes the spare elements; a rank missing a gradient
+        # marks its one before the collective
+        mark = self._missing_spare if self._missing_spare is not None and \
+            buffer.numel() > bucket.size + self._missing_spare and self._missing_in(bucket) \
+            else None
         return start_bucket_all_reduce(
             self.plan, bucket, tensors, buffer, group=self.group,
             world_size=self.world_size, prescale=prescale, backend=self.backend,
-            count_nonfinite=self.check_finite)
+            count_nonfinite=self.check_finite, mark_spare=mark)
 
     def _communicate(self, bucket, buffer: torch.Tensor,
                      spare: Optional[torch.Tensor]) -> PendingBucket:
@@ -286,18 +321,21 @@ class DistributedGradReducer:
             else:
                 self._finish_flat(p, outputs)
         self._record_nonfinite(pending)
-        self._settle_unused()
+        self._settle_unused(pending=pending)
 
-    def _settle_unused(self, extra: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """After a pass: with ``unused_grads_to_none``, count over the ranks
-        who had each gradient, and give a parameter nobody had a gradient for
-        ``.grad = None`` on every rank; ``extra``'s value is summed alongside
-        (one small all-reduce for both). Returns ``extra``'s sum.
+    def _settle_unused(self, extra: Optional[torch.Tensor] = None,
+                       pending: Sequence[PendingBucket] = ()) -> Optional[torch.Tensor]:
+        """After a pass: with ``unused_grads_to_none``, give a parameter no
+        rank had a gradient for ``.grad = None`` on every rank. When the
+        buckets' sums (``pending``'s spare elements, ``_missing_spare``) say no
+        rank missed any, that is one host read; otherwise one small
+        all-reduce counts who had each gradient, with ``extra``'s value summed
+        alongside. Returns ``extra``'s sum.
 
         Without ``unused_grads_to_none`` a parameter missing on this rank
         contributes zeros and keeps its zero ``.grad``; the first time, a
-        ``warn_missing`` reducer says so (the counting all-reduce and its host
-        read are what ``find_unused_parameters=False`` saves)."""
+        ``warn_missing`` reducer says so (the check and its host read are what
+        ``find_unused_parameters=False`` saves)."""
         if not self.unused_grads_to_none and self.warn_missing and self._overlap.missing \
                 and not self._warned_missing:
             self._warned_missing = True
@@ -318,6 +356,18 @@ class DistributedGradReducer:
                           "finding unused parameters (the ranks' counts are read to the host)",
                           "pass find_unused_parameters=False when every parameter has a "
                           "gradient in every step")
+        if extra is None and self.world_size == 1:
+            for slot in self._overlap.missing:  # this rank is every rank
+                self.parameters[self._order[slot]].grad = None
+            return None
+        if extra is None and self._missing_spare is not None and pending and \
+                all(p.flat.numel() > p.bucket.size + self._missing_spare for p in pending):
+            # each bucket's sum says how many ranks missed one of its
+            # gradients: when none did, there is nothing to count
+            riding = torch.stack([p.flat[p.bucket.size + self._missing_spare] for p in pending])
+            self._spares_clear = not bool(riding.any())
+            if self._spares_clear:
+                return None
         counts = torch.ones(slots + 1, dtype=torch.int32, device=self.parameters[0].device)
         if slots and self._overlap.missing:
             counts[self._overlap.missing] = 0  # the hooks' slots: plan order
