@@ -14,6 +14,14 @@ buckets) and clips the result to a total 2-norm of 1:
   the norm from the reduced flat buffers, the coefficient applied in the
   unflatten that writes the outputs anyway.
 
+Under mixed precision the same clipping sits beside ``GradScaler.unscale_``
+(for fp32 and bf16 gradients: GradScaler refuses fp16 ones), in cases
+labelled "+ GradScaler.unscale_": ``torch_clip_unscale`` (baseline; the
+reducer, ``scaler.unscale_``, then ``clip_grad_norm_``, as torch's AMP recipe
+orders them) and ``fused_clip_unscale`` (``max_grad_norm`` with the scaler's
+scale as ``loss_scale``, then ``scaler.unscale_``: the unscaling stays
+GradScaler's own pass, since no public API lets it be folded in).
+
 ``clip_ms`` is a method's median minus ``reduce_only``'s: what clipping
 costs; ``ratio`` is ``torch_clip``'s time over the method's; ``launches`` is
 what one call launches (``timing.count_launches``: device kernels on a GPU,
@@ -48,6 +56,9 @@ ROLES = {"reduce_only": "reference", "torch_clip": "baseline", "fused_clip": "ou
 BASELINE = "torch_clip"
 WRITE_BACK = {"write_back": "reduce_only", "write_back_torch_clip": "torch_clip",
               "write_back_fused_clip": "fused_clip"}
+UNSCALE = {"torch_clip_unscale": "baseline", "fused_clip_unscale": "ours"}
+#: the loss scale of the GradScaler cases (a power of two: unscaling is exact)
+LOSS_SCALE = 2.0 ** 16
 FIXED_DTYPE = None  # the gradients take --dtype
 
 
@@ -92,6 +103,33 @@ def _write_backs(grads: List[torch.Tensor], world_size: int) -> Dict[str, Callab
             "write_back_fused_clip": fused_clip}
 
 
+def _with_unscale(grads: List[torch.Tensor], plain: DistributedGradReducer,
+                  holders: List[torch.Tensor], device: torch.device) -> Dict[str, Callable]:
+    """The GradScaler methods: torch's AMP order (reduce, unscale, clip) and
+    the fused clip of the scaled gradients followed by the unscale."""
+    scaler = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE, growth_interval=10 ** 9)
+    optimizer = torch.optim.SGD(holders, lr=0.0)  # what unscale_ walks
+    clipping = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB, max_grad_norm=MAX_NORM)
+    clipping.loss_scale = scaler.scale(torch.ones((), device=device))
+
+    def unscale(outputs):
+        for holder, grad in zip(holders, outputs):
+            holder.grad = grad
+        scaler.unscale_(optimizer)
+        scaler.update()  # unscale_ runs once per update
+
+    def torch_clip_unscale():
+        outputs = plain(grads)
+        for holder, grad in zip(holders, outputs):
+            holder.grad = grad
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(holders, MAX_NORM, foreach=True)
+        scaler.update()
+
+    return {"torch_clip_unscale": torch_clip_unscale,
+            "fused_clip_unscale": lambda: unscale(clipping(grads))}
+
+
 def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
                  config: dict) -> dict:
     """Time the methods for every model on this rank; the times are the slowest rank's."""
@@ -112,6 +150,8 @@ def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
                "torch_clip": torch_clip,
                "fused_clip": lambda clipping=clipping, grads=grads: clipping(grads),
                **_write_backs(grads, world_size)}
+        if dtype != torch.float16:
+            fns.update(_with_unscale(grads, plain, holders, device))
         samples = timing.time_across_ranks(fns, config["repeats"], device)
         # after the timed calls (warm): every rank runs each once more, alike
         launches = {name: timing.count_launches(fn, device) for name, fn in fns.items()}
@@ -133,6 +173,16 @@ def records(outcome: Dict[int, dict], case: dict, config: dict) -> List[dict]:
             result = common.result(NAME, label, case["size"], method, ROLES[method], BASELINE,
                                    world_size, record["n_tensors"], record["n_elements"],
                                    record["n_elements"] * measured["itemsize"],
+                                   record["samples"], dtype=case["dtype"])
+            result["clip_ms"] = result["time_ms"] - floor
+            result["launches"] = record["launches"][method]
+            results.append(result)
+        for method, role in UNSCALE.items():
+            if method not in record["samples"]:
+                continue  # fp16: GradScaler does not unscale fp16 gradients
+            result = common.result(NAME, f"{label} + GradScaler.unscale_", case["size"], method,
+                                   role, "torch_clip_unscale", world_size, record["n_tensors"],
+                                   record["n_elements"], record["n_elements"] * measured["itemsize"],
                                    record["samples"], dtype=case["dtype"])
             result["clip_ms"] = result["time_ms"] - floor
             result["launches"] = record["launches"][method]

@@ -9,6 +9,7 @@ from bench_utils import assert_exits_cleanly_and_prints, check_record, quick_run
 
 METHODS = ["reduce_only", "torch_clip", "fused_clip"]
 WRITE_BACK = ["write_back", "write_back_torch_clip", "write_back_fused_clip"]
+UNSCALE = ["torch_clip_unscale", "fused_clip_unscale"]
 
 quick_run = quick_run_fixture(
     "clip", ["clip", "--quick", "--world-size", "2", "--sizes", "30K", "--repeats", "2",
@@ -18,7 +19,8 @@ quick_run = quick_run_fixture(
 
 def test_quick_clip_benchmark_exits_cleanly_and_prints_every_method(quick_run):
     process, _ = quick_run
-    assert_exits_cleanly_and_prints(process, METHODS + WRITE_BACK + ["clip ms", "launches"])
+    assert_exits_cleanly_and_prints(process,
+                                    METHODS + WRITE_BACK + UNSCALE + ["clip ms", "launches"])
 
 
 def test_quick_clip_benchmark_writes_the_documented_json(quick_run):
@@ -26,13 +28,28 @@ def test_quick_clip_benchmark_writes_the_documented_json(quick_run):
     results = check_record(record, ["clip"])
     assert record["config"]["command"] == "clip"
     assert record["config"]["collectives"]["parts"] == ["clip"]
-    # two models x two dtypes, with and without the collective, three methods each
-    assert len(results) == 2 * 2 * 2 * 3
+    # two models x two dtypes: with the collective (three methods), under a
+    # GradScaler (two: fp32 and bf16 gradients can be unscaled), without the
+    # collective (three)
+    assert len(results) == 2 * 2 * (3 + 2 + 3)
     cases = list(dict.fromkeys(r["case"] for r in results))
-    assert [c.split()[0] for c in cases] == ["resnet50", "resnet50", "transformer",
-                                             "transformer"] * 2
+    assert [c.split()[0] for c in cases] == ["resnet50"] * 3 + ["transformer"] * 3 + \
+        ["resnet50"] * 3 + ["transformer"] * 3
     for case in cases:
         group = [r for r in results if r["case"] == case]
+        launches = [r["launches"] for r in group]
+        assert all(type(n) is int and n > 0 for n in launches), launches
+        if case.endswith("+ GradScaler.unscale_"):
+            assert [r["method"] for r in group] == UNSCALE
+            assert [r["role"] for r in group] == ["baseline", "ours"]
+            assert all(r["baseline"] == "torch_clip_unscale" for r in group)
+            # both unscale in GradScaler's pass; torch's clip adds its multiplies
+            assert launches[1] < launches[0], launches
+            unclipped = next(r for r in results if r["method"] == "reduce_only"
+                             and case.startswith(r["case"]))
+            for r in group:
+                assert math.isclose(r["clip_ms"], r["time_ms"] - unclipped["time_ms"])
+            continue
         alone = case.endswith("write-back only")
         assert [r["method"] for r in group] == (WRITE_BACK if alone else METHODS)
         assert [r["role"] for r in group] == ["reference", "baseline", "ours"]
@@ -42,8 +59,6 @@ def test_quick_clip_benchmark_writes_the_documented_json(quick_run):
         # counted, not timed: torch's clipping adds a multiply per gradient
         # (the CPU counts ops dispatched; the per-tensor casts of the norms too),
         # the fused one a few per bucket
-        launches = [r["launches"] for r in group]
-        assert all(type(n) is int and n > 0 for n in launches), launches
         assert launches[0] < launches[2] < launches[1], launches
         for r in group:
             assert math.isclose(r["clip_ms"], r["time_ms"] - floor)
