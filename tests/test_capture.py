@@ -18,7 +18,8 @@ a steady-state step that passes here issues none of them from Python and
 takes none of the refused paths. The ``cuda_only`` tests capture a whole
 ``DistributedOptimizer`` and ``register_hooks`` step on one GPU (NCCL, one
 rank: the collective is then skipped) and check that replays are bitwise the
-eager steps.
+eager steps; their procedure also runs on the CPU, with the capture
+simulated, so that a GPU session does not find a bug in the test itself.
 """
 from __future__ import annotations
 
@@ -216,20 +217,30 @@ def test_what_needs_the_host_is_refused_during_capture_on_every_rank(captured, n
 def _capture_and_replay(rank, world_size, hooked: bool, clipped: bool):
     """Warm up on a side stream, capture one step in ``torch.cuda.graph``,
     replay it on new data copied into the static input; beside it, a twin
-    stepped eagerly on the same data. Returns both parameter lists per step."""
+    stepped eagerly on the same data. Returns both parameter lists per step.
+
+    On the CPU (a gloo rank) the same procedure runs with the capture
+    simulated and each "replay" an eager step: the test's own plumbing,
+    checked where it is cheap, before a GPU session spends time on it."""
     from fusedreduce import DistributedGradReducer, DistributedOptimizer
-    device = torch.device("cuda", rank)
+    on_gpu = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
     clip = {"max_grad_norm": 0.05} if clipped else {}
 
     def make():
         model = _Net().to(device)
-        adam = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True)
+        # capturable Adam needs CUDA tensors
+        adam = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=on_gpu)
         if hooked:
             reducer = DistributedGradReducer(list(model.parameters()), bucket_cap_mb=1e-4,
+                                             backend="auto" if on_gpu else "triton",
                                              **clip).register_hooks()
             return model, adam, reducer
-        return model, DistributedOptimizer(adam, param_pack_thd=150,
-                                           find_unused_parameters=False, **clip), None
+        optimizer = DistributedOptimizer(adam, param_pack_thd=150,
+                                         find_unused_parameters=False, **clip)
+        if not on_gpu:
+            optimizer.reducer.backend = "triton"  # the GPU's kernels, interpreted
+        return model, optimizer, None
 
     graphed, graphed_optimizer, graphed_reducer = make()
     twin, twin_optimizer, twin_reducer = make()
@@ -242,27 +253,58 @@ def _capture_and_replay(rank, world_size, hooked: bool, clipped: bool):
         optimizer.step()
         return loss
 
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
+    if on_gpu:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        warm_up = torch.cuda.stream(side)
+    else:
+        warm_up = contextlib.nullcontext()
+    with warm_up:
         for warm in range(3):
             static_x.copy_(_batch(rank, warm))
             step(graphed, graphed_optimizer)
             step(twin, twin_optimizer)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(graphed, graphed_optimizer)
+    if on_gpu:
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(graphed, graphed_optimizer)
+        replay = graph.replay
+    else:
+        def replay():
+            # Adam reads its step count on the host off the GPU: only the
+            # refusals are simulated here
+            with simulated_capture(forbid_host_reads=False):
+                step(graphed, graphed_optimizer)
     seen = []
-    for replay in range(3, 7):
-        static_x.copy_(_batch(rank, replay))
-        graph.replay()
+    for replayed in range(3, 7):
+        static_x.copy_(_batch(rank, replayed))
+        replay()
         step(twin, twin_optimizer)
-        torch.cuda.synchronize(device)
-        seen.append(([p.detach().cpu() for p in graphed.parameters()],
-                     [p.detach().cpu() for p in twin.parameters()]))
+        if on_gpu:
+            torch.cuda.synchronize(device)
+        seen.append(([p.detach().cpu().clone() for p in graphed.parameters()],
+                     [p.detach().cpu().clone() for p in twin.parameters()]))
     del graphed_reducer, twin_reducer
     return seen
+
+
+def _check_replays(seen):
+    for replay, (graphed, eager) in enumerate(seen):
+        assert all(torch.equal(a, b) for a, b in zip(graphed, eager)), f"replay {replay}"
+    # the replays moved the parameters
+    assert not all(torch.equal(a, b) for a, b in zip(seen[0][0], seen[-1][0]))
+
+
+def _every_capture_case(rank, world_size):
+    return {(hooked, clipped): _capture_and_replay(rank, world_size, hooked, clipped)
+            for hooked in (False, True) for clipped in (False, True)}
+
+
+def test_the_gpu_capture_test_s_procedure_runs_on_the_cpu():
+    (cases,) = run_ranks(_every_capture_case, 1)
+    for case, seen in cases.items():
+        _check_replays(seen)
 
 
 @pytest.mark.cuda_only
@@ -270,7 +312,4 @@ def _capture_and_replay(rank, world_size, hooked: bool, clipped: bool):
 @pytest.mark.parametrize("clipped", [False, True], ids=["unclipped", "clipped"])
 def test_a_captured_step_replays_bitwise_as_the_eager_step(hooked, clipped):
     (seen,) = run_on_local_ranks(_capture_and_replay, 1, hooked, clipped, backend="nccl")
-    for replay, (graphed, eager) in enumerate(seen):
-        assert all(torch.equal(a, b) for a, b in zip(graphed, eager)), f"replay {replay}"
-    # the replays moved the parameters
-    assert not all(torch.equal(a, b) for a, b in zip(seen[0][0], seen[-1][0]))
+    _check_replays(seen)
