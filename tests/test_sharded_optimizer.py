@@ -247,12 +247,15 @@ class _Branchy(nn.Module):
         return h.square().mean()
 
 
-def _unused_against_ddp(rank, world_size, shard, views=False):
+def _unused_against_ddp(rank, world_size, shard, views=False, find_unused=True):
     """fusedreduce against DDP(find_unused_parameters=True) + AdamW with weight
-    decay: bitwise equal at 2 ranks (a mean of two is exact either way)."""
+    decay: bitwise equal at 2 ranks (a mean of two is exact either way). With
+    ``find_unused=False``, every gradient DDP leaves None is made zeros before
+    torch's step (what the option promises)."""
     ours, theirs = _Branchy(), _Branchy()
     optimizer = DistributedOptimizer(_adamw(ours.parameters()), shard=shard, param_pack_thd=200,
-                                     gradient_as_bucket_view=views)
+                                     gradient_as_bucket_view=views,
+                                     find_unused_parameters=find_unused)
     ddp = nn.parallel.DistributedDataParallel(theirs, find_unused_parameters=True)
     plain = _adamw(theirs.parameters())
     seen = []
@@ -260,14 +263,20 @@ def _unused_against_ddp(rank, world_size, shard, views=False):
         x = torch.randn(3, 5, generator=torch.Generator().manual_seed(10 * rank + step))
         ours(x, step, rank).backward()
         sometimes_grad = ours.sometimes.weight.grad
+        sometimes_grad = None if sometimes_grad is None else sometimes_grad.clone()
         optimizer.step()
         optimizer.zero_grad()
         ddp(x, step, rank).backward()
+        if not find_unused:
+            for p in theirs.parameters():
+                if p.grad is None and p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         plain.step()
         plain.zero_grad()
         state = optimizer.state_dict()["state"]
         seen.append({"equal": [torch.equal(a, b) for a, b in zip(ours.parameters(),
                                                                  theirs.parameters())],
+                     "sometimes_grad": sometimes_grad,
                      "sometimes_grad_none": sometimes_grad is None,
                      "params": _snapshot(ours),
                      "step_counts": [float(state[i]["step"]) if i in state else 0.0
@@ -276,36 +285,13 @@ def _unused_against_ddp(rank, world_size, shard, views=False):
 
 
 def _unused_not_found(rank, world_size, shard):
-    """find_unused_parameters=False against DDP(find_unused_parameters=True) +
-    AdamW where every gradient DDP leaves None is made zeros before the step
-    (what the option promises); the warnings, and the all-reduces per
-    backward of a model that uses every parameter, with the option and
-    without it."""
+    """find_unused_parameters=False against DDP (``_unused_against_ddp``); the
+    warnings, and the all-reduces per backward of a model that uses every
+    parameter, with the option and without it."""
     import warnings
-    ours, theirs = _Branchy(), _Branchy()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        optimizer = DistributedOptimizer(_adamw(ours.parameters()), shard=shard,
-                                         param_pack_thd=200, find_unused_parameters=False)
-        ddp = nn.parallel.DistributedDataParallel(theirs, find_unused_parameters=True)
-        plain = _adamw(theirs.parameters())
-        seen = []
-        for step in range(STEPS):
-            x = torch.randn(3, 5, generator=torch.Generator().manual_seed(10 * rank + step))
-            ours(x, step, rank).backward()
-            grads = {name: None if p.grad is None else p.grad.clone()
-                     for name, p in ours.named_parameters()}
-            optimizer.step()
-            optimizer.zero_grad()
-            ddp(x, step, rank).backward()
-            for p in theirs.parameters():
-                if p.grad is None and p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-            plain.step()
-            plain.zero_grad()
-            seen.append({"equal": [torch.equal(a, b) for a, b in zip(ours.parameters(),
-                                                                     theirs.parameters())],
-                         "sometimes_grad": grads["sometimes.weight"]})
+        seen = _unused_against_ddp(rank, world_size, shard, find_unused=False)
     warned = [str(w.message) for w in caught if "had no gradient on this rank" in str(w.message)]
 
     def all_reduces_per_backward(find_unused):
