@@ -113,18 +113,15 @@ def _with_unscale(grads: List[torch.Tensor], plain: DistributedGradReducer,
     clipping.loss_scale = scaler.scale(torch.ones((), device=device))
 
     def unscale(outputs):
+        """``outputs`` as the holders' ``.grad``, unscaled by the scaler."""
         for holder, grad in zip(holders, outputs):
             holder.grad = grad
         scaler.unscale_(optimizer)
-        scaler.update()  # unscale_ runs once per update
+        scaler.update()  # unscale_ runs once per update; the scale stays (no inf)
 
     def torch_clip_unscale():
-        outputs = plain(grads)
-        for holder, grad in zip(holders, outputs):
-            holder.grad = grad
-        scaler.unscale_(optimizer)
+        unscale(plain(grads))
         torch.nn.utils.clip_grad_norm_(holders, MAX_NORM, foreach=True)
-        scaler.update()
 
     return {"torch_clip_unscale": torch_clip_unscale,
             "fused_clip_unscale": lambda: unscale(clipping(grads))}
