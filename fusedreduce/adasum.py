@@ -38,8 +38,8 @@ from ._checks import tensor_list
 from .allreduce import PendingBucket
 from .buckets import Bucket, BucketPlan
 from .precision import communication_dtype
-from .process_group import (consecutive_block, global_ranks, require_process_group,
-                            verify_same_on_all_ranks)
+from .process_group import (consecutive_block, global_ranks, refuse_one_shot_in_capture,
+                            require_process_group, verify_same_on_all_ranks)
 from .sharded import _all_gather
 from .reducer import DistributedGradReducer
 
@@ -86,7 +86,8 @@ def adasum_allreduce(tensors: Sequence[torch.Tensor], group: Optional[dist.Proce
 
     Raises:
         RuntimeError: torch.distributed is not initialised; the ranks' tensor
-            lists differ (raised on every rank, naming the first difference).
+            lists differ (raised on every rank, naming the first difference);
+            called during CUDA graph capture.
         TypeError: a sparse, integer or non-tensor entry (the index is named),
             or a single tensor instead of a list.
         ValueError: ``local_size`` does not divide the world size.
@@ -95,6 +96,7 @@ def adasum_allreduce(tensors: Sequence[torch.Tensor], group: Optional[dist.Proce
         >>> averaged = adasum_allreduce([p.grad for p in model.parameters()])  # doctest: +SKIP
     """
     tensors = tensor_list(tensors, "tensors")
+    refuse_one_shot_in_capture(tensors, "adasum_allreduce")
     world_size = require_process_group(group)
     check_local_size(local_size, world_size)
     plan = BucketPlan(tensors, bucket_cap_mb=bucket_cap_mb, comm_dtype=communication_dtype)

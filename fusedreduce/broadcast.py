@@ -19,8 +19,8 @@ import torch.distributed as dist
 from . import kernels
 from ._checks import check_instance, tensor_list
 from .buckets import BucketPlan
-from .process_group import (check_rank, comm_device, global_rank, require_process_group,
-                            verify_same_on_all_ranks)
+from .process_group import (check_rank, comm_device, global_rank, refuse_one_shot_in_capture,
+                            require_process_group, verify_same_on_all_ranks)
 
 
 def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *,
@@ -44,13 +44,14 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *,
     Raises:
         RuntimeError: torch.distributed is not initialised; with ``verify``:
             the ranks' tensor lists or bucket layouts differ (raised on every
-            rank before any broadcast).
+            rank before any broadcast); called during CUDA graph capture.
         ValueError: ``src`` is not a rank of ``group``.
 
     Examples:
         >>> broadcast_tensors([p.data for p in model.parameters()], src=0)   # doctest: +SKIP
     """
     tensors = tensor_list(tensors, "tensors")
+    refuse_one_shot_in_capture(tensors, "broadcast_tensors")
     check_rank(src, "src", require_process_group(group))
     src_global = global_rank(group, src)
     device = comm_device(group)
@@ -121,7 +122,8 @@ def parameter_broadcast(
         RuntimeError: torch.distributed is not initialised; the ranks' modules
             differ in their parameters' (or buffers') names order, shapes or
             dtypes, or ``bucket_cap_mb`` differs (raised on every rank, naming
-            the first mismatch, before anything is broadcast).
+            the first mismatch, before anything is broadcast); called during
+            CUDA graph capture.
         ValueError: ``cur_rank`` is not this process's rank; ``initial_rank``
             or ``src`` is not a rank of ``group``; a ``layout`` name is not in
             ``module.named_parameters()``. Raised before any communication.
@@ -136,6 +138,7 @@ def parameter_broadcast(
                                or not isinstance(layout, Iterable)):
         raise TypeError(f"layout must be a dict keyed by parameter name, got "
                         f"{type(layout).__name__}")
+    refuse_one_shot_in_capture(list(module.parameters())[:1], "parameter_broadcast")
     world_size = require_process_group(group)
     rank = dist.get_rank(group)
     if cur_rank is not None and cur_rank != rank:
@@ -173,7 +176,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0,
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (its
             parameters or ``param_groups``, say). Raised first, even without a
             process group.
-        RuntimeError: torch.distributed is not initialised.
+        RuntimeError: torch.distributed is not initialised; called during CUDA
+            graph capture.
         ValueError: ``src`` is not a rank of the group; the ranks' optimizers
             differ in parameter groups (raised on every rank).
 
@@ -181,6 +185,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0,
         >>> broadcast_optimizer_state(optimizer, src=0)          # doctest: +SKIP
     """
     check_instance(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
+    refuse_one_shot_in_capture([p for g in optimizer.param_groups for p in g["params"]][:1],
+                               "broadcast_optimizer_state")
     world_size = require_process_group(group)
     check_rank(src, "src", world_size)
     rank = dist.get_rank(group)

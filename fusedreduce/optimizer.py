@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_instance, check_int
+from .kernels._checks import refuse_in_capture
 from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
                      check_local_size)
 from .broadcast import broadcast_tensors
@@ -512,13 +513,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 closure's backward) came after a backward pass that only
                 accumulated (``backward_passes_per_step`` > 1, or ``no_sync()``);
                 or parameters were frozen or unfrozen between the backward
-                passes of one step.
+                passes of one step; ``bcast_period`` > 0 during CUDA graph
+                capture (see docs/guides/cuda-graphs.md).
 
         Examples:
             >>> def closure():                                   # doctest: +SKIP
             ...     opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); return loss
             >>> loss = opt.step(closure)                          # doctest: +SKIP
         """
+        if self.bcast_period > 0 and self._all_params():
+            refuse_in_capture(
+                self._all_params()[0].device,
+                f"a step with bcast_period={self.bcast_period} (which steps broadcast is "
+                f"counted on the host, so every replay would repeat the captured step's choice)",
+                "pass bcast_period=0 or -1, and call broadcast_parameters() between replays "
+                "when the replicas should be re-synchronised")
         self._follow_requires_grad()
         if self.shard:
             loss = None

@@ -28,6 +28,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 import torch
 
 from .allreduce import PendingBucket, wait_for
+from .kernels._checks import refuse_in_capture
 from .buckets import BucketPlan
 
 StartBucket = Callable[[int, Sequence[Optional[torch.Tensor]]], PendingBucket]
@@ -201,6 +202,14 @@ class BackwardOverlap:
         self._in_backward = False
 
     def _begin_backward(self) -> None:
+        if self._passes_per_sync > 1 and self.parameters:
+            refuse_in_capture(
+                self.parameters[0].device,
+                f"a backward with passes_per_sync={self._passes_per_sync} "
+                f"(backward_passes_per_step): which passes reduce is counted on the host, so "
+                f"every replay would repeat the captured pass's choice",
+                "capture with passes_per_sync=1 (backward_passes_per_step=1); to accumulate, "
+                "capture the local passes inside no_sync() and the reducing pass as two graphs")
         self._tasks = set()
         self._live_ends = weakref.WeakSet()
         self._in_backward = True

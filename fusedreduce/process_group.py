@@ -14,6 +14,8 @@ from typing import Any, Dict, List, Sequence
 import torch
 import torch.distributed as dist
 
+from .kernels._checks import refuse_in_capture
+
 
 def require_process_group(group=None) -> int:
     """The world size of ``group``; a clear error if torch.distributed is not up.
@@ -60,6 +62,21 @@ def check_rank(value, name: str, world_size: int) -> int:
     return value
 
 
+#: what a refusal during capture advises for the functions that plan, check
+#: and allocate at every call
+ONE_SHOT_REMEDY = ("call it before or after the capture. Inside a captured step use "
+                   "DistributedOptimizer or DistributedGradReducer(...).register_hooks(), "
+                   "which check once, when built, and keep their buffers")
+
+
+def refuse_one_shot_in_capture(tensors: Sequence[torch.Tensor], name: str) -> None:
+    """Refuse ``name`` (a function that plans, checks across ranks and allocates
+    at every call) during CUDA graph capture, before it does anything."""
+    if tensors:
+        refuse_in_capture(tensors[0].device, f"{name} (it plans, checks the ranks' tensors on "
+                          f"the host and allocates its buffers at every call)", ONE_SHOT_REMEDY)
+
+
 def verify_same_on_all_ranks(description: Sequence[Any], names: Sequence[str], group=None,
                              what: str = "parameter", bucket_layout: Any = None,
                              bucket_layout_hint: str = "") -> None:
@@ -74,8 +91,13 @@ def verify_same_on_all_ranks(description: Sequence[Any], names: Sequence[str], g
     Raises:
         RuntimeError: the ranks disagree; names the first differing ``what``
             (``names[i]``) and what each rank has there, or, when every entry
-            agrees, says the bucket layouts differ (with ``bucket_layout_hint``).
+            agrees, says the bucket layouts differ (with ``bucket_layout_hint``);
+            or called during CUDA graph capture (the check reads its
+            all-reduce on the host).
     """
+    refuse_in_capture(comm_device(group),
+                      f"checking that every rank passes the same {what}s (the check's "
+                      f"all-reduce is read on the host)", ONE_SHOT_REMEDY)
     mine = (list(description), bucket_layout)
     digest = hashlib.sha256(pickle.dumps(mine)).digest()
     value = int.from_bytes(digest[:7], "little")  # 56 bits: exact in int64 arithmetic

@@ -463,6 +463,9 @@ class DistributedGradReducer:
             ValueError: a parameter does not require grad (it would never be
                 ready), ``passes_per_sync`` is not a positive int, or hooks are
                 already registered.
+            RuntimeError: (from ``backward()``) a backward captured in a CUDA
+                graph with ``passes_per_sync`` > 1, whose count lives on the
+                host (docs/guides/cuda-graphs.md).
 
         Examples:
             >>> reducer = DistributedGradReducer(params).register_hooks()  # doctest: +SKIP

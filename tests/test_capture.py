@@ -8,8 +8,11 @@ fusedreduce keeps its steady state free of both (prepared launches, device-side
 clip coefficients, postscale vectors uploaded once), and refuses, with a
 ``RuntimeError`` that names the step and the remedy, each thing that still
 needs one: a layout no eager call prepared, the torch backend's read of a
-tensor scale, ``find_unused_parameters=True``, ``error_if_nonfinite=True``, and
-``shard=True``'s backward.
+tensor scale, ``find_unused_parameters=True``, ``error_if_nonfinite=True``,
+``shard=True``'s backward, and the one-shot functions that check the ranks at
+every call (``adasum_allreduce``, the broadcasts). It also refuses what the
+host decides step by step and a replay would freeze: ``bcast_period`` > 0 and
+``backward_passes_per_step`` > 1.
 
 On the CPU, capture is simulated: ``kernels._checks.capturing`` is patched to
 say "capturing", and the host reads a capture forbids (``Tensor.item``,
@@ -164,7 +167,11 @@ def capture_on_rank(rank, world_size):
     for name, options in (("plain", {}), ("clipped", {"max_grad_norm": 0.05}),
                           ("bucket_views", {"gradient_as_bucket_view": True}),
                           ("clipped_inf_norm", {"max_grad_norm": 0.05,
-                                                "norm_type": float("inf")})):
+                                                "norm_type": float("inf")}),
+                          # AdaSum's tree: point-to-point messages and
+                          # coefficients computed on the device
+                          ("adasum_clipped", {"reduce_method": "adasum",
+                                              "max_grad_norm": 0.05})):
         runs = []
         for capture_from in (None, 2):
             model = _Net()
@@ -182,8 +189,52 @@ def capture_on_rank(rank, world_size):
             sgd(m), find_unused_parameters=False, max_grad_norm=1.0, error_if_nonfinite=True)),
         "shard": _refusal(rank, lambda m: DistributedOptimizer(
             sgd(m), find_unused_parameters=False, shard=True)),
+        # the host counts which steps broadcast, and which passes reduce: a
+        # replay would repeat the captured step's choice
+        "bcast_period": _refusal(rank, lambda m: DistributedOptimizer(
+            sgd(m), find_unused_parameters=False, bcast_period=3)),
+        "accumulation": _accumulation_refusal(rank, lambda m: DistributedOptimizer(
+            sgd(m), find_unused_parameters=False, backward_passes_per_step=2)),
+        "adasum_allreduce": _one_shot_refusal(rank, world_size, "adasum_allreduce"),
+        "broadcast_tensors": _one_shot_refusal(rank, world_size, "broadcast_tensors"),
     }
     return results
+
+
+def _accumulation_refusal(rank, make):
+    """The message a simulated capture of a backward raises after two eager
+    steps of two passes each (None if it ran)."""
+    model = _Net()
+    optimizer = make(model)
+    for step in range(2):
+        optimizer.zero_grad(set_to_none=False)
+        for micro in range(2):
+            model(_batch(rank, 2 * step + micro)).backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    try:
+        with simulated_capture():
+            model(_batch(rank, 4)).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def _one_shot_refusal(rank, world_size, name):
+    """The message a simulated capture of the one-shot function ``name``
+    raises (None if it ran), after checking it left its input untouched."""
+    import fusedreduce
+    tensors = [torch.full((3,), float(rank + 1)), torch.ones(2, dtype=torch.float16)]
+    before = [t.clone() for t in tensors]
+    call = {"adasum_allreduce": lambda: fusedreduce.adasum_allreduce(tensors),
+            "broadcast_tensors": lambda: fusedreduce.broadcast_tensors(tensors, src=0)}[name]
+    try:
+        with simulated_capture():
+            call()
+    except RuntimeError as exc:
+        assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+        return str(exc)
+    return None
 
 
 @pytest.fixture(scope="module", params=[1, 2])
@@ -191,7 +242,8 @@ def captured(request):
     return run_ranks(capture_on_rank, request.param)
 
 
-@pytest.mark.parametrize("name", ["plain", "clipped", "bucket_views", "clipped_inf_norm"])
+@pytest.mark.parametrize("name", ["plain", "clipped", "bucket_views", "clipped_inf_norm",
+                                  "adasum_clipped"])
 def test_a_steady_state_step_passes_a_simulated_capture_and_gives_the_eager_step(captured,
                                                                                   name):
     for rank, r in enumerate(captured):
@@ -204,7 +256,11 @@ def test_a_steady_state_step_passes_a_simulated_capture_and_gives_the_eager_step
 @pytest.mark.parametrize("name, remedy", [
     ("find_unused", "find_unused_parameters=False"),
     ("error_if_nonfinite", "error_if_nonfinite=False"),
-    ("shard", "shard=True runs eagerly")])
+    ("shard", "shard=True runs eagerly"),
+    ("bcast_period", "bcast_period=0 or -1"),
+    ("accumulation", "passes_per_sync=1 (backward_passes_per_step=1)"),
+    ("adasum_allreduce", "DistributedOptimizer or DistributedGradReducer"),
+    ("broadcast_tensors", "DistributedOptimizer or DistributedGradReducer")])
 def test_what_needs_the_host_is_refused_during_capture_on_every_rank(captured, name, remedy):
     for rank, r in enumerate(captured):
         message = r["refused"][name]
