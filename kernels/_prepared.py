@@ -77,7 +77,7 @@ class Prepared:
 
     __slots__ = ("buffer_ref", "buffer_ptr", "buffer_numel", "buffer_dtype", "buffer_stride",
                  "offsets", "offsets_source", "ptrs", "sizes", "size_of", "dtypes",
-                 "contiguous", "strided", "launch", "nbytes", "outputs", "__weakref__")
+                 "contiguous", "strided", "launch", "nbytes", "live", "outputs", "__weakref__")
 
     def __init__(self, buffer: torch.Tensor, offsets, starts: Sequence[int],
                  tensors: Sequence[torch.Tensor], launch: Callable, by_shape: bool,
@@ -103,6 +103,8 @@ class Prepared:
         # one span each) and the launch can be re-pointed
         self.nbytes = (np.array([t.numel() * t.element_size() for t in tensors], dtype=np.int64)
                        if not self.strided and hasattr(launch, "rebind") else None)
+        # the tensors that occupy bytes (None: all of them, the usual case)
+        self.live = None if self.nbytes is None or self.nbytes.all() else self.nbytes > 0
         self.outputs = outputs  # the tensors are written: they must not overlap each other
 
     def matches(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets):
@@ -133,21 +135,26 @@ class Prepared:
     def rebind(self, tensors: Sequence[torch.Tensor], ptrs: Sequence[int]) -> bool:
         """Re-point the launch at moved tensors (``ptrs``, their addresses) if
         the layout allows it and the tensors' bytes are clear of the buffer
-        (and, for outputs, of each other); whether it did."""
+        (and, for outputs, of each other); whether it did. The launch's
+        ``rebind(tensors, addresses)`` gets the addresses as an int64 array."""
         if self.nbytes is None or len(ptrs) != len(self.nbytes):
             return False
         buffer_end = self.buffer_ptr + self.buffer_numel * self.buffer_dtype.itemsize
-        if not spans_clear(ptrs, self.nbytes, (self.buffer_ptr, buffer_end), self.outputs):
+        addresses = np.fromiter(ptrs, dtype=np.int64, count=len(ptrs))
+        if not spans_clear(addresses, self.nbytes, (self.buffer_ptr, buffer_end), self.outputs,
+                           self.live):
             return False
-        self.launch.rebind(tensors, ptrs)
+        self.launch.rebind(tensors, addresses)
         self.ptrs = list(ptrs)
         return True
 
 
-def spans_clear(ptrs: Sequence[int], nbytes: np.ndarray, buffer_span, pairwise: bool) -> bool:
+def spans_clear(ptrs: Sequence[int], nbytes: np.ndarray, buffer_span, pairwise: bool,
+                live: Optional[np.ndarray] = None) -> bool:
     """Whether the byte spans ``[ptrs[i], ptrs[i] + nbytes[i])`` of contiguous
     tensors miss ``buffer_span`` and, with ``pairwise``, each other (empty
-    tensors occupy nothing).
+    tensors occupy nothing). ``live``: ``nbytes > 0`` if the caller keeps it
+    (None: computed here).
 
     Examples:
         >>> spans_clear([0, 8], np.array([8, 8]), (16, 32), pairwise=True)
@@ -156,14 +163,19 @@ def spans_clear(ptrs: Sequence[int], nbytes: np.ndarray, buffer_span, pairwise: 
         False
     """
     starts = np.asarray(ptrs, dtype=np.int64)
-    live = nbytes > 0
-    starts, ends = starts[live], starts[live] + nbytes[live]
+    if live is None:
+        live = nbytes > 0
+    if not live.all():
+        starts, nbytes = starts[live], nbytes[live]
+    ends = starts + nbytes
     lo, hi = buffer_span
-    if hi > lo and bool(np.any((starts < hi) & (ends > lo))):
+    if hi > lo and bool(((starts < hi) & (ends > lo)).any()):
         return False
     if pairwise and starts.size > 1:
-        order = np.argsort(starts, kind="stable")
-        if bool(np.any(ends[order][:-1] > starts[order][1:])):
+        order = starts.argsort()
+        # the sort's order among equal starts is irrelevant: two live spans
+        # that start together overlap whichever comes first
+        if bool((ends[order[:-1]] > starts[order[1:]]).any()):
             return False
     return True
 

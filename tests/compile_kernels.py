@@ -64,22 +64,22 @@ def _variant(kernel: str, kinds: int, buffer: str, size: int, flag: bool, scale_
     scale_ptr = "*fp32" if scale_tensor else "*i64"
     if kernel == "flatten":
         # without check_finite the launcher passes the table as the flag
-        signature = {"table": "*i64", "base": "*u8", "out": f"*{buffer}",
+        signature = {"table": "*i64", "work": "*i64", "base": "*u8", "out": f"*{buffer}",
                      "flag": "*u8" if flag else "*i64", "n_segments": "i32",
                      "scale_high": "i32", "scale_low": "i32", "scale_ptr": scale_ptr,
                      "KINDS": "constexpr", "CHECK_FINITE": "constexpr",
                      "BLOCK": "constexpr", "OUT_VEC": "constexpr", "SCALE_TENSOR": "constexpr"}
         constexprs = {"KINDS": kinds, "CHECK_FINITE": flag, "BLOCK": kernels.BLOCK,
                       "OUT_VEC": ALIGN_BYTES // size, "SCALE_TENSOR": scale_tensor}
-        pointers = 4
+        pointers = 5
     else:
-        signature = {"table": "*i64", "base": "*u8", "flat": f"*{buffer}",
+        signature = {"table": "*i64", "work": "*i64", "base": "*u8", "flat": f"*{buffer}",
                      "n_segments": "i32", "scale_high": "i32", "scale_low": "i32",
                      "scale_ptr": scale_ptr, "KINDS": "constexpr", "ACCUMULATE": "constexpr",
                      "BLOCK": "constexpr", "FLAT_VEC": "constexpr", "SCALE_TENSOR": "constexpr"}
         constexprs = {"KINDS": kinds, "ACCUMULATE": flag, "BLOCK": kernels.BLOCK,
                       "FLAT_VEC": ALIGN_BYTES // size, "SCALE_TENSOR": scale_tensor}
-        pointers = 3
+        pointers = 4
     return signature, constexprs, {(i,): ALIGNED for i in range(pointers)}
 
 

@@ -263,7 +263,7 @@ def _host_scale(scale) -> float:
     return scale.item()
 
 
-def _reads_tensors_at_launch(tensors, ptrs) -> None:
+def _reads_tensors_at_launch(tensors, addresses) -> None:
     """``rebind`` of this backend's launches (``_prepared.py``): they keep views
     of the buffer only and take the tensors at each launch, so moved tensors
     need nothing."""

@@ -1,11 +1,14 @@
 """The flatten family on Triton: gather many tensors into one flat buffer and back.
 
-One launch serves any number of tensors. The host builds one int64 table per
-layout (:func:`build_table`), uploads it once and keeps it on the device::
+One launch serves any number of tensors. The host builds two int64 arrays per
+layout (:func:`build_table`), uploads them once and keeps them on the device::
 
-    [ src_bytes | numel | extent | flat_start | kind ]  one column per segment
-    [ work ]                                            one entry per program:
-                                                        segment << 32 | block
+    table: [ src_bytes | numel | extent | flat_start | kind ]  a column per segment
+    work:  [ segment << 32 | block ]                           an entry per program
+
+Tensors that move (``_Layout.rebind``) change only ``table``'s first and last
+columns; ``work``, as long as the program count, never changes, so a re-pointed
+launch uploads 40 bytes per segment.
 
 The scale is not in the table: it travels with each launch as two 32-bit
 words of its float64 bits (``scale_words``), arguments Triton does not
@@ -89,15 +92,15 @@ def _scale_of(scale_ptr, high, low, SCALE_TENSOR: tl.constexpr):
 
 
 @triton.jit
-def _segment(table, n_segments, BLOCK: tl.constexpr, FLAT_VEC: tl.constexpr):
-    """This program's segment and block, read from the table, hints applied.
+def _segment(table, work, n_segments, BLOCK: tl.constexpr, FLAT_VEC: tl.constexpr):
+    """This program's segment and block, read from the tables, hints applied.
 
     The hints must be applied here, on the loads: ``tl.multiple_of`` on a value
     returned from a multi-result call marks the call, and so every result.
     """
-    work = tl.load(table + 5 * n_segments + tl.program_id(0))
-    seg = work >> 32
-    start = tl.multiple_of((work - (seg << 32)) * BLOCK, BLOCK)
+    item = tl.load(work + tl.program_id(0))
+    seg = item >> 32
+    start = tl.multiple_of((item - (seg << 32)) * BLOCK, BLOCK)
     src_bytes = tl.multiple_of(tl.load(table + seg), 16)
     numel = tl.load(table + n_segments + seg)
     extent = tl.load(table + 2 * n_segments + seg)
@@ -167,11 +170,11 @@ def _gather_code(base, src_bytes, out, flat_start, start, numel, extent, kind, s
 
 
 @triton.jit(do_not_specialize=["scale_high", "scale_low"])
-def _flatten_kernel(table, base, out, flag, n_segments, scale_high, scale_low, scale_ptr,
+def _flatten_kernel(table, work, base, out, flag, n_segments, scale_high, scale_low, scale_ptr,
                     KINDS: tl.constexpr, CHECK_FINITE: tl.constexpr,
                     BLOCK: tl.constexpr, OUT_VEC: tl.constexpr, SCALE_TENSOR: tl.constexpr):
-    seg, start, src_bytes, numel, extent, flat_start, kind = _segment(table, n_segments, BLOCK,
-                                                                      OUT_VEC)
+    seg, start, src_bytes, numel, extent, flat_start, kind = _segment(table, work, n_segments,
+                                                                      BLOCK, OUT_VEC)
     scale = _scale_of(scale_ptr, scale_high, scale_low, SCALE_TENSOR)
     code = kind & 255
     # single-dtype launches compile one branch; mixed launches pick per segment
@@ -238,11 +241,11 @@ def _scatter_code(base, dst_bytes, flat, flat_start, start, numel, kind, scale,
 
 
 @triton.jit(do_not_specialize=["scale_high", "scale_low"])
-def _unflatten_kernel(table, base, flat, n_segments, scale_high, scale_low, scale_ptr,
+def _unflatten_kernel(table, work, base, flat, n_segments, scale_high, scale_low, scale_ptr,
                       KINDS: tl.constexpr, ACCUMULATE: tl.constexpr,
                       BLOCK: tl.constexpr, FLAT_VEC: tl.constexpr, SCALE_TENSOR: tl.constexpr):
-    seg, start, dst_bytes, numel, extent, flat_start, kind = _segment(table, n_segments, BLOCK,
-                                                                      FLAT_VEC)
+    seg, start, dst_bytes, numel, extent, flat_start, kind = _segment(table, work, n_segments,
+                                                                      BLOCK, FLAT_VEC)
     scale = _scale_of(scale_ptr, scale_high, scale_low, SCALE_TENSOR)
     code = kind & 255
     for CODE in tl.static_range(4):
@@ -269,7 +272,8 @@ def _pick_base(tensors, flat):
 
 
 def build_table(tensors, starts, extents, flat, base):
-    """The int64 launch table (see the module docstring) and the program count.
+    """The int64 launch ``table`` and ``work`` list (see the module docstring),
+    and the program count.
 
     ``starts[i]``/``extents[i]``: where segment i begins in ``flat`` and how many
     flat elements its programs cover (>= numel; the excess is written as zero
@@ -296,7 +300,7 @@ def build_table(tensors, starts, extents, flat, base):
     segment_of = np.repeat(np.arange(n, dtype=np.int64), blocks)
     first_block = np.repeat(np.cumsum(blocks) - blocks, blocks)
     work = (segment_of << 32) | (np.arange(programs, dtype=np.int64) - first_block)
-    return np.concatenate([table, work]), programs
+    return table, work, programs
 
 
 def _to_device(table: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -363,26 +367,32 @@ class _Layout:
                                         if t is base), None)
         self.n_segments = len(seen)
         self.kinds = kinds_mask(t.dtype for t in seen)
-        self.host_table, self.programs = build_table(seen, starts, extents, flat, base)
+        self.host_table, work, self.programs = build_table(seen, starts, extents, flat, base)
         self.table = _to_device(self.host_table, flat.device)
+        self.work = _to_device(work, flat.device)
         self.flat_vec = ALIGN_BYTES // flat.element_size()
         # moved tensors are re-pointed (``rebind``) when every offset is from the
         # flat buffer, whose address the kept layout pins: the call's tensors
-        # are the table's rows from ``first_row`` on
+        # are the table's rows ``address_rows``
         self.base_is_flat = base is flat
-        self.base_addr, self.first_row = base.data_ptr(), int(lead > 0)
+        self.base_addr = base.data_ptr()
+        n, first, count = self.n_segments, int(lead > 0), len(tensors)
+        self.address_rows = slice(first, first + count)
+        self.kind_rows = slice(4 * n + first, 4 * n + first + count)
+        self.kind_fixed = self.host_table[self.kind_rows] & ~np.int64(255 << 8)
 
-    def rebind(self, ptrs: Sequence[int]) -> None:
-        """Point the table at the call's tensors now at ``ptrs``: their rows'
+    def rebind(self, addresses: np.ndarray) -> None:
+        """Point the table at the call's tensors now at ``addresses`` (int64):
+        their rows'
         aligned offsets and their remainders in ``kind`` (see ``build_table``);
-        every other column depends on the layout alone."""
-        n, rows = self.n_segments, slice(self.first_row, self.first_row + len(ptrs))
-        src = np.asarray(ptrs, dtype=np.int64) - self.base_addr
-        remainder = src % ALIGN_BYTES  # numpy's % takes the divisor's sign: 0..15, as Python's
+        every other column, and ``work``, depends on the layout alone. A new
+        device table, never the old one rewritten: launches queued before may
+        still read it."""
+        src = addresses - self.base_addr
+        remainder = src & (ALIGN_BYTES - 1)  # two's complement: 0..15, as Python's %
         table = self.host_table.copy()
-        table[rows] = src - remainder
-        kind = table[4 * n:5 * n]
-        kind[rows] = (kind[rows] & ~np.int64(255 << 8)) | (remainder << 8)
+        table[self.address_rows] = src - remainder
+        table[self.kind_rows] = self.kind_fixed | (remainder << 8)
         self.host_table = table
         self.table = _to_device(table, self.table.device)
 
@@ -417,7 +427,7 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
         if layout.programs:
             high, low, scale_ptr, scale_tensor = _scale_arguments(scale, layout.table)
             _flatten_kernel[(layout.programs,)](
-                layout.table, layout.base(tensors, out), out,
+                layout.table, layout.work, layout.base(tensors, out), out,
                 flag if flag is not None else layout.table, layout.n_segments, high, low,
                 scale_ptr, KINDS=layout.kinds, CHECK_FINITE=flag is not None, BLOCK=BLOCK,
                 OUT_VEC=layout.flat_vec, SCALE_TENSOR=scale_tensor, num_warps=NUM_WARPS)
@@ -439,7 +449,8 @@ def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
             if layout.programs:
                 high, low, scale_ptr, scale_tensor = _scale_arguments(scale, layout.table)
                 _unflatten_kernel[(layout.programs,)](
-                    layout.table, layout.base(tensors, flat), flat, layout.n_segments,
+                    layout.table, layout.work, layout.base(tensors, flat), flat,
+                    layout.n_segments,
                     high, low, scale_ptr, KINDS=layout.kinds, ACCUMULATE=accumulate,
                     BLOCK=BLOCK, FLAT_VEC=layout.flat_vec, SCALE_TENSOR=scale_tensor,
                     num_warps=NUM_WARPS)
@@ -452,5 +463,5 @@ def _rebindable(launch: Callable, layout: _Layout) -> Callable:
     """``launch``, with ``launch.rebind(tensors, ptrs)`` (see ``_prepared.py``)
     when its layout's offsets all start from the flat buffer and nothing is staged."""
     if layout.base_is_flat and not layout.staged_indices:
-        launch.rebind = lambda tensors, ptrs: layout.rebind(ptrs)
+        launch.rebind = lambda tensors, addresses: layout.rebind(addresses)
     return launch
