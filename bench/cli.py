@@ -169,7 +169,8 @@ NOTES = {
     "kernels": "GB/s: every element read once and written once / time; x copy: the "
                "single-tensor copy's time over the method's (1.00 = copy bandwidth); "
                "fusedreduce_host: host time of a steady-state call on the Triton path, "
-               "the kernel's execution excluded",
+               "the kernel's execution excluded; fusedreduce_host_moved: the same, every "
+               "call's tensors at other addresses (gradients set to None)",
     "reduce": "mean of every rank's gradients; GB/s: gradient bytes / time (algbw); "
               "x per_tensor: its time over the method's",
     "step": "forward + backward + gradient reduction; GB/s: gradient bytes / step time; "

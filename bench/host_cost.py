@@ -15,8 +15,18 @@ Python. This module times that cost, call by call, with ``perf_counter``:
   left out. Triton's compiled launcher does not exist on a CPU, so its cost
   (a GPU-only figure) is not in the CPU row.
 
+Two steady states are timed. In the first the call gets the same tensors
+every time (``zero_grad(set_to_none=False)``, bucket views). In the second,
+*moved*, every call gets tensors of the same layout at other addresses: what
+torch's default ``zero_grad(set_to_none=True)`` gives when the caching
+allocator hands the new gradients out in another order. The call alternates
+between two sets of tensors, so each one re-points the kept launch
+(``kernels/_prepared.py``: the span check and, on Triton, the table's
+upload).
+
 ``python -m fusedreduce.bench.host_cost CASES_JSON`` is the child's entry
-point: it prints ``{case key: [ms, ...]}`` as JSON.
+point: it prints ``{case key: [ms, ...]}`` as JSON (a moved case's key ends
+in ``MOVED_SUFFIX``).
 """
 from __future__ import annotations
 
@@ -30,6 +40,8 @@ from typing import Dict, List, Sequence
 CALLS = 200
 WARMUP = 5
 FLAT_DTYPE_NAME = "float32"
+#: what ends a moved case's key
+MOVED_SUFFIX = "|moved"
 
 
 def case_key(list_name: str, size: int, dtype: str, direction: str, scale: float) -> str:
@@ -48,19 +60,29 @@ def _time_calls(fn, calls: int) -> List[float]:
 
 
 def time_host(tensors: Sequence, out, dsts: Sequence, direction: str, scale: float,
-              calls: int = CALLS, kernels=None) -> List[float]:
+              calls: int = CALLS, kernels=None, moved: bool = False) -> List[float]:
     """Per-call host times in ms of the Triton path on these buffers (see the module
     docstring). ``kernels``: the kernel package to time (default ``fusedreduce.kernels``;
-    ``versus_revision`` passes another revision's)."""
+    ``versus_revision`` passes another revision's). ``moved``: every call's
+    tensors are at other addresses than the last call's."""
     if kernels is None:
         from fusedreduce import kernels
 
+    sides = [tensors if direction == "flatten" else dsts]
+    if moved:
+        sides.append([t.clone() for t in sides[0]])
+    turn = [0]
+
+    def side():
+        turn[0] ^= len(sides) - 1
+        return sides[turn[0]]
+
     if direction == "flatten":
         def call():
-            kernels.flatten_cast_scale(tensors, out, scale=scale, backend="triton")
+            kernels.flatten_cast_scale(side(), out, scale=scale, backend="triton")
     else:
         def call():
-            kernels.unflatten_cast_scale(out, dsts, scale=scale, backend="triton")
+            kernels.unflatten_cast_scale(out, side(), scale=scale, backend="triton")
     samples = _time_calls(call, calls)
     if out.is_cuda:
         import torch
@@ -103,6 +125,8 @@ def _child(spec: dict) -> Dict[str, List[float]]:
             for scale in case["scales"]:
                 key = case_key(case["list"], case["size"], case["dtype"], direction, scale)
                 results[key] = time_host(tensors, out, dsts, direction, scale, spec["calls"])
+                results[key + MOVED_SUFFIX] = time_host(tensors, out, dsts, direction, scale,
+                                                        spec["calls"], moved=True)
     return results
 
 

@@ -41,8 +41,11 @@ out=views)``, what FSDP2 copies out with, then ``_foreach_mul_`` unless s is
 ``fusedreduce_host`` (host cost, flatten and unflatten): what the host spends
 per steady-state call on the Triton path, the kernel's execution excluded
 (``host_cost.py``: on CUDA an unsynchronised call, on the CPU a child process
-under Triton's interpreter with the kernel's run made a no-op). Its ``ms`` is
-host time; it has no bandwidth or ratio, and the summary leaves it out.
+under Triton's interpreter with the kernel's run made a no-op);
+``fusedreduce_host_moved``: the same when every call's tensors sit at other
+addresses (gradients set to None and allocated again, re-pointing the kept
+launch). Their ``ms`` is host time; they have no bandwidth or ratio, and the
+summary leaves them out.
 
 Every method counts the same bytes: each element read once in one dtype and
 written once in the other (``n * (in_size + out_size)``), so ``gbps`` is the
@@ -83,8 +86,10 @@ ROLES = {"copy": "reference", "naive": "baseline", "views_then_scale": "baseline
          "scale_then_views": "baseline", "torch_foreach": "baseline", "torch_cat": "baseline",
          "torch_chunk_cat": "baseline",
          "torch_split_copy": "baseline", "fusedreduce": "ours",
-         "fusedreduce_fresh_out": "ours", "fusedreduce_host": "host"}
+         "fusedreduce_fresh_out": "ours", "fusedreduce_host": "host",
+         "fusedreduce_host_moved": "host"}
 HOST_METHOD = "fusedreduce_host"
+HOST_MOVED_METHOD = "fusedreduce_host_moved"
 #: what the ``timer`` of a CUDA run's config says
 DEVICE_TIMER = "device time alone (CUDA events, call queued behind a spin kernel, L2 flushed)"
 BASELINE = "copy"
@@ -220,9 +225,11 @@ def case_name(w: Workload, direction: str, scale: float) -> str:
 
 
 def measure(w: Workload, size: int, scale: float, direction: str, repeats: int,
-            host_ms: Optional[Sequence[float]] = None) -> List[dict]:
+            host_ms: Optional[Sequence[float]] = None,
+            host_moved_ms: Optional[Sequence[float]] = None) -> List[dict]:
     """Check and time every method of ``direction`` on ``w`` at ``scale``; one record
-    each, and one ``fusedreduce_host`` record of ``host_ms`` when given."""
+    each, and a ``fusedreduce_host`` record of ``host_ms`` and a
+    ``fusedreduce_host_moved`` one of ``host_moved_ms`` when given."""
     fns = METHODS[direction](w, scale)
     for name, fn in fns.items():
         check(w, scale, direction, name, fn())  # doubles as the warm-up
@@ -239,10 +246,12 @@ def measure(w: Workload, size: int, scale: float, direction: str, repeats: int,
     records = [common.result(
         "kernels", case_name(w, direction, scale), size, name, ROLES[name], BASELINE, 1,
         len(w.tensors), w.n_elements, w.bytes, samples, **extra) for name in fns]
-    if host_ms:
-        record = common.result("kernels", case_name(w, direction, scale), size, HOST_METHOD,
-                               ROLES[HOST_METHOD], BASELINE, 1, len(w.tensors), w.n_elements,
-                               w.bytes, {HOST_METHOD: host_ms, BASELINE: samples[BASELINE]},
+    for method, host_samples in ((HOST_METHOD, host_ms), (HOST_MOVED_METHOD, host_moved_ms)):
+        if not host_samples:
+            continue
+        record = common.result("kernels", case_name(w, direction, scale), size, method,
+                               ROLES[method], BASELINE, 1, len(w.tensors), w.n_elements,
+                               w.bytes, {method: host_samples, BASELINE: samples[BASELINE]},
                                **extra)
         # host time is no bandwidth, and no match for the copy's time
         record.update(gbps=None, ratio=None, host_us=record["time_ms"] * 1e3)
@@ -269,13 +278,17 @@ def run(config: dict, device: torch.device, progress: common.Progress) -> List[d
                 for scale in config["scales"]:
                     for direction in DIRECTIONS:
                         key = host_cost.case_key(list_name, size, dtype, direction, scale)
+                        moved_key = key + host_cost.MOVED_SUFFIX
                         if device.type == "cuda":
-                            host[key] = host_cost.time_host(
-                                workload.tensors, workload.out, workload.dsts, direction, scale)
+                            for k, moved in ((key, False), (moved_key, True)):
+                                host[k] = host_cost.time_host(
+                                    workload.tensors, workload.out, workload.dsts, direction,
+                                    scale, moved=moved)
                         with progress.step(f"kernels: {case_name(workload, direction, scale)}, "
                                            f"{workload.n_elements:,} elements"):
                             results += measure(workload, size, scale, direction,
-                                               config["repeats"], host.get(key))
+                                               config["repeats"], host.get(key),
+                                               host.get(moved_key))
                 del workload  # freed before the next one is built
     return results
 

@@ -16,7 +16,8 @@ torch's fastest baselines:
   (+ ``_foreach_mul_``) for unflatten, on the torch fallback (the CPU path);
 - the host cost per steady-state call of each revision's Triton path, the
   kernel's execution excluded (``TRITON_INTERPRET=1`` and the interpreter's
-  kernel runner replaced by a no-op, as in ``host_cost.py``).
+  kernel runner replaced by a no-op, as in ``host_cost.py``), with the same
+  tensors at every call and with tensors that moved (``host_cost.py``).
 
 Prints one table; run it from the repository (it needs git).
 """
@@ -109,8 +110,10 @@ def host_cost_us(versions, size, calls=300, blocks=4, scale=0.125):
     for _ in range(blocks):
         for label, kernels in versions.items():
             for direction in ("flatten", "unflatten"):
-                samples.setdefault(f"{label} {direction}", []).extend(
-                    host_cost.time_host(grads, out, dsts, direction, scale, calls, kernels))
+                for moved in (False, True):
+                    name = f"{label} {direction}{', moved' if moved else ''}"
+                    samples.setdefault(name, []).extend(host_cost.time_host(
+                        grads, out, dsts, direction, scale, calls, kernels, moved=moved))
     return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
 
 

@@ -145,7 +145,7 @@ class Prepared:
                            self.live):
             return False
         self.launch.rebind(tensors, addresses)
-        self.ptrs = list(ptrs)
+        self.ptrs = list(ptrs)  # a copy: the caller's list may change
         return True
 
 

@@ -14,9 +14,11 @@ from fusedreduce.bench.models import (n_elements, resnet50_classes, resnet50_sha
 # same-dtype split_with_sizes_copy baseline does not apply there
 CPU_METHODS = {"flatten": {"copy", "naive", "views_then_scale", "torch_foreach", "torch_cat",
                            "torch_chunk_cat",
-                           "fusedreduce", "fusedreduce_fresh_out", "fusedreduce_host"},
+                           "fusedreduce", "fusedreduce_fresh_out", "fusedreduce_host",
+                           "fusedreduce_host_moved"},
                "unflatten": {"copy", "naive", "scale_then_views", "torch_foreach",
-                             "fusedreduce", "fusedreduce_host"}}
+                             "fusedreduce", "fusedreduce_host", "fusedreduce_host_moved"}}
+HOST_ROWS = {"fusedreduce_host", "fusedreduce_host_moved"}
 
 
 quick_run = quick_run_fixture(
@@ -47,16 +49,16 @@ def test_quick_kernel_benchmark_records_the_machine_and_every_case(quick_run):
         assert {r["method"] for r in group} == CPU_METHODS[direction]
         assert all(r["baseline"] == "copy" and r["scale"] == 0.125 for r in group)
         assert all(r["role"] == ROLES[r["method"]] for r in group)
-        host = next(r for r in group if r["method"] == "fusedreduce_host")
-        # host time only: no bandwidth, no ratio; a positive time, in µs too
-        assert host["gbps"] is None and host["ratio"] is None
-        assert host["time_ms"] > 0 and math.isclose(host["host_us"], host["time_ms"] * 1e3)
+        for host in (r for r in group if r["method"] in HOST_ROWS):
+            # host time only: no bandwidth, no ratio; a positive time, in µs too
+            assert host["gbps"] is None and host["ratio"] is None
+            assert host["time_ms"] > 0 and math.isclose(host["host_us"], host["time_ms"] * 1e3)
 
 
 def test_bytes_count_one_read_and_one_write_of_every_element(quick_run):
     _, record = quick_run
     for result in record["results"]:
-        if result["method"] == "fusedreduce_host":
+        if result["method"] in HOST_ROWS:
             continue  # host time: it moves no bytes of its own
         sizes = [torch.finfo(getattr(torch, result[key])).bits // 8
                  for key in ("dtype_in", "dtype_out")]
@@ -106,7 +108,7 @@ def test_every_method_computes_the_right_result(direction, dtype, scale):
     workload = Workload("tiny", [(3, 5), (7,), (2, 2, 3)], dtype, torch.device("cpu"))
     fns = METHODS[direction](workload, scale)
     # the host-cost row is no method of its own; split_with_sizes_copy cannot cast
-    expected = CPU_METHODS[direction] - {"fusedreduce_host"}
+    expected = CPU_METHODS[direction] - HOST_ROWS
     if direction == "unflatten" and dtype == torch.float32:
         expected = expected | {"torch_split_copy"}
     assert set(fns) == expected
@@ -115,6 +117,31 @@ def test_every_method_computes_the_right_result(direction, dtype, scale):
         for t in workload.dsts:
             t.fill_(float("nan"))
         check(workload, scale, direction, name, fn())
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_the_host_rows_time_the_kept_launch_and_the_moved_ones_re_point_it(monkeypatch,
+                                                                          moved):
+    from fusedreduce.bench import host_cost
+    from fusedreduce.kernels import _prepared, triton_unavailable_reason
+    if triton_unavailable_reason() is not None:
+        pytest.skip(f"the host rows time the Triton path: {triton_unavailable_reason()}")
+    tensors = [torch.ones(3, dtype=torch.float16), torch.ones(2, 2, dtype=torch.float16)]
+    out = torch.zeros(7)
+    dsts = [torch.zeros_like(t) for t in tensors]
+    repointed, prepared = [], []
+    rebind, init = _prepared.Prepared.rebind, _prepared.Prepared.__init__
+    monkeypatch.setattr(_prepared.Prepared, "rebind",
+                        lambda self, *args: repointed.append(1) or rebind(self, *args))
+    monkeypatch.setattr(_prepared.Prepared, "__init__",
+                        lambda self, *args, **kw: prepared.append(1) or init(self, *args, **kw))
+    for direction in DIRECTIONS:
+        repointed.clear(), prepared.clear()
+        samples = host_cost.time_host(tensors, out, dsts, direction, 0.5, calls=4, moved=moved)
+        assert len(samples) == 4
+        # one preparation; then every call of a moved row re-points it
+        assert len(prepared) == 1, direction
+        assert len(repointed) == (host_cost.WARMUP + 4 - 1 if moved else 0), direction
 
 
 def test_the_result_check_rejects_a_wrong_buffer():
