@@ -131,22 +131,28 @@ class BackwardOverlap:
             self._sync_enabled = previous
 
     def _on_grad_ready(self, slot: int) -> None:
+        # runs once per parameter per backward: kept to the fewest Python steps
         task = _graph_task_id()
         if not self._in_backward or task not in self._tasks:
             self._enter(task)
         if not self._syncing:
             return
-        bucket_index, _ = self.plan.location[slot]
-        if self._fired[slot]:
+        bucket_index = self.plan.location[slot][0]
+        fired = self._fired
+        if fired[slot]:
             # accumulated again in this pass (a reentrant checkpoint's segment
             # and the outer graph both use it): a started bucket is stale
             self._twice.add(slot)
             if bucket_index < self._next_launch:
                 self._restart.add(bucket_index)
             return
-        self._fired[slot] = True
-        self._ready[bucket_index] -= 1
-        self._launch_ready()
+        fired[slot] = True
+        ready = self._ready
+        ready[bucket_index] -= 1
+        # buckets start in order: nothing can start unless the next one is ready
+        following = self._next_launch
+        if following < len(ready) and not ready[following]:
+            self._launch_ready()
 
     def _enter(self, task: Optional[int]) -> None:
         """The first hook of graph task ``task`` in this pass, or of a pass."""
@@ -318,7 +324,10 @@ def _current_node():
     return current() if current is not None else None
 
 
-def _graph_task_id() -> Optional[int]:
-    """The running backward's id (None where torch does not expose one)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current() if current is not None else None
+def _no_graph_task_id() -> None:
+    return None
+
+
+#: the running backward's id (None where torch does not expose one)
+_graph_task_id: Callable[[], Optional[int]] = getattr(torch._C, "_current_graph_task_id",
+                                                      _no_graph_task_id)
