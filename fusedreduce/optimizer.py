@@ -521,13 +521,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ...     opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); return loss
             >>> loss = opt.step(closure)                          # doctest: +SKIP
         """
-        if self.bcast_period > 0 and self._all_params():
-            refuse_in_capture(
-                self._all_params()[0].device,
-                f"a step with bcast_period={self.bcast_period} (which steps broadcast is "
-                f"counted on the host, so every replay would repeat the captured step's choice)",
-                "pass bcast_period=0 or -1, and call broadcast_parameters() between replays "
-                "when the replicas should be re-synchronised")
+        if self.bcast_period > 0:
+            first = next((p for g in self.param_groups for p in g["params"]), None)
+            if first is not None:
+                refuse_in_capture(
+                    first.device,
+                    f"a step with bcast_period={self.bcast_period} (which steps broadcast is "
+                    f"counted on the host, so every replay would repeat the captured step's "
+                    f"choice)",
+                    "pass bcast_period=0 or -1, and call broadcast_parameters() between "
+                    "replays when the replicas should be re-synchronised")
         self._follow_requires_grad()
         if self.shard:
             loss = None
