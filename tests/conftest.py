@@ -25,6 +25,12 @@ import device_mode
 settings.register_profile(
     "ci", max_examples=30, deadline=None, derandomize=True, database=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# "compat": fewer derandomized examples, for re-running the Triton-facing
+# tests on another Triton version (.ci/run's oldest-Triton run), where what is
+# checked is that every kernel path still works there
+settings.register_profile(
+    "compat", max_examples=10, deadline=None, derandomize=True, database=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile(
     "dev", max_examples=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
