@@ -396,10 +396,18 @@ class DistributedGradReducer:
             TypeError: a non-tensor or sparse gradient (the index is named).
             ValueError: the count, or a shape/dtype/device, does not match the
                 parameters (the index is named).
-            RuntimeError: the ranks' parameter lists differ (first call only).
+            RuntimeError: the ranks' parameter lists differ (first call only);
+                called during CUDA graph capture.
         """
         single = isinstance(grads, torch.Tensor)
         grad_list = [grads] if single else list(grads)
+        if self.parameters:
+            refuse_in_capture(
+                self.parameters[0].device,
+                "calling a DistributedGradReducer on gradients (it returns new tensors at "
+                "every call, so its write-back is prepared again)",
+                "register_hooks() reduces .grad in place, in launches an eager step prepared, "
+                "and can be captured")
         self._check_grads(grad_list)
         self._verify_once()
         ordered = [grad_list[i] for i in self._order]

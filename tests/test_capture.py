@@ -195,6 +195,7 @@ def capture_on_rank(rank, world_size):
             sgd(m), find_unused_parameters=False, bcast_period=3)),
         "accumulation": _accumulation_refusal(rank, lambda m: DistributedOptimizer(
             sgd(m), find_unused_parameters=False, backward_passes_per_step=2)),
+        "reducer_call": _reducer_call_refusal(rank),
         "adasum_allreduce": _one_shot_refusal(rank, world_size, "adasum_allreduce"),
         "broadcast_tensors": _one_shot_refusal(rank, world_size, "broadcast_tensors"),
     }
@@ -215,6 +216,23 @@ def _accumulation_refusal(rank, make):
     try:
         with simulated_capture():
             model(_batch(rank, 4)).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def _reducer_call_refusal(rank):
+    """The message a simulated capture of a reducer call (MindSpore's way:
+    new tensors returned) raises after two eager calls (None if it ran)."""
+    from fusedreduce import DistributedGradReducer
+    model = _Net()
+    reducer = DistributedGradReducer(list(model.parameters()), backend="triton")
+    grads = [torch.full_like(p, rank + 1.0) for p in model.parameters()]
+    for _ in range(2):
+        reducer(grads)
+    try:
+        with simulated_capture():
+            reducer(grads)
     except RuntimeError as exc:
         return str(exc)
     return None
@@ -259,6 +277,7 @@ def test_a_steady_state_step_passes_a_simulated_capture_and_gives_the_eager_step
     ("shard", "shard=True runs eagerly"),
     ("bcast_period", "bcast_period=0 or -1"),
     ("accumulation", "passes_per_sync=1 (backward_passes_per_step=1)"),
+    ("reducer_call", "register_hooks() reduces .grad in place"),
     ("adasum_allreduce", "DistributedOptimizer or DistributedGradReducer"),
     ("broadcast_tensors", "DistributedOptimizer or DistributedGradReducer")])
 def test_what_needs_the_host_is_refused_during_capture_on_every_rank(captured, name, remedy):
