@@ -122,7 +122,7 @@ def _bench_record(direction, dtype, method, role, time_ms, size=4_000_000, scale
             "list": "resnet50", "direction": direction, "dtype": dtype, "scale": scale,
             "method": method, "role": role, "time_ms": time_ms, "n_elements": size,
             "gbps": 24e-3 / time_ms, "ratio": 1.0 / time_ms,
-            "host_us": 40.0 if role == "host" else None}
+            "host_us": time_ms * 1e3 if role == "host" else None}
 
 
 def test_the_verdict_quotes_ours_beside_torchs_best_at_the_largest_size(capsys, tmp_path):
@@ -138,20 +138,24 @@ def test_the_verdict_quotes_ours_beside_torchs_best_at_the_largest_size(capsys, 
                       _bench_record(direction, "float16", "fusedreduce", "ours", 1.25 * factor,
                                     size),
                       _bench_record(direction, "float16", "fusedreduce_host", "host",
-                                    0.04, size)]
+                                    0.04, size),
+                      _bench_record(direction, "float16", "fusedreduce_host_moved", "host",
+                                    0.06, size)]
     bench.append(_bench_record("flatten", "float16", "fusedreduce", "ours", 9.0, scale=1.0))
     rows = gpu_check.verdict_rows(checks, bench)
     row = next(r for r in rows if (r["kernel"], r["dtype"]) == ("flatten", "float16"))
     assert row["torch"] == "ok" and row["n_elements"] == 4_000_000
     assert row["best_torch"] == "torch_cat"
     assert math.isclose(row["x_copy"], 0.8) and math.isclose(row["best_torch_x_copy"], 1 / 1.6)
-    assert math.isclose(row["x_best_torch"], 1.6 / 1.25) and row["host_us"] == 40.0
+    assert math.isclose(row["x_best_torch"], 1.6 / 1.25)
+    assert math.isclose(row["host_us"], 40.0) and math.isclose(row["host_moved_us"], 60.0)
     assert next(r for r in rows if r["kernel"] == "adasum_stats")["gbps"] is None
 
     machine = gpu_check.environment(CPU)
     ok = gpu_check.print_verdict(machine, checks, bench, None, 1.0)
     out = capsys.readouterr().out
     assert ok and "# PASS" in out and "torch_cat" in out and "x best torch" in out
+    assert "host us, moved" in out
     assert f"Triton {machine['triton']}" in out
 
     pytest.importorskip("matplotlib")
