@@ -30,6 +30,7 @@ in ``MOVED_SUFFIX``).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -68,21 +69,15 @@ def time_host(tensors: Sequence, out, dsts: Sequence, direction: str, scale: flo
     if kernels is None:
         from fusedreduce import kernels
 
-    sides = [tensors if direction == "flatten" else dsts]
-    if moved:
-        sides.append([t.clone() for t in sides[0]])
-    turn = [0]
-
-    def side():
-        turn[0] ^= len(sides) - 1
-        return sides[turn[0]]
+    mine = tensors if direction == "flatten" else dsts
+    sides = itertools.cycle([mine, [t.clone() for t in mine]] if moved else [mine])
 
     if direction == "flatten":
         def call():
-            kernels.flatten_cast_scale(side(), out, scale=scale, backend="triton")
+            kernels.flatten_cast_scale(next(sides), out, scale=scale, backend="triton")
     else:
         def call():
-            kernels.unflatten_cast_scale(out, side(), scale=scale, backend="triton")
+            kernels.unflatten_cast_scale(out, next(sides), scale=scale, backend="triton")
     samples = _time_calls(call, calls)
     if out.is_cuda:
         import torch

@@ -138,7 +138,7 @@ def parameter_broadcast(
                                or not isinstance(layout, Iterable)):
         raise TypeError(f"layout must be a dict keyed by parameter name, got "
                         f"{type(layout).__name__}")
-    refuse_one_shot_in_capture(list(module.parameters())[:1], "parameter_broadcast")
+    refuse_one_shot_in_capture(module.parameters(), "parameter_broadcast")
     world_size = require_process_group(group)
     rank = dist.get_rank(group)
     if cur_rank is not None and cur_rank != rank:
@@ -185,7 +185,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0,
         >>> broadcast_optimizer_state(optimizer, src=0)          # doctest: +SKIP
     """
     check_instance(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
-    refuse_one_shot_in_capture([p for g in optimizer.param_groups for p in g["params"]][:1],
+    refuse_one_shot_in_capture((p for g in optimizer.param_groups for p in g["params"]),
                                "broadcast_optimizer_state")
     world_size = require_process_group(group)
     check_rank(src, "src", world_size)

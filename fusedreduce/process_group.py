@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, Iterable, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,11 +69,13 @@ ONE_SHOT_REMEDY = ("call it before or after the capture. Inside a captured step 
                    "which check once, when built, and keep their buffers")
 
 
-def refuse_one_shot_in_capture(tensors: Sequence[torch.Tensor], name: str) -> None:
+def refuse_one_shot_in_capture(tensors: Iterable[torch.Tensor], name: str) -> None:
     """Refuse ``name`` (a function that plans, checks across ranks and allocates
-    at every call) during CUDA graph capture, before it does anything."""
-    if tensors:
-        refuse_in_capture(tensors[0].device, f"{name} (it plans, checks the ranks' tensors on "
+    at every call) during CUDA graph capture, before it does anything; the
+    first of ``tensors`` says which device's stream to look at."""
+    first = next(iter(tensors), None)
+    if first is not None:
+        refuse_in_capture(first.device, f"{name} (it plans, checks the ranks' tensors on "
                           f"the host and allocates its buffers at every call)", ONE_SHOT_REMEDY)
 
 

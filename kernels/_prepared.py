@@ -135,7 +135,8 @@ class Prepared:
     def rebind(self, tensors: Sequence[torch.Tensor], ptrs: Sequence[int]) -> bool:
         """Re-point the launch at moved tensors (``ptrs``, their addresses) if
         the layout allows it and the tensors' bytes are clear of the buffer
-        (and, for outputs, of each other); whether it did. The launch's
+        (and, for outputs, of each other); whether it did. ``ptrs`` is a list
+        the caller hands over (``matches`` makes it): it is kept. The launch's
         ``rebind(tensors, addresses)`` gets the addresses as an int64 array."""
         if self.nbytes is None or len(ptrs) != len(self.nbytes):
             return False
@@ -145,7 +146,7 @@ class Prepared:
                            self.live):
             return False
         self.launch.rebind(tensors, addresses)
-        self.ptrs = list(ptrs)  # a copy: the caller's list may change
+        self.ptrs = ptrs
         return True
 
 

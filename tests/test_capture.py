@@ -144,17 +144,24 @@ def _train(model, optimizer, rank, steps, first=0, capture_from=None):
             optimizer.step()
 
 
+def _message_in_capture(call):
+    """The ``RuntimeError`` message ``call()`` raises in a simulated capture,
+    or None if it runs."""
+    try:
+        with simulated_capture():
+            call()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 def _refusal(rank, make, steps=2):
     """The message a simulated capture of the step after ``steps`` eager
     ones raises, or None."""
     model = _Net()
     optimizer = make(model)
     _train(model, optimizer, rank, steps)
-    try:
-        _train(model, optimizer, rank, 1, first=steps, capture_from=steps)
-    except RuntimeError as exc:
-        return str(exc)
-    return None
+    return _message_in_capture(lambda: _train(model, optimizer, rank, 1, first=steps))
 
 
 def capture_on_rank(rank, world_size):
@@ -213,12 +220,7 @@ def _accumulation_refusal(rank, make):
             model(_batch(rank, 2 * step + micro)).backward()
         optimizer.step()
     optimizer.zero_grad(set_to_none=False)
-    try:
-        with simulated_capture():
-            model(_batch(rank, 4)).backward()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
+    return _message_in_capture(lambda: model(_batch(rank, 4)).backward())
 
 
 def _reducer_call_refusal(rank):
@@ -230,12 +232,7 @@ def _reducer_call_refusal(rank):
     grads = [torch.full_like(p, rank + 1.0) for p in model.parameters()]
     for _ in range(2):
         reducer(grads)
-    try:
-        with simulated_capture():
-            reducer(grads)
-    except RuntimeError as exc:
-        return str(exc)
-    return None
+    return _message_in_capture(lambda: reducer(grads))
 
 
 def _one_shot_refusal(rank, world_size, name):
@@ -246,13 +243,10 @@ def _one_shot_refusal(rank, world_size, name):
     before = [t.clone() for t in tensors]
     call = {"adasum_allreduce": lambda: fusedreduce.adasum_allreduce(tensors),
             "broadcast_tensors": lambda: fusedreduce.broadcast_tensors(tensors, src=0)}[name]
-    try:
-        with simulated_capture():
-            call()
-    except RuntimeError as exc:
+    message = _message_in_capture(call)
+    if message is not None:
         assert all(torch.equal(a, b) for a, b in zip(tensors, before))
-        return str(exc)
-    return None
+    return message
 
 
 @pytest.fixture(scope="module", params=[1, 2])
