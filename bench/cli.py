@@ -103,6 +103,16 @@ def build_parser(prog: str = "fusedreduce-bench") -> argparse.ArgumentParser:
     return parser
 
 
+#: benchmarks that measure work beside the collective run on one rank too (the
+#: all-reduce is then a copy), so a machine with one GPU can run them
+ONE_RANK_COMMANDS = frozenset({"clip"})
+
+
+def min_ranks(command: str) -> int:
+    """The fewest ranks ``command``'s collectives part runs on."""
+    return 1 if command in ONE_RANK_COMMANDS else 2
+
+
 def _device_type(requested: str, needs_ranks: bool, world_size: int, joined: bool) -> str:
     """``cpu`` or ``cuda``; spawned collectives need one GPU per worker."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -237,8 +247,9 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "fusedreduce-bench") 
         if args.world_size not in (None, world_size):
             raise SystemExit(f"--world-size {args.world_size}, but torchrun launched "
                              f"{world_size} ranks")
-    if collective_parts and world_size < 2:
-        raise SystemExit(f"{args.command} needs at least 2 ranks, got --world-size {world_size}")
+    if collective_parts and world_size < min_ranks(args.command):
+        raise SystemExit(f"{args.command} needs at least {min_ranks(args.command)} ranks, "
+                         f"got --world-size {world_size}")
     lead = rank == 0
     device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
               else torch.device("cpu"))

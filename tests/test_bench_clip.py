@@ -4,8 +4,11 @@ No timing is asserted: these tests prove the benchmark works, never that one
 method is faster than another.
 """
 import math
+import subprocess
+import sys
 
 from bench_utils import assert_exits_cleanly_and_prints, check_record, quick_run_fixture
+from harness import ROOT, TIMEOUT
 
 METHODS = ["reduce_only", "torch_clip", "fused_clip"]
 WRITE_BACK = ["write_back", "write_back_torch_clip", "write_back_fused_clip"]
@@ -64,3 +67,12 @@ def test_quick_clip_benchmark_writes_the_documented_json(quick_run):
             assert math.isclose(r["clip_ms"], r["time_ms"] - floor)
             assert r["n_tensors"] == (161 if case.startswith("resnet50") else 147)
             assert r["bytes"] == r["n_elements"] * (4 if r["dtype"] == "float32" else 2)
+
+
+def test_clip_runs_on_one_rank_where_the_collective_benchmarks_need_two():
+    # a machine with one GPU can measure clipping: the all-reduce is then a copy
+    process = subprocess.run(
+        [sys.executable, "-m", "fusedreduce.bench", "clip", "--quick", "--world-size", "1",
+         "--sizes", "30K", "--repeats", "1", "--no-progress"], cwd=ROOT, capture_output=True,
+        text=True, timeout=TIMEOUT)
+    assert_exits_cleanly_and_prints(process, METHODS + WRITE_BACK + ["1 ranks"])
