@@ -32,8 +32,9 @@ the same three are timed again on the write-back alone, without the
 collective (each rank's reduced buffers stand in, ``BucketPlan`` as the
 reducer lays them out): ``write_back`` (the unflatten with the mean's
 postscale), ``write_back_torch_clip`` (that, then ``clip_grad_norm_``) and
-``write_back_fused_clip`` (the norm of the buffers, then the unflatten with
-the coefficient in its scale), in cases labelled "write-back only".
+``write_back_fused_clip`` (the norm of the buffers and the coefficient,
+``clipping.clip_buffers``, then the unflatten with the coefficient in its
+scale), in cases labelled "write-back only".
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from typing import Callable, Dict, List
 import torch
 
 from fusedreduce import BucketPlan, DistributedGradReducer, communication_dtype
-from fusedreduce.clipping import clip_scales, flat_norm_power
+from fusedreduce.clipping import clip_buffers
 
 from . import common, timing
 from .models import gradients
@@ -94,8 +95,7 @@ def _write_backs(grads: List[torch.Tensor], world_size: int) -> Dict[str, Callab
         _clip_as_torch_does(holders, outputs)
 
     def fused_clip():
-        powers = [flat_norm_power(buffer, 2.0) for buffer in buffers]
-        _, scales = clip_scales(powers, [postscale] * len(buffers), MAX_NORM, 2.0)
+        _, scales = clip_buffers(buffers, [postscale] * len(buffers), MAX_NORM, 2.0)
         for bucket, buffer, scale in zip(plan.buckets, buffers, scales):
             plan.unflatten(bucket, buffer, outputs, scale=scale)
 

@@ -248,19 +248,19 @@ def _check_accumulate(tensors, dtype, backend):
 
 
 def _check_clip_norm(tensors, dtype, backend):
-    """The clipping norm (``clipping.flat_norm_power``: rows of ``NORM_ROW``
-    elements, each row's norm in the buffer's precision, fp32 at least, the
-    rows added in fp64) of the flattened gradients, 2-norm and max norm,
-    against float64 on the CPU; and the same bits from a second call (the
-    value every rank computes must not vary)."""
-    from fusedreduce.clipping import NORM_ROW, flat_norm_power
+    """The clipping norm (``clipping.norm_powers`` on ``backend``: rows of
+    ``NORM_ROW`` elements, each row's sum in the buffer's precision, fp32 at
+    least, the rows added in fp64) of the flattened gradients, 2-norm and max
+    norm, against float64 on the CPU; and the same bits from a second call
+    (the value every rank computes must not vary)."""
+    from fusedreduce.clipping import NORM_ROW, norm_powers
     flat = flatten_cast_scale(tensors, dtype=_flat_dtype(dtype), backend=backend)
     exact = flat.cpu().to(torch.float64)
     compute = torch.float64 if flat.dtype == torch.float64 else torch.float32
     worst, got = 0.0, []
     for norm_type in (2.0, math.inf):
-        power = flat_norm_power(flat, norm_type)
-        again = flat_norm_power(flat, norm_type)
+        power = norm_powers([flat], norm_type, backend=backend)[0]
+        again = norm_powers([flat], norm_type, backend=backend)[0]
         norm = float(power) if norm_type == math.inf else float(power) ** 0.5
         want = float(exact.abs().max()) if norm_type == math.inf else float(exact.norm())
         if not torch.equal(power, again):

@@ -6,10 +6,13 @@ tensor). The reducer has the reduced gradients in a few flat buffers already
 and writes them back with one unflatten launch per bucket anyway, so here:
 
 - the norm is taken from the flat buffers (their padding is zero and adds
-  nothing), in rows of ``NORM_ROW`` elements: each row's norm in the buffer's
-  dtype, then the rows' p-th powers summed in fp64, bucket by bucket in plan
-  order. The order is fixed by the layout alone, so every rank (all hold the
-  same reduced buffers) gets the same bits, whatever its thread count;
+  nothing), in rows of ``NORM_ROW`` elements: each row's sum of powers in
+  fp32 (fp64 for fp64 buffers), then the rows summed in fp64, bucket by bucket
+  in plan order. The order is fixed by the layout alone, so every rank (all
+  hold the same reduced buffers) gets the same bits, whatever its thread
+  count. The kernels are ``fusedreduce.kernels.norm``'s: on the Triton backend
+  the norm, the coefficient and every bucket's scale take two launches, on the
+  torch fallback a few ops per bucket;
 - the clip coefficient ``min(1, max_norm / (norm + 1e-6))`` is torch's,
   computed in fp32 on the device, and multiplied into each bucket's
   postscale as a one-element fp64 tensor the unflatten kernel reads: no host
@@ -21,16 +24,17 @@ and writes them back with one unflatten launch per bucket anyway, so here:
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .kernels._backends import backend_for
 from .kernels._checks import refuse_in_capture
+from .kernels._common import NORM_ROW
 
-#: elements per row of the norm's fixed summation order
-NORM_ROW = 2048
+__all__ = ["NORM_ROW", "check_clipping", "clip_buffers", "clip_scales", "norm_powers",
+           "raise_if_nonfinite"]
 
 
 def check_clipping(max_grad_norm, norm_type, error_if_nonfinite) -> Tuple[Optional[float], float]:
@@ -57,60 +61,34 @@ def check_clipping(max_grad_norm, norm_type, error_if_nonfinite) -> Tuple[Option
     return (None if max_grad_norm is None else float(max_grad_norm)), float(norm_type)
 
 
-def flat_norm_power(buffer: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """The sum of ``|x| ** norm_type`` over ``buffer`` (its max ``|x|`` for
-    ``math.inf``) as a 0-d fp64 tensor, in the fixed order the module
-    describes."""
-    size = buffer.numel()
-    whole = size - size % NORM_ROW
-    compute = torch.float32 if buffer.element_size() < 4 else None  # no 16-bit overflow
-    pieces = []
-    if whole:
-        pieces.append(torch.linalg.vector_norm(buffer[:whole].view(-1, NORM_ROW), norm_type,
-                                               dim=1, dtype=compute))
-    if size > whole:
-        pieces.append(torch.linalg.vector_norm(buffer[whole:], norm_type, dtype=compute)
-                      .reshape(1))
-    if not pieces:
-        return torch.zeros((), dtype=torch.float64, device=buffer.device)
-    rows = torch.cat(pieces).double() if len(pieces) > 1 else pieces[0].double()
-    if norm_type == math.inf:
-        return rows.max()
-    return rows.pow(norm_type).sum()
+def norm_powers(buffers: Sequence[torch.Tensor], norm_type: float,
+                backend: str = "auto") -> torch.Tensor:
+    """Each buffer's sum of ``|x| ** norm_type`` (max ``|x|`` for ``math.inf``),
+    as one fp64 vector on their device, in the fixed order the module describes."""
+    return backend_for(backend, buffers[0].device).norm_powers(buffers, norm_type)
 
 
-def clip_scales(powers: Sequence[torch.Tensor], postscales: Sequence[float], max_norm: float,
-                norm_type: float, loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """``(total_norm, scales)`` from each bucket's ``flat_norm_power`` and the
-    postscale its unflatten applies: the norm of the written gradients
-    divided by ``loss_scale`` (a number or a one-element tensor; None: 1),
-    as a 0-d fp32 tensor like torch's ``clip_grad_norm_`` returns, and, per
-    bucket, the postscale times the clip coefficient (one-element fp64 views
-    of one vector on the device: the unflatten's scale). The gradients keep
+def clip_scales(powers: torch.Tensor, postscales: Sequence[float], max_norm: float,
+                norm_type: float, loss_scale=None,
+                backend: str = "auto") -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """``(total_norm, scales)`` from the buffers' ``norm_powers`` and the
+    postscale each buffer's unflatten applies: the norm of the written
+    gradients divided by ``loss_scale`` (a number or a one-element tensor;
+    None: 1), as a 0-d fp32 tensor like torch's ``clip_grad_norm_`` returns,
+    and, per buffer, the postscale times the clip coefficient (one-element
+    fp64 tensors on the device: the unflatten's scale). The gradients keep
     their loss scale: a GradScaler unscales them as usual."""
-    device = powers[0].device
-    post, signed = _postscale_vectors(tuple(postscales), device)
-    stacked = torch.stack(list(powers))
-    if norm_type == math.inf:
-        total = (stacked * post).max()
-    else:
-        total = (stacked * post.pow(norm_type)).sum().pow(1.0 / norm_type)
-    if loss_scale is not None:
-        total = total / (loss_scale.to(device, torch.float64).reshape(())
-                         if isinstance(loss_scale, torch.Tensor) else float(loss_scale))
-    total = total.float()
-    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    return total, list((signed * coefficient.double()).unbind(0))
+    return backend_for(backend, powers.device).clip_scales(powers, postscales, max_norm,
+                                                           norm_type, loss_scale)
 
 
-@functools.lru_cache(maxsize=64)
-def _postscale_vectors(postscales: Tuple[float, ...],
-                       device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The buckets' postscales, absolute and signed, as fp64 vectors on
-    ``device``: the same every step, so uploaded once (a per-step upload would
-    cost a host-to-device copy, and could not be captured in a CUDA graph)."""
-    signed = torch.tensor(postscales, dtype=torch.float64, device=device)
-    return signed.abs(), signed
+def clip_buffers(buffers: Sequence[torch.Tensor], postscales: Sequence[float],
+                 max_norm: float, norm_type: float, loss_scale=None,
+                 backend: str = "auto") -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """``clip_scales`` of the buffers' ``norm_powers``: on the Triton backend
+    two launches in all, whatever the number of buffers."""
+    return backend_for(backend, buffers[0].device).clip_buffers(
+        buffers, postscales, max_norm, norm_type, loss_scale)
 
 
 def raise_if_nonfinite(total: torch.Tensor, norm_type: float) -> None:

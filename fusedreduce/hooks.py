@@ -31,7 +31,7 @@ from . import kernels
 from ._checks import check_int, check_prescale
 from .adasum import adasum_allreduce_plan, adasum_flat_unchecked, check_local_size
 from .buckets import BucketPlan, TensorSpec
-from .clipping import check_clipping, clip_scales, flat_norm_power, raise_if_nonfinite
+from .clipping import check_clipping, clip_buffers, raise_if_nonfinite
 from .precision import communication_dtype, split_scale
 from .process_group import global_ranks, require_process_group
 
@@ -220,11 +220,9 @@ class HookState:
         try:
             for reduced, *_ in entries:
                 reduced.value()  # raises if a collective failed
-            powers = [flat_norm_power(flat_of(), self.norm_type)
-                      for _, flat_of, *_ in entries]
-            self.grad_norm, scales = clip_scales(powers, [e[2] for e in entries],
-                                                 self.max_grad_norm, self.norm_type,
-                                                 self.loss_scale)
+            self.grad_norm, scales = clip_buffers(
+                [flat_of() for _, flat_of, *_ in entries], [e[2] for e in entries],
+                self.max_grad_norm, self.norm_type, self.loss_scale, backend=self.backend)
             if self.error_if_nonfinite:
                 raise_if_nonfinite(self.grad_norm, self.norm_type)
             results = [write_back(scale) for (_, _, _, write_back, _), scale

@@ -25,7 +25,7 @@ from .allreduce import (PendingBucket, finish_bucket, start_all_reduce, start_bu
                         wait_for)
 from .bucket_views import BucketViews
 from .buckets import BucketPlan
-from .clipping import check_clipping, clip_scales, flat_norm_power, raise_if_nonfinite
+from .clipping import check_clipping, clip_buffers, clip_scales, raise_if_nonfinite
 from .overlap import BackwardOverlap
 from .precision import communication_dtype, split_scale
 from .process_group import require_process_group, verify_same_on_all_ranks
@@ -284,25 +284,32 @@ class DistributedGradReducer:
 
     def _clipped_postscales(self, pending: Sequence[PendingBucket]) -> List:
         """Wait for every bucket; each bucket's postscale times the clip
-        coefficient of the reduced buffers' norm (``_clip``)."""
-        for p in pending:
-            wait_for(p)
-        if not pending:
-            return []
-        return self._clip(pending, [flat_norm_power(p.flat[:p.bucket.size], self.norm_type)
-                                    for p in pending])
-
-    def _clip(self, pending: Sequence[PendingBucket], powers: Sequence[torch.Tensor]) -> List:
-        """From each pending bucket's sum of powers (``clipping.flat_norm_power``):
-        the total norm into ``grad_norm``, and each bucket's postscale times
-        the clip coefficient, as a one-element device tensor (see ``clipping``).
+        coefficient of the reduced buffers' norm, as a one-element device
+        tensor (``clipping.clip_buffers``), the total norm into ``grad_norm``.
 
         Raises:
             RuntimeError: the norm is non-finite and ``error_if_nonfinite``.
         """
-        postscales = [self._scales[p.bucket.index][1] for p in pending]
-        self.grad_norm, scales = clip_scales(powers, postscales, self.max_grad_norm,
-                                             self.norm_type, self.loss_scale)
+        for p in pending:
+            wait_for(p)
+        if not pending:
+            return []
+        self.grad_norm, scales = clip_buffers(
+            [p.flat[:p.bucket.size] for p in pending], self._postscales_of(pending),
+            self.max_grad_norm, self.norm_type, self.loss_scale, backend=self.backend)
+        if self.error_if_nonfinite:
+            raise_if_nonfinite(self.grad_norm, self.norm_type)
+        return scales
+
+    def _postscales_of(self, pending: Sequence[PendingBucket]) -> List[float]:
+        return [self._scales[p.bucket.index][1] for p in pending]
+
+    def _clip(self, pending: Sequence[PendingBucket], powers: torch.Tensor) -> List:
+        """``_clipped_postscales`` from each pending bucket's sum of powers
+        (``clipping.norm_powers``, a float64 vector), already computed."""
+        self.grad_norm, scales = clip_scales(powers, self._postscales_of(pending),
+                                             self.max_grad_norm, self.norm_type,
+                                             self.loss_scale, backend=self.backend)
         if self.error_if_nonfinite:
             raise_if_nonfinite(self.grad_norm, self.norm_type)
         return scales

@@ -36,7 +36,7 @@ from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_
                      adasum_tree_share)
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
 from .buckets import Bucket, BucketPlan
-from .clipping import flat_norm_power
+from .clipping import norm_powers
 from .reducer import DistributedGradReducer
 from .sharded import PartRange, _all_gather, ranges_between, start_bucket_reduce_scatter
 
@@ -251,11 +251,11 @@ class ShardedGradReducer(DistributedGradReducer):
         all-reduce of the per-bucket sums of powers (maxima for the max
         norm), so every rank computes the same bits."""
         parts = [flat[slice(*self.owned[p.bucket.index])] for p, flat in zip(pending, flats)]
-        powers = torch.stack([flat_norm_power(part, self.norm_type) for part in parts])
+        powers = norm_powers(parts, self.norm_type, backend=self.backend)
         if self.world_size > 1:
             op = dist.ReduceOp.MAX if self.norm_type == math.inf else dist.ReduceOp.SUM
             dist.all_reduce(powers, op=op, group=self.group)
-        return self._clip(pending, list(powers.unbind(0)))
+        return self._clip(pending, powers)
 
     def _finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
         flats = []

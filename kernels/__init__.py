@@ -19,6 +19,12 @@ Flatten semantics (both backends):
 - flat elements not covered by any tensor (padding between ``offsets``) are
   written as zero by ``flatten_cast_scale`` and ignored by the inverse.
 
+``norm_powers`` is the clipping norm's kernel: each flat buffer's sum of
+``|x| ** p`` in a fixed order (rows of ``NORM_ROW`` elements summed in fp32,
+fp64 for fp64 buffers, the rows then added in fp64), the same bits on every
+rank that holds the same buffers; on Triton two launches for any number of
+buffers.
+
 AdaSum functions take the segments of their flat buffers as ``segments``: the
 ``n + 1`` boundaries ``[0, ..., size]`` of ``n`` segments (one per tensor).
 
@@ -36,7 +42,7 @@ from ._backends import (backend_for, check_backend, resolve_backend, triton_avai
                         triton_unavailable_reason)
 from ._checks import check_scale
 from ._common import (ADASUM_CHUNK, ADASUM_FP32_LIMIT, ADASUM_NORM_FLOOR, ALIGN_BYTES,
-                      SIXTEEN_BIT_DTYPES, SUPPORTED_DTYPES, adasum_chunk_counts as _chunk_counts,
+                      NORM_ROW, SIXTEEN_BIT_DTYPES, SUPPORTED_DTYPES, adasum_chunk_counts as _chunk_counts,
                       packed_boundaries, scratch_buffer)
 
 __all__ = [
@@ -48,6 +54,8 @@ __all__ = [
     "adasum_chunk_counts",
     "adasum_combine",
     "check_segments",
+    "norm_powers",
+    "NORM_ROW",
     "packed_boundaries",
     "scratch_buffer",
     "ADASUM_NORM_FLOOR",
@@ -269,6 +277,50 @@ def check_segments(segments: Sequence[int], size: Optional[int] = None) -> List[
         [0, 3, 3, 5]
     """
     return _checks.check_boundaries(segments, size)
+
+
+def norm_powers(buffers: Sequence[torch.Tensor], norm_type: float = 2.0, *,
+                backend: str = "auto") -> torch.Tensor:
+    """Each buffer's sum of ``|x| ** norm_type`` (its max ``|x|`` for
+    ``math.inf``), as one float64 vector on the buffers' device.
+
+    The order of the sum is fixed by the buffers' sizes alone (rows of
+    ``NORM_ROW`` elements, each summed in fp32, or fp64 for fp64 buffers, then
+    the rows added in fp64), so two processes holding the same buffers get the
+    same bits, whatever their thread count; the two backends may differ in
+    the last bits. ``norm_powers(bufs, p).sum() ** (1 / p)`` is the buffers'
+    total p-norm. The reducers' ``max_grad_norm`` is built on it.
+
+    Args:
+        buffers: 1-D contiguous tensors of one device, any supported dtypes
+            (at least one; empty ones give 0).
+        norm_type: the order p, positive; ``math.inf`` for the max norm.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see ``resolve_backend``).
+
+    Raises:
+        TypeError: ``buffers`` not a list or tuple of tensors, an unsupported
+            dtype, or ``norm_type`` not a number.
+        ValueError: no buffers, a buffer not 1-D contiguous, buffers on
+            different devices, or ``norm_type`` not positive.
+        RuntimeError: the backend cannot run here (see ``resolve_backend``).
+
+    Examples:
+        >>> norm_powers([torch.tensor([3.0, -4.0]), torch.tensor([1.0])])
+        tensor([25.,  1.], dtype=torch.float64)
+        >>> norm_powers([torch.tensor([3.0, -4.0])], float("inf"))
+        tensor([4.], dtype=torch.float64)
+    """
+    buffers = _checks.check_tensors(buffers, "buffers")
+    if not buffers:
+        raise ValueError("buffers must hold at least one tensor")
+    for i, b in enumerate(buffers):
+        _checks.check_flat(b, f"buffers[{i}]")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+        raise TypeError(f"norm_type must be a number, got {type(norm_type).__name__}")
+    if not norm_type > 0:  # NaN fails too
+        raise ValueError(f"norm_type must be positive (math.inf for the max norm), "
+                         f"got {norm_type}")
+    return backend_for(backend, buffers[0].device).norm_powers(buffers, float(norm_type))
 
 
 def _chunk_partials(rows: int, device: torch.device) -> torch.Tensor:

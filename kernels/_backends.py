@@ -18,11 +18,18 @@ A backend is one implementation of every kernel, with arguments the façade
                        rows added in chunk order into float64 ``out[n, 3]``
 ``combine``            ``(a, b, boundaries, stats, out)``: ``out = ca·a + cb·b``
                        per segment (``out`` may be ``a`` or ``b``)
+``norm_powers``        ``(buffers, norm_type)``: each buffer's sum of
+                       ``|x| ** p`` (max ``|x|`` for inf), a float64 vector
+``clip_scales``        ``(powers, postscales, max_norm, norm_type, loss_scale)``:
+                       ``(total_norm, scales)``, the clip coefficient times
+                       each postscale, on the device
+``clip_buffers``       ``(buffers, postscales, max_norm, norm_type,
+                       loss_scale)``: ``clip_scales`` of ``norm_powers``
 =====================  =======================================================
 
-Both op families (``flatten/``, ``adasum/``) have a ``torch_backend`` and a
-``triton_backend`` module with exactly these functions; a ``Backend`` gathers
-one of each. The flatten family's launches are prepared once per layout and
+The op families (``flatten/``, ``adasum/``, ``norm/``) each have a
+``torch_backend`` and a ``triton_backend`` module with their functions above;
+a ``Backend`` gathers one of each. The flatten family's launches are prepared once per layout and
 kept by the façade (``_prepared.py``): a launch takes tensors and a buffer of
 the layout it was prepared for. Triton is optional: its modules are imported
 on first use.
@@ -38,13 +45,14 @@ import torch
 
 from .adasum import torch_backend as _adasum_torch
 from .flatten import torch_backend as _flatten_torch
+from .norm import torch_backend as _norm_torch
 
 BACKEND_NAMES = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
 class Backend:
-    """The five kernels of one implementation (see the module docstring)."""
+    """The kernels of one implementation (see the module docstring)."""
 
     name: str
     prepare_flatten: Callable
@@ -52,16 +60,20 @@ class Backend:
     chunk_stats: Callable
     reduce_chunks: Callable
     combine: Callable
+    norm_powers: Callable
+    clip_scales: Callable
+    clip_buffers: Callable
 
     @classmethod
-    def of(cls, name: str, flatten_ops, adasum_ops) -> "Backend":
+    def of(cls, name: str, flatten_ops, adasum_ops, norm_ops) -> "Backend":
         """The backend made of an op family module each."""
         return cls(name, flatten_ops.prepare_flatten, flatten_ops.prepare_unflatten,
                    adasum_ops.chunk_stats,
-                   adasum_ops.reduce_chunks, adasum_ops.combine)
+                   adasum_ops.reduce_chunks, adasum_ops.combine,
+                   norm_ops.norm_powers, norm_ops.clip_scales, norm_ops.clip_buffers)
 
 
-TORCH = Backend.of("torch", _flatten_torch, _adasum_torch)
+TORCH = Backend.of("torch", _flatten_torch, _adasum_torch, _norm_torch)
 
 #: the oldest Triton the kernels run on (torch 2.6's CUDA build pins 3.2.0);
 #: pyproject.toml states the same floor, docs/guides/gpu.md the versions tested
@@ -128,13 +140,14 @@ def triton_backend() -> Optional[Backend]:
         try:
             from .adasum import triton_backend as adasum_ops
             from .flatten import triton_backend as flatten_ops
+            from .norm import triton_backend as norm_ops
         except Exception as exc:  # noqa: BLE001 (a Triton this code does not know)
             _triton_error = ImportError(
                 f"fusedreduce's Triton kernels failed to load with Triton "
                 f"{triton.__version__} ({type(exc).__name__}: {exc}); the versions tested are "
                 f"{_dotted(MIN_TRITON)} to {_dotted(NEWEST_TESTED_TRITON)}")
         else:
-            _triton = Backend.of("triton", flatten_ops, adasum_ops)
+            _triton = Backend.of("triton", flatten_ops, adasum_ops, norm_ops)
     return _triton
 
 

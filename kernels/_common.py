@@ -19,6 +19,8 @@ SIXTEEN_BIT_DTYPES = (torch.float16, torch.bfloat16)
 #: flat buffers align segment starts to this many bytes: the widest (128-bit)
 #: vector access the Triton kernels make
 ALIGN_BYTES = 16
+#: elements per row of the clipping norm's fixed summation order (``norm/``)
+NORM_ROW = 2048
 
 #: AdaSum statistics are sums over chunks of this many elements counted from a
 #: segment's start (a power of two, a multiple of every vector width)

@@ -1,13 +1,14 @@
 """Compile the kernels ahead of time for a CUDA target and report what came out.
 
-    python tests/compile_kernels.py {flatten,unflatten,adasum} CAPABILITY
+    python tests/compile_kernels.py {flatten,unflatten,adasum,norm} CAPABILITY
 
 Prints one JSON list, one entry per launch variant. Flatten kernels: the
 constexprs, whether PTX came out, the global loads/stores of the PTX by width
 in bits, and every value of the TTIR that carries a ``tt.divisibility`` hint.
 AdaSum kernels (chunk statistics, their in-order reduction, the combine, per
 buffer dtype): whether PTX came out and the count of each arithmetic, branch
-and atomic instruction of interest. It needs no GPU, but
+and atomic instruction of interest; the norm kernels likewise, per norm and
+buffer dtype. It needs no GPU, but
 it must run without ``TRITON_INTERPRET``: under the interpreter ``@triton.jit``
 makes functions that cannot be compiled (test_compile_aot.py runs it in a
 subprocess for that reason).
@@ -32,6 +33,7 @@ from fusedreduce.kernels import (ADASUM_CHUNK, ADASUM_FP32_LIMIT, ADASUM_NORM_FL
                                  ALIGN_BYTES)
 from fusedreduce.kernels.adasum import triton_backend as adasum  # noqa: E402
 from fusedreduce.kernels.flatten import triton_backend as kernels  # noqa: E402
+from fusedreduce.kernels.norm import triton_backend as norm  # noqa: E402
 
 BUFFER_TYPES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
 # what kinds_mask can return: one dtype code's bit, or ALL_KINDS for a mix
@@ -190,10 +192,40 @@ def adasum_variants():
            {"partials": "*fp64", "first_chunk": "*i64", "stats": "*fp64"}, {}, 1)
 
 
-def main_adasum(capability: int) -> None:
+def norm_variants():
+    """(name, buffer, kernel, signature, constexprs, num_warps) of every norm launch."""
+    codes = {"max": norm.NORM_MAX, "one": norm.NORM_ONE, "two": norm.NORM_TWO, "p": norm.NORM_P}
+    for label, code in codes.items():
+        for buffer in BUFFER_TYPES:
+            compute = "fp64" if buffer == "fp64" else "fp32"
+            yield (f"row_powers {label}", buffer, norm._row_powers_kernel,
+                   {"base": f"*{buffer}", "table": "*i64", "work": "*i64", "partials": "*fp64",
+                    "n_buffers": "i32", "p": "fp32", "NORM": "constexpr", "COMPUTE": "constexpr",
+                    "ROW": "constexpr"},
+                   {"NORM": code, "COMPUTE": getattr(triton.language, {"fp64": "float64",
+                                                                       "fp32": "float32"}[compute]),
+                    "ROW": norm.NORM_ROW}, norm.NUM_WARPS)
+        for sum_rows, finish, loss, loss_tensor in ((True, True, False, False),
+                                                    (True, True, True, True),
+                                                    (True, False, False, False),
+                                                    (False, True, True, False)):
+            yield (f"finish {label} rows={int(sum_rows)} finish={int(finish)} "
+                   f"loss={int(loss)}{'t' if loss_tensor else ''}", None, norm._finish_kernel,
+                   {"partials": "*fp64", "rows": "*i64", "powers": "*fp64", "post": "*fp64",
+                    "total_out": "*fp32", "scales_out": "*fp64", "n_buffers": "i32", "p": "fp32",
+                    "max_norm": "fp32", "loss_ptr": "*fp32", "loss_high": "i32",
+                    "loss_low": "i32", "NORM": "constexpr", "SUM_ROWS": "constexpr",
+                    "FINISH": "constexpr", "LOSS": "constexpr", "LOSS_TENSOR": "constexpr",
+                    "BLOCK": "constexpr"},
+                   {"NORM": code, "SUM_ROWS": sum_rows, "FINISH": finish, "LOSS": loss,
+                    "LOSS_TENSOR": loss_tensor, "BLOCK": norm.FINISH_BLOCK}, norm.NUM_WARPS)
+
+
+def main_adasum(capability: int, kernel: str = "adasum") -> None:
     target = GPUTarget("cuda", capability, 32)
     report = []
-    for name, buffer, fn, signature, constexprs, num_warps in adasum_variants():
+    for name, buffer, fn, signature, constexprs, num_warps in (
+            adasum_variants() if kernel == "adasum" else norm_variants()):
         start = time.perf_counter()
         compiled = triton.compile(ast_source(fn, signature, constexprs),
                                   target=target, options={"num_warps": num_warps})
@@ -208,14 +240,14 @@ def main_adasum(capability: int) -> None:
             # the bits of -0.0 as a PTX fp64 immediate
             "minus_zero": "0d8000000000000000" in body,
         })
-    print(json.dumps({"kernel": "adasum", "capability": capability,
+    print(json.dumps({"kernel": kernel, "capability": capability,
                       "elements_per_thread": adasum.BLOCK // (32 * adasum.NUM_WARPS),
                       "variants": report}))
 
 
 def main(kernel: str, capability: int) -> None:
-    if kernel == "adasum":
-        main_adasum(capability)
+    if kernel in ("adasum", "norm"):
+        main_adasum(capability, kernel)
         return
     fn = {"flatten": kernels._flatten_kernel, "unflatten": kernels._unflatten_kernel}[kernel]
     target = GPUTarget("cuda", capability, 32)

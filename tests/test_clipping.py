@@ -10,9 +10,8 @@ norm of every rank's part), fp32/bf16/fp16/fp64 gradients, the 2-norm and the
 max norm, accumulation, gradients as bucket views, a norm under the limit (then
 exactly the unclipped reduction), an inf on one rank, and
 ``error_if_nonfinite``. Single-process tests cover the norm's fixed order
-(the same bits with 1 and 2 threads), ``flat_norm_power`` against float64
-(hypothesis: empty, one element, odd sizes, every dtype) and the argument
-checks.
+on the CPU (the same bits with 1 and 2 threads) and the argument checks; the
+norm kernels of both backends against float64 are ``test_norm_kernels.py``'s.
 
 Tolerances: the mean is an fp32 sum of ``world_size`` terms (``world_size *
 eps32`` of the terms' magnitudes), the norm is summed in rows in fp32 then in
@@ -24,10 +23,10 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
 
 from fusedreduce import DistributedGradReducer
-from fusedreduce.clipping import NORM_ROW, check_clipping, flat_norm_power
+from fusedreduce.clipping import NORM_ROW, check_clipping
+from fusedreduce.kernels.norm.torch_backend import flat_norm_power
 from harness import ranks_once_getter
 from reference import reference_clip
 
@@ -449,24 +448,6 @@ def test_the_norm_has_the_same_bits_whatever_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert one.view(torch.int64) == two.view(torch.int64)
-
-
-@given(size=st.sampled_from([0, 1, 2, 7, NORM_ROW - 1, NORM_ROW, NORM_ROW + 1, 3 * NORM_ROW + 5]),
-       dtype=st.sampled_from(DTYPES), norm_type=st.sampled_from([1.0, 2.0, 3.5, math.inf]),
-       seed=st.integers(0, 2 ** 16), magnitude=st.sampled_from([1e-3, 1.0, 100.0]))
-def test_flat_norm_power_is_the_float64_sum_of_powers(size, dtype, norm_type, seed, magnitude):
-    values = (torch.randn(size, generator=torch.Generator().manual_seed(seed)) * magnitude)
-    buffer = values.to(dtype)
-    exact = [abs(v) for v in buffer.double().tolist()]
-    if norm_type == math.inf:
-        want = max(exact, default=0.0)
-        assert float(flat_norm_power(buffer, norm_type)) == want  # a max rounds nothing
-        return
-    want = math.fsum(v ** norm_type for v in exact)
-    got = float(flat_norm_power(buffer, norm_type))
-    # each row's norm carries NORM_RTOL (in its own dtype's eps for 16-bit
-    # rows computed in fp32: the same), raised to the p-th power
-    assert abs(got - want) <= norm_type * NORM_RTOL * want + 1e-300
 
 
 @pytest.mark.parametrize("kwargs, error, fragment", [

@@ -174,3 +174,25 @@ def test_adasum_chunk_partials_are_reduced_by_one_sequential_fp64_sum_from_minus
     # one add in a loop (not a tree), starting from -0.0 (which adds exactly)
     assert _instructions(variant, "add.f64", "add.rn.f64") == 1, variant["instructions"]
     assert variant["minus_zero"]
+
+
+# ------------------------------------------------------------------ the clipping norm
+
+@pytest.mark.parametrize("capability", TARGETS)
+def test_every_norm_kernel_compiles_without_atomics(capability):
+    report = compile_report("norm", capability)
+    rows = [v for v in report["variants"] if v["name"].startswith("row_powers")]
+    finishes = [v for v in report["variants"] if v["name"].startswith("finish")]
+    # every norm (max, 1, 2, p) for every buffer dtype, and the finishing program's modes
+    assert len(rows) == 4 * len(ADASUM_BUFFERS) and len(finishes) == 4 * 4
+    for variant in report["variants"]:
+        name = f"{variant['name']} {variant['buffer']} sm_{capability}"
+        assert variant["has_ptx"], f"{name}: no PTX"
+        # deterministic: every partial and every result has one writer
+        assert _instructions(variant, "atom", "red") == 0, f"{name}: {variant['instructions']}"
+    # the rows are summed in fp64 and the norm divided by the loss scale in fp64
+    for variant in finishes:
+        if "rows=1" in variant["name"] and not variant["name"].startswith("finish max"):
+            assert _instructions(variant, "add.f64", "add.rn.f64") > 0, variant
+        if "loss=1" in variant["name"]:
+            assert _instructions(variant, "div.rn.f64") >= 1, variant

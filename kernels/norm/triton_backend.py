@@ -1,0 +1,283 @@
+"""The norm family on Triton: two launches per call, whatever the number of buffers.
+
+``_row_powers_kernel`` gives every ``NORM_ROW``-element row of every buffer
+one program, which writes the row's sum of ``|x| ** p`` (its max ``|x|`` for
+the max norm) in fp64 into its own slot of a ``partials`` vector: no atomics,
+each slot written once. One launch per buffer dtype (a reducer's buckets
+usually share one). ``_finish_kernel`` is one program: it adds each buffer's
+rows in order (block by block into a vector, then one fixed tree), and with
+``FINISH`` goes on to the norm, torch's coefficient and each buffer's scale,
+all on the device: the host neither waits nor reads.
+
+The host keeps, per layout (the buffers' addresses, sizes and dtypes), the
+tables the kernels read: for each dtype group ``[offset | numel | first row]``
+per buffer (``offset`` in elements from the group's first buffer, the base
+pointer of the launch) and ``work`` (``buffer << 32 | row`` per program), and
+for the finish ``[first row | rows]`` per buffer. They are uploaded once; a
+call allocates its outputs and launches, nothing else.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from typing import List, Sequence, Tuple
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from .._checks import refuse_in_capture
+from .._common import NORM_ROW
+from .._triton_common import upcast
+from ..flatten.triton_backend import _scale, _to_device, scale_words
+
+NUM_WARPS = 4
+#: rows the finishing program adds per step
+FINISH_BLOCK = 1024
+#: layouts kept per process (a reducer alternates between at most two)
+KEPT = 16
+# the NORM constexpr: which power the kernels sum
+NORM_MAX, NORM_ONE, NORM_TWO, NORM_P = 0, 1, 2, 3
+
+
+def norm_code(norm_type: float) -> int:
+    if norm_type == math.inf:
+        return NORM_MAX
+    return {1.0: NORM_ONE, 2.0: NORM_TWO}.get(norm_type, NORM_P)
+
+
+@triton.jit
+def _row_powers_kernel(base, table, work, partials, n_buffers, p,
+                       NORM: tl.constexpr, COMPUTE: tl.constexpr, ROW: tl.constexpr):
+    item = tl.load(work + tl.program_id(0))
+    buf = item >> 32
+    row = item - (buf << 32)
+    offset = tl.load(table + buf)
+    numel = tl.load(table + n_buffers + buf)
+    first = tl.load(table + 2 * n_buffers + buf)
+    idx = row * ROW + tl.arange(0, ROW)
+    x = tl.abs(upcast(tl.load(base + offset + idx, mask=idx < numel, other=0.0), COMPUTE))
+    if NORM == 0:
+        # tl.max may drop a NaN; the max norm must not
+        nan = tl.sum(tl.where(x != x, 1, 0), axis=0) > 0
+        s = tl.where(nan, float("nan"), tl.max(x, axis=0))
+    elif NORM == 1:
+        s = tl.sum(x, axis=0)
+    elif NORM == 2:
+        s = tl.sum(x * x, axis=0)
+    else:
+        # |x| ** p; log2(0) = -inf gives 0, inf and NaN stay themselves
+        s = tl.sum(tl.exp2(p * tl.log2(x)), axis=0)
+    tl.store(partials + first + row, s.to(tl.float64))
+
+
+@triton.jit
+def _max_nan(a, b):
+    """``max(a, b)``, NaN if either is."""
+    return tl.where(b != b, b, tl.where(b > a, b, a))
+
+
+@triton.jit
+def _finish_kernel(partials, rows, powers, post, total_out, scales_out, n_buffers, p, max_norm,
+                   loss_ptr, loss_high, loss_low,
+                   NORM: tl.constexpr, SUM_ROWS: tl.constexpr, FINISH: tl.constexpr,
+                   LOSS: tl.constexpr, LOSS_TENSOR: tl.constexpr, BLOCK: tl.constexpr):
+    lanes = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float64)
+    # while loops, not range(): Triton's interpreter before 3.7 cannot take
+    # runtime values as range bounds under numpy 2; the compiled loops are the same
+    b = 0
+    while b < n_buffers:
+        if SUM_ROWS:
+            first = tl.load(rows + b)
+            count = tl.load(rows + n_buffers + b)
+            part = tl.zeros([BLOCK], dtype=tl.float64)
+            start = 0
+            while start < count:
+                v = tl.load(partials + first + start + lanes, mask=start + lanes < count,
+                            other=0.0)
+                if NORM == 0:
+                    part = _max_nan(part, v)
+                else:
+                    part = part + v
+                start += BLOCK
+            if NORM == 0:
+                nan = tl.sum(tl.where(part != part, 1, 0), axis=0) > 0
+                power = tl.where(nan, float("nan"), tl.max(part, axis=0))
+            else:
+                power = tl.sum(part, axis=0)
+            tl.store(powers + b, power)
+        else:
+            power = tl.load(powers + b)
+        if FINISH:
+            # each buffer's term in lane b % BLOCK: the lanes are added in a fixed tree
+            weight = tl.abs(tl.load(post + b))
+            if NORM == 0:
+                term = power * weight
+            elif NORM == 1:
+                term = power * weight
+            elif NORM == 2:
+                term = power * (weight * weight)
+            else:
+                term = power * tl.exp2(p * tl.log2(weight))
+            here = lanes == b % BLOCK
+            if NORM == 0:
+                acc = tl.where(here, _max_nan(acc, term), acc)
+            else:
+                acc = tl.where(here, acc + term, acc)
+        b += 1
+    if FINISH:
+        if NORM == 0:
+            nan = tl.sum(tl.where(acc != acc, 1, 0), axis=0) > 0
+            total = tl.where(nan, float("nan"), tl.max(acc, axis=0))
+        else:
+            total = tl.sum(acc, axis=0)
+            if NORM == 2:
+                total = tl.sqrt(total)
+            elif NORM == 3:
+                total = tl.exp2(tl.log2(total) / p)
+        if LOSS:
+            if LOSS_TENSOR:
+                total = total / tl.load(loss_ptr).to(tl.float64)
+            else:
+                total = total / _scale(loss_high, loss_low)
+        total = total.to(tl.float32)
+        tl.store(total_out, total)
+        coefficient = max_norm / (total + 1e-6)
+        coefficient = tl.where(coefficient > 1.0, 1.0, coefficient)  # NaN stays NaN
+        b = 0
+        while b < n_buffers:
+            tl.store(scales_out + b, tl.load(post + b) * coefficient.to(tl.float64))
+            b += 1
+
+
+class _Layout:
+    """The kept tables of one set of buffers (see the module docstring)."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor]):
+        device = buffers[0].device
+        counts = [-(-b.numel() // NORM_ROW) for b in buffers]
+        firsts = np.cumsum([0] + counts[:-1], dtype=np.int64)
+        self.rows_total = int(sum(counts))
+        self.rows = _to_device(np.concatenate([firsts, np.asarray(counts, dtype=np.int64)]),
+                               device)
+        self.groups = []
+        for dtype in dict.fromkeys(b.dtype for b in buffers):
+            members = [i for i, b in enumerate(buffers) if b.dtype == dtype and counts[i]]
+            if not members:
+                continue
+            base = buffers[members[0]].data_ptr()
+            size = buffers[members[0]].element_size()
+            table = np.array([(buffers[i].data_ptr() - base) // size for i in members]
+                             + [buffers[i].numel() for i in members]
+                             + [int(firsts[i]) for i in members], dtype=np.int64)
+            work = np.concatenate([(np.int64(j) << 32) + np.arange(counts[i], dtype=np.int64)
+                                   for j, i in enumerate(members)])
+            compute = tl.float64 if dtype == torch.float64 else tl.float32
+            self.groups.append((members[0], len(members), _to_device(table, device),
+                                _to_device(work, device), len(work), compute))
+
+
+_layouts: "OrderedDict[tuple, _Layout]" = OrderedDict()
+_lock = threading.Lock()
+
+
+def _layout_of(buffers: Sequence[torch.Tensor]) -> _Layout:
+    key = tuple((b.data_ptr(), b.numel(), b.dtype, b.device) for b in buffers)
+    with _lock:
+        layout = _layouts.get(key)
+        if layout is not None:
+            _layouts.move_to_end(key)
+            return layout
+    refuse_in_capture(buffers[0].device, "the clipping norm of buffers no eager step used",
+                      "run the step eagerly first, so that its buffers' tables are uploaded "
+                      "before the capture")
+    layout = _Layout(buffers)
+    with _lock:
+        _layouts[key] = layout
+        while len(_layouts) > KEPT:
+            _layouts.popitem(last=False)
+    return layout
+
+
+def _row_powers(buffers, layout: _Layout, partials: torch.Tensor, norm_type: float) -> None:
+    code = norm_code(norm_type)
+    p = 0.0 if code != NORM_P else float(norm_type)
+    for base_index, n, table, work, programs, compute in layout.groups:
+        _row_powers_kernel[(programs,)](
+            buffers[base_index], table, work, partials, n, p, NORM=code, COMPUTE=compute,
+            ROW=NORM_ROW, num_warps=NUM_WARPS)
+
+
+def _post_vector(postscales: Sequence[float], device: torch.device) -> torch.Tensor:
+    from .torch_backend import _postscale_vectors
+    return _postscale_vectors(tuple(postscales), device)[1]
+
+
+def _finish(partials, layout, powers, postscales, max_norm, norm_type, loss_scale,
+            sum_rows: bool, finish: bool):
+    """Launch the finishing program; ``(total, scales)`` when ``finish``."""
+    device = powers.device
+    n = powers.numel()
+    code = norm_code(norm_type)
+    p = 1.0 if code != NORM_P else float(norm_type)
+    total = scales = None
+    if finish:
+        post = _post_vector(postscales, device)
+        total = torch.empty((), dtype=torch.float32, device=device)
+        scales = torch.empty(n, dtype=torch.float64, device=device)
+    else:
+        post = powers
+    if isinstance(loss_scale, torch.Tensor):
+        if loss_scale.device != device or loss_scale.numel() != 1 \
+                or loss_scale.dtype not in (torch.float32, torch.float64):
+            # what the kernel can read: one float on the buffers' device (as the
+            # torch fallback converts it; more than one element raises there too)
+            loss_scale = loss_scale.to(device, torch.float64).reshape(())
+        high, low, loss_ptr, loss_tensor = 0, 0, loss_scale, True
+    else:
+        high, low = scale_words(1.0 if loss_scale is None else float(loss_scale))
+        loss_ptr, loss_tensor = powers, False
+    _finish_kernel[(1,)](
+        partials if partials is not None else powers,
+        layout.rows if layout is not None else powers, powers, post,
+        total if finish else powers, scales if finish else powers, n, p, float(max_norm),
+        loss_ptr, high, low, NORM=code, SUM_ROWS=sum_rows, FINISH=finish,
+        LOSS=loss_scale is not None, LOSS_TENSOR=loss_tensor, BLOCK=FINISH_BLOCK,
+        num_warps=NUM_WARPS)
+    return total, scales
+
+
+def norm_powers(buffers: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Each buffer's sum of powers, as one fp64 vector (two launches)."""
+    layout = _layout_of(buffers)
+    device = buffers[0].device
+    partials = torch.empty(layout.rows_total, dtype=torch.float64, device=device)
+    powers = torch.empty(len(buffers), dtype=torch.float64, device=device)
+    _row_powers(buffers, layout, partials, norm_type)
+    _finish(partials, layout, powers, None, 1.0, norm_type, None, sum_rows=True, finish=False)
+    return powers
+
+
+def clip_scales(powers: torch.Tensor, postscales: Sequence[float], max_norm: float,
+                norm_type: float, loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """``(total_norm, scales)`` from the buffers' ``powers`` (one launch)."""
+    total, scales = _finish(None, None, powers, postscales, max_norm, norm_type, loss_scale,
+                            sum_rows=False, finish=True)
+    return total, list(scales.unbind(0))
+
+
+def clip_buffers(buffers: Sequence[torch.Tensor], postscales: Sequence[float],
+                 max_norm: float, norm_type: float,
+                 loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """``clip_scales`` of the buffers' ``norm_powers``, in two launches."""
+    layout = _layout_of(buffers)
+    device = buffers[0].device
+    scratch = torch.empty(layout.rows_total + len(buffers), dtype=torch.float64, device=device)
+    partials, powers = scratch[:layout.rows_total], scratch[layout.rows_total:]
+    _row_powers(buffers, layout, partials, norm_type)
+    total, scales = _finish(partials, layout, powers, postscales, max_norm, norm_type,
+                            loss_scale, sum_rows=True, finish=True)
+    return total, list(scales.unbind(0))
