@@ -19,7 +19,15 @@ torch's fastest baselines:
   kernel runner replaced by a no-op, as in ``host_cost.py``), with the same
   tensors at every call and with tensors that moved (``host_cost.py``).
 
-Prints one table; run it from the repository (it needs git).
+With ``--device cuda`` only the host cost is measured, on the GPU: each
+revision's compiled kernels really launch (fp16 gradients of the ResNet-50
+list at the largest ``--sizes`` entry), and a call's host time is from the
+call until it returns, as ``gpu-check``'s ``host us`` column. On a machine
+without git (a lent GPU machine), ``--from-dir PATH`` takes the revision's
+``kernels/`` from a directory made beforehand with
+``git archive REV kernels | tar -x -C PATH``.
+
+Prints one table; run it from the repository (it needs git, or ``--from-dir``).
 """
 from __future__ import annotations
 
@@ -27,14 +35,15 @@ import argparse
 import importlib.util
 import io
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Optional
 
-os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton: the host-cost rows
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import torch  # noqa: E402
@@ -43,14 +52,18 @@ from . import common, host_cost, timing  # noqa: E402
 from .models import TENSOR_LISTS  # noqa: E402
 
 
-def load_revision_kernels(revision: str, into: Path):
-    """The ``kernels`` package of ``revision``, imported as ``kernels_<revision>``."""
-    archive = subprocess.run(["git", "archive", revision, "kernels"], check=True,
-                             capture_output=True).stdout
+def load_revision_kernels(revision: str, into: Path, from_dir: Optional[Path] = None):
+    """The ``kernels`` package of ``revision``, imported as ``kernels_<revision>``
+    (from ``from_dir/kernels`` when given, else from ``git archive``)."""
     name = "kernels_" + "".join(c if c.isalnum() else "_" for c in revision)
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
-    (into / "kernels").rename(into / name)
+    if from_dir is not None:
+        shutil.copytree(from_dir / "kernels", into / name)
+    else:
+        archive = subprocess.run(["git", "archive", revision, "kernels"], check=True,
+                                 capture_output=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(into, filter="data")
+        (into / "kernels").rename(into / name)
     spec = importlib.util.spec_from_file_location(name, into / name / "__init__.py",
                                                   submodule_search_locations=[str(into / name)])
     module = importlib.util.module_from_spec(spec)
@@ -93,18 +106,23 @@ def measure(versions, size, repeats, scale=0.125):
         sum(numels)
 
 
-def host_cost_us(versions, size, calls=300, blocks=4, scale=0.125):
-    """Median host µs per steady-state Triton call of each version (kernel execution excluded).
+def host_cost_us(versions, size, calls=300, blocks=4, scale=0.125,
+                 device: torch.device = torch.device("cpu")):
+    """Median host µs per steady-state Triton call of each version (on the
+    CPU the kernel's execution excluded; on a GPU the launch is real).
 
     Each function is timed in blocks of ``calls`` consecutive calls, the
     blocks alternating between functions: a steady state is one call after
     another of the same thing, and interleaving single calls of two versions
     would charge each with the other's effect on caches and the allocator.
     """
-    from triton.runtime.interpreter import InterpretedFunction
-    InterpretedFunction.run = lambda self, *args, **kwargs: None
-    grads = [torch.zeros(s, dtype=torch.float16) for s in TENSOR_LISTS["resnet50"](size)]
-    out = torch.zeros(sum(g.numel() for g in grads))
+    if device.type == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
+        InterpretedFunction.run = lambda self, *args, **kwargs: None
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=generator).half().to(device)
+             for s in TENSOR_LISTS["resnet50"](size)]
+    out = torch.zeros(sum(g.numel() for g in grads), device=device)
     dsts = [torch.zeros_like(g) for g in grads]
     samples = {}
     for _ in range(blocks):
@@ -124,12 +142,30 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", type=common.parse_sizes,
                         default=[250_000, 1_000_000, 4_000_000, 25_600_000])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu (default): the torch fallback's times and the host cost "
+                             "under the interpreter; cuda: the host cost of real launches")
+    parser.add_argument("--from-dir", type=Path, metavar="PATH",
+                        help="the revision's kernels/ from PATH/kernels instead of git")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available here")
+    if device.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
     from fusedreduce import kernels as current
     with tempfile.TemporaryDirectory() as tmp:
-        old = load_revision_kernels(args.revision, Path(tmp))
+        old = load_revision_kernels(args.revision, Path(tmp), args.from_dir)
         versions = {args.revision: old, "this checkout": current}
-        print(f"# {common.machine_summary(common.machine_info(torch.device('cpu'), 'torch', None))}")
+        print(f"# {common.machine_summary(common.machine_info(device, 'torch', None))}")
+        if device.type == "cuda":
+            size = max(args.sizes)
+            print(f"# host µs per steady-state call, compiled kernels launched on "
+                  f"{torch.cuda.get_device_name(device)}, resnet50 list at {size:,} elements, "
+                  f"fp16 <-> fp32, scale 1/8; alternating blocks of 300 calls:")
+            for name, us in host_cost_us(versions, size, blocks=6, device=device).items():
+                print(f"  {name}: {us:.1f} µs")
+            return 0
         print("# resnet50 list, fp16 gradients <-> fp32 buffer, scale 1/8, torch fallback; "
               "median ms of round-robin calls in this one process")
         for size in args.sizes:

@@ -8,10 +8,18 @@ from harness import ROOT, TIMEOUT
 
 
 @pytest.mark.timeout(TIMEOUT)
-def test_versus_revision_times_this_checkout_against_another_revision_in_one_run():
+@pytest.mark.parametrize("source", ["git", "directory"])
+def test_versus_revision_times_this_checkout_against_another_revision_in_one_run(source,
+                                                                                tmp_path):
+    extra = []
+    if source == "directory":  # a machine without git gets the revision's kernels/ this way
+        archive = subprocess.run(["git", "archive", "HEAD", "kernels"], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive, check=True)
+        extra = ["--from-dir", str(tmp_path)]
     process = subprocess.run(
         [sys.executable, "-m", "fusedreduce.bench.versus_revision", "HEAD", "--sizes", "20K",
-         "--repeats", "2"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+         "--repeats", "2", *extra], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
     assert process.returncode == 0, process.stderr
     out = process.stdout
     for direction in ("flatten", "unflatten"):
@@ -33,6 +41,19 @@ def test_bucket_view_memory_reports_every_method():
         line = next(line for line in lines if line.split()[0] == method)
         step_ms, peak_mb = float(line.split()[3]), float(line.split()[-1])
         assert step_ms > 0 and peak_mb >= 0
+
+
+@pytest.mark.cuda_only
+@pytest.mark.timeout(TIMEOUT)
+def test_versus_revision_times_real_launches_on_the_gpu():
+    # this checkout against a copy of itself: no git needed on the GPU machine
+    process = subprocess.run(
+        [sys.executable, "-m", "fusedreduce.bench.versus_revision", "HEAD", "--sizes", "1M",
+         "--device", "cuda", "--from-dir", str(ROOT)], cwd=ROOT, capture_output=True,
+        text=True, timeout=TIMEOUT)
+    assert process.returncode == 0, process.stderr
+    for name in ("HEAD flatten, moved:", "this checkout unflatten:"):
+        assert name in process.stdout
 
 
 @pytest.mark.cuda_only
