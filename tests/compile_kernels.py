@@ -201,23 +201,23 @@ def norm_variants():
             yield (f"row_powers {label}", buffer, norm._row_powers_kernel,
                    {"base": f"*{buffer}", "table": "*i64", "work": "*i64", "partials": "*fp64",
                     "n_buffers": "i32", "p": "fp32", "NORM": "constexpr", "COMPUTE": "constexpr",
-                    "ROW": "constexpr"},
+                    "ROW": "constexpr", "ROWS": "constexpr"},
                    {"NORM": code, "COMPUTE": getattr(triton.language, {"fp64": "float64",
                                                                        "fp32": "float32"}[compute]),
-                    "ROW": norm.NORM_ROW}, norm.NUM_WARPS)
-        for sum_rows, finish, loss, loss_tensor in ((True, True, False, False),
+                    "ROW": norm.NORM_ROW, "ROWS": norm.ROWS_PER_PROGRAM}, norm.NUM_WARPS)
+        for sum_partials, finish, loss, loss_tensor in ((True, True, False, False),
                                                     (True, True, True, True),
                                                     (True, False, False, False),
                                                     (False, True, True, False)):
-            yield (f"finish {label} rows={int(sum_rows)} finish={int(finish)} "
+            yield (f"finish {label} partials={int(sum_partials)} finish={int(finish)} "
                    f"loss={int(loss)}{'t' if loss_tensor else ''}", None, norm._finish_kernel,
-                   {"partials": "*fp64", "rows": "*i64", "powers": "*fp64", "post": "*fp64",
+                   {"partials": "*fp64", "ranges": "*i64", "powers": "*fp64", "post": "*fp64",
                     "total_out": "*fp32", "scales_out": "*fp64", "n_buffers": "i32", "p": "fp32",
                     "max_norm": "fp32", "loss_ptr": "*fp32", "loss_high": "i32",
-                    "loss_low": "i32", "NORM": "constexpr", "SUM_ROWS": "constexpr",
+                    "loss_low": "i32", "NORM": "constexpr", "SUM_PARTIALS": "constexpr",
                     "FINISH": "constexpr", "LOSS": "constexpr", "LOSS_TENSOR": "constexpr",
                     "BLOCK": "constexpr"},
-                   {"NORM": code, "SUM_ROWS": sum_rows, "FINISH": finish, "LOSS": loss,
+                   {"NORM": code, "SUM_PARTIALS": sum_partials, "FINISH": finish, "LOSS": loss,
                     "LOSS_TENSOR": loss_tensor, "BLOCK": norm.FINISH_BLOCK}, norm.NUM_WARPS)
 
 

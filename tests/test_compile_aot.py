@@ -190,9 +190,9 @@ def test_every_norm_kernel_compiles_without_atomics(capability):
         assert variant["has_ptx"], f"{name}: no PTX"
         # deterministic: every partial and every result has one writer
         assert _instructions(variant, "atom", "red") == 0, f"{name}: {variant['instructions']}"
-    # the rows are summed in fp64 and the norm divided by the loss scale in fp64
+    # the partials are summed in fp64 and the norm divided by the loss scale in fp64
     for variant in finishes:
-        if "rows=1" in variant["name"] and not variant["name"].startswith("finish max"):
+        if "partials=1" in variant["name"] and not variant["name"].startswith("finish max"):
             assert _instructions(variant, "add.f64", "add.rn.f64") > 0, variant
         if "loss=1" in variant["name"]:
             assert _instructions(variant, "div.rn.f64") >= 1, variant

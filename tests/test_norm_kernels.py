@@ -29,7 +29,9 @@ pytestmark = pytest.mark.device_aware
 EPS32 = torch.finfo(torch.float32).eps
 NORM_RTOL = 4 * math.log2(NORM_ROW) * EPS32
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-SIZES = (0, 1, 2, 7, NORM_ROW - 1, NORM_ROW, NORM_ROW + 1, 3 * NORM_ROW + 5)
+#: the Triton kernel's programs take 8 rows each: sizes across and inside them
+SIZES = (0, 1, 2, 7, NORM_ROW - 1, NORM_ROW, NORM_ROW + 1, 3 * NORM_ROW + 5, 8 * NORM_ROW + 7,
+         17 * NORM_ROW)
 NORMS = (1.0, 2.0, 3.5, math.inf)
 
 

@@ -1,20 +1,24 @@
 """The norm family on Triton: two launches per call, whatever the number of buffers.
 
-``_row_powers_kernel`` gives every ``NORM_ROW``-element row of every buffer
-one program, which writes the row's sum of ``|x| ** p`` (its max ``|x|`` for
-the max norm) in fp64 into its own slot of a ``partials`` vector: no atomics,
-each slot written once. One launch per buffer dtype (a reducer's buckets
-usually share one). ``_finish_kernel`` is one program: it adds each buffer's
-rows in order (block by block into a vector, then one fixed tree), and with
-``FINISH`` goes on to the norm, torch's coefficient and each buffer's scale,
-all on the device: the host neither waits nor reads.
+``_row_powers_kernel`` gives every ``ROWS_PER_PROGRAM`` consecutive
+``NORM_ROW``-element rows of a buffer one program. Each row's sum of
+``|x| ** p`` (its max ``|x|`` for the max norm) is taken in fp32 (fp64 for
+fp64 buffers) and the program adds its rows in order in fp64, into its own
+slot of a ``partials`` vector: no atomics, each slot written once. One launch
+per buffer dtype (a reducer's buckets usually share one). ``_finish_kernel``
+is one program: it adds each buffer's partials in order (block by block into
+a vector, then one fixed tree), and with ``FINISH`` goes on to the norm,
+torch's coefficient and each buffer's scale, all on the device: the host
+neither waits nor reads. Taking several rows per program keeps that one
+program's walk short next to the rows' (it reads one partial per
+``ROWS_PER_PROGRAM * NORM_ROW`` elements), however large the model.
 
 The host keeps, per layout (the buffers' addresses, sizes and dtypes), the
-tables the kernels read: for each dtype group ``[offset | numel | first row]``
-per buffer (``offset`` in elements from the group's first buffer, the base
-pointer of the launch) and ``work`` (``buffer << 32 | row`` per program), and
-for the finish ``[first row | rows]`` per buffer. They are uploaded once; a
-call allocates its outputs and launches, nothing else.
+tables the kernels read: for each dtype group ``[offset | numel | first
+partial]`` per buffer (``offset`` in elements from the group's first buffer,
+the base pointer of the launch) and ``work`` (``buffer << 32 | piece`` per
+program), and for the finish ``[first partial | partials]`` per buffer. They
+are uploaded once; a call allocates its outputs and launches, nothing else.
 """
 from __future__ import annotations
 
@@ -34,7 +38,9 @@ from .._triton_common import upcast
 from ..flatten.triton_backend import _scale, _to_device, scale_words
 
 NUM_WARPS = 4
-#: rows the finishing program adds per step
+#: consecutive rows one program of ``_row_powers_kernel`` sums
+ROWS_PER_PROGRAM = 8
+#: partials the finishing program adds per step
 FINISH_BLOCK = 1024
 #: layouts kept per process (a reducer alternates between at most two)
 KEPT = 16
@@ -49,40 +55,55 @@ def norm_code(norm_type: float) -> int:
 
 
 @triton.jit
-def _row_powers_kernel(base, table, work, partials, n_buffers, p,
-                       NORM: tl.constexpr, COMPUTE: tl.constexpr, ROW: tl.constexpr):
-    item = tl.load(work + tl.program_id(0))
-    buf = item >> 32
-    row = item - (buf << 32)
-    offset = tl.load(table + buf)
-    numel = tl.load(table + n_buffers + buf)
-    first = tl.load(table + 2 * n_buffers + buf)
-    idx = row * ROW + tl.arange(0, ROW)
-    x = tl.abs(upcast(tl.load(base + offset + idx, mask=idx < numel, other=0.0), COMPUTE))
-    if NORM == 0:
-        # tl.max may drop a NaN; the max norm must not
-        nan = tl.sum(tl.where(x != x, 1, 0), axis=0) > 0
-        s = tl.where(nan, float("nan"), tl.max(x, axis=0))
-    elif NORM == 1:
-        s = tl.sum(x, axis=0)
-    elif NORM == 2:
-        s = tl.sum(x * x, axis=0)
-    else:
-        # |x| ** p; log2(0) = -inf gives 0, inf and NaN stay themselves
-        s = tl.sum(tl.exp2(p * tl.log2(x)), axis=0)
-    tl.store(partials + first + row, s.to(tl.float64))
-
-
-@triton.jit
 def _max_nan(a, b):
     """``max(a, b)``, NaN if either is."""
     return tl.where(b != b, b, tl.where(b > a, b, a))
 
 
 @triton.jit
-def _finish_kernel(partials, rows, powers, post, total_out, scales_out, n_buffers, p, max_norm,
+def _row_power(x, p, NORM: tl.constexpr):
+    """One row's sum of ``|x| ** p`` (max ``|x|`` for ``NORM == 0``), ``x``
+    already absolute and widened."""
+    if NORM == 0:
+        # tl.max may drop a NaN; the max norm must not
+        nan = tl.sum(tl.where(x != x, 1, 0), axis=0) > 0
+        return tl.where(nan, float("nan"), tl.max(x, axis=0))
+    elif NORM == 1:
+        return tl.sum(x, axis=0)
+    elif NORM == 2:
+        return tl.sum(x * x, axis=0)
+    else:
+        # |x| ** p; log2(0) = -inf gives 0, inf and NaN stay themselves
+        return tl.sum(tl.exp2(p * tl.log2(x)), axis=0)
+
+
+@triton.jit
+def _row_powers_kernel(base, table, work, partials, n_buffers, p,
+                       NORM: tl.constexpr, COMPUTE: tl.constexpr, ROW: tl.constexpr,
+                       ROWS: tl.constexpr):
+    item = tl.load(work + tl.program_id(0))
+    buf = item >> 32
+    piece = item - (buf << 32)
+    offset = tl.load(table + buf)
+    numel = tl.load(table + n_buffers + buf)
+    first = tl.load(table + 2 * n_buffers + buf)
+    lanes = tl.arange(0, ROW)
+    total = tl.zeros([1], dtype=tl.float64)
+    for r in range(ROWS):  # a constexpr bound: the same loop compiled and interpreted
+        idx = (piece * ROWS + r) * ROW + lanes
+        x = tl.abs(upcast(tl.load(base + offset + idx, mask=idx < numel, other=0.0), COMPUTE))
+        s = _row_power(x, p, NORM).to(tl.float64)
+        if NORM == 0:
+            total = _max_nan(total, s)
+        else:
+            total = total + s
+    tl.store(partials + first + piece + tl.arange(0, 1), total)
+
+
+@triton.jit
+def _finish_kernel(partials, ranges, powers, post, total_out, scales_out, n_buffers, p, max_norm,
                    loss_ptr, loss_high, loss_low,
-                   NORM: tl.constexpr, SUM_ROWS: tl.constexpr, FINISH: tl.constexpr,
+                   NORM: tl.constexpr, SUM_PARTIALS: tl.constexpr, FINISH: tl.constexpr,
                    LOSS: tl.constexpr, LOSS_TENSOR: tl.constexpr, BLOCK: tl.constexpr):
     lanes = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float64)
@@ -90,9 +111,9 @@ def _finish_kernel(partials, rows, powers, post, total_out, scales_out, n_buffer
     # runtime values as range bounds under numpy 2; the compiled loops are the same
     b = 0
     while b < n_buffers:
-        if SUM_ROWS:
-            first = tl.load(rows + b)
-            count = tl.load(rows + n_buffers + b)
+        if SUM_PARTIALS:
+            first = tl.load(ranges + b)
+            count = tl.load(ranges + n_buffers + b)
             part = tl.zeros([BLOCK], dtype=tl.float64)
             start = 0
             while start < count:
@@ -158,10 +179,11 @@ class _Layout:
 
     def __init__(self, buffers: Sequence[torch.Tensor]):
         device = buffers[0].device
-        counts = [-(-b.numel() // NORM_ROW) for b in buffers]
+        per_program = ROWS_PER_PROGRAM * NORM_ROW
+        counts = [-(-b.numel() // per_program) for b in buffers]
         firsts = np.cumsum([0] + counts[:-1], dtype=np.int64)
-        self.rows_total = int(sum(counts))
-        self.rows = _to_device(np.concatenate([firsts, np.asarray(counts, dtype=np.int64)]),
+        self.n_partials = int(sum(counts))
+        self.ranges = _to_device(np.concatenate([firsts, np.asarray(counts, dtype=np.int64)]),
                                device)
         self.groups = []
         for dtype in dict.fromkeys(b.dtype for b in buffers):
@@ -208,7 +230,7 @@ def _row_powers(buffers, layout: _Layout, partials: torch.Tensor, norm_type: flo
     for base_index, n, table, work, programs, compute in layout.groups:
         _row_powers_kernel[(programs,)](
             buffers[base_index], table, work, partials, n, p, NORM=code, COMPUTE=compute,
-            ROW=NORM_ROW, num_warps=NUM_WARPS)
+            ROW=NORM_ROW, ROWS=ROWS_PER_PROGRAM, num_warps=NUM_WARPS)
 
 
 def _post_vector(postscales: Sequence[float], device: torch.device) -> torch.Tensor:
@@ -217,7 +239,7 @@ def _post_vector(postscales: Sequence[float], device: torch.device) -> torch.Ten
 
 
 def _finish(partials, layout, powers, postscales, max_norm, norm_type, loss_scale,
-            sum_rows: bool, finish: bool):
+            sum_partials: bool, finish: bool):
     """Launch the finishing program; ``(total, scales)`` when ``finish``."""
     device = powers.device
     n = powers.numel()
@@ -242,9 +264,9 @@ def _finish(partials, layout, powers, postscales, max_norm, norm_type, loss_scal
         loss_ptr, loss_tensor = powers, False
     _finish_kernel[(1,)](
         partials if partials is not None else powers,
-        layout.rows if layout is not None else powers, powers, post,
+        layout.ranges if layout is not None else powers, powers, post,
         total if finish else powers, scales if finish else powers, n, p, float(max_norm),
-        loss_ptr, high, low, NORM=code, SUM_ROWS=sum_rows, FINISH=finish,
+        loss_ptr, high, low, NORM=code, SUM_PARTIALS=sum_partials, FINISH=finish,
         LOSS=loss_scale is not None, LOSS_TENSOR=loss_tensor, BLOCK=FINISH_BLOCK,
         num_warps=NUM_WARPS)
     return total, scales
@@ -254,10 +276,11 @@ def norm_powers(buffers: Sequence[torch.Tensor], norm_type: float) -> torch.Tens
     """Each buffer's sum of powers, as one fp64 vector (two launches)."""
     layout = _layout_of(buffers)
     device = buffers[0].device
-    partials = torch.empty(layout.rows_total, dtype=torch.float64, device=device)
+    partials = torch.empty(layout.n_partials, dtype=torch.float64, device=device)
     powers = torch.empty(len(buffers), dtype=torch.float64, device=device)
     _row_powers(buffers, layout, partials, norm_type)
-    _finish(partials, layout, powers, None, 1.0, norm_type, None, sum_rows=True, finish=False)
+    _finish(partials, layout, powers, None, 1.0, norm_type, None, sum_partials=True,
+            finish=False)
     return powers
 
 
@@ -265,7 +288,7 @@ def clip_scales(powers: torch.Tensor, postscales: Sequence[float], max_norm: flo
                 norm_type: float, loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``(total_norm, scales)`` from the buffers' ``powers`` (one launch)."""
     total, scales = _finish(None, None, powers, postscales, max_norm, norm_type, loss_scale,
-                            sum_rows=False, finish=True)
+                            sum_partials=False, finish=True)
     return total, list(scales.unbind(0))
 
 
@@ -275,9 +298,9 @@ def clip_buffers(buffers: Sequence[torch.Tensor], postscales: Sequence[float],
     """``clip_scales`` of the buffers' ``norm_powers``, in two launches."""
     layout = _layout_of(buffers)
     device = buffers[0].device
-    scratch = torch.empty(layout.rows_total + len(buffers), dtype=torch.float64, device=device)
-    partials, powers = scratch[:layout.rows_total], scratch[layout.rows_total:]
+    scratch = torch.empty(layout.n_partials + len(buffers), dtype=torch.float64, device=device)
+    partials, powers = scratch[:layout.n_partials], scratch[layout.n_partials:]
     _row_powers(buffers, layout, partials, norm_type)
     total, scales = _finish(partials, layout, powers, postscales, max_norm, norm_type,
-                            loss_scale, sum_rows=True, finish=True)
+                            loss_scale, sum_partials=True, finish=True)
     return total, list(scales.unbind(0))
