@@ -21,7 +21,8 @@ random batch, fp32, ``zero_grad(set_to_none=True)`` (torch's default), SGD:
 - ``reducer_call``: after backward, ``DistributedGradReducer(params)`` called
   on the gradients (MindSpore's way), its new tensors set as ``.grad``;
 - ``distributed_optimizer``: ``DistributedOptimizer`` around SGD
-  (``find_unused_parameters=False``: the model uses every parameter);
+  (``find_unused_parameters=False``: the model uses every parameter;
+  ``param_pack_thd`` of 25 MiB, DDP's bucket size, as the other rows);
 - ``distributed_optimizer_graph`` (CUDA only): the same step captured whole in
   a CUDA graph after an eager warm-up (``zero_grad(set_to_none=False)``, as
   capture needs; docs/guides/cuda-graphs.md), each step one ``replay()``.
@@ -75,7 +76,10 @@ def _step(method: str, config: dict, device: torch.device, batch, labels) -> Cal
         DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB).register_hooks(
             gradient_as_bucket_view=method == "reducer_hooks_bucket_view")
     elif method in ("distributed_optimizer", "distributed_optimizer_graph"):
+        # DDP's bucket size, as every other row (param_pack_thd's default,
+        # MegEngine's 10 MiB, makes 13 buckets of this model instead of 5)
         optimizer = DistributedOptimizer(torch.optim.SGD(params, lr=0.01),
+                                         param_pack_thd=int(BUCKET_CAP_MB * 2 ** 20),
                                          find_unused_parameters=False)
     if optimizer is None:
         optimizer = torch.optim.SGD(params, lr=0.01)
