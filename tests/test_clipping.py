@@ -9,7 +9,8 @@ and the call path and ``DistributedOptimizer`` (unsharded, and sharded: the
 norm of every rank's part), fp32/bf16/fp16/fp64 gradients, the 2-norm and the
 max norm, accumulation, gradients as bucket views, a norm under the limit (then
 exactly the unclipped reduction), an inf on one rank, and
-``error_if_nonfinite``. Single-process tests cover the norm's fixed order
+``error_if_nonfinite``; the hooks, the sharded optimizer and DDP's hook
+again on the Triton norm kernels (interpreted). Single-process tests cover the norm's fixed order
 on the CPU (the same bits with 1 and 2 threads) and the argument checks; the
 norm kernels of both backends against float64 are ``test_norm_kernels.py``'s.
 
@@ -95,7 +96,7 @@ def _with_inf(rank, world_size, error_if_nonfinite):
     return {"grads": [p.grad.clone() for p in params], "norm": reducer.grad_norm.clone()}
 
 
-def _optimizer(rank, shard, max_norm=1.0, norm_type=2.0):
+def _optimizer(rank, shard, max_norm=1.0, norm_type=2.0, backend="auto"):
     """DistributedOptimizer(SGD(lr=1), max_grad_norm=...) from zero parameters:
     after one step each parameter is minus its clipped gradient (sharded:
     stepped in fp32 masters from the 16-bit gradient, so the same values)."""
@@ -103,6 +104,7 @@ def _optimizer(rank, shard, max_norm=1.0, norm_type=2.0):
     params = _params()
     opt = DistributedOptimizer(torch.optim.SGD(params, lr=1.0), param_pack_thd=4000,
                                shard=shard, max_grad_norm=max_norm, norm_type=norm_type)
+    opt.reducer.backend = backend
     _backward(params, _grads(rank, 0))
     opt.step()
     return {"grads": [-p.detach().clone() for p in params], "norm": opt.grad_norm.clone()}
@@ -157,13 +159,13 @@ class _Given(torch.nn.Module):
         return sum((p.float() * g.float()).sum() for p, g in zip(self.weights, grads))
 
 
-def _ddp(rank, hook_name, max_norm):
+def _ddp(rank, hook_name, max_norm, backend="auto"):
     """Two DDP iterations (DDP rebuilds its buckets after the first) with a
     fusedreduce hook whose HookState clips; the gradients and norm of each."""
     from torch.nn.parallel import DistributedDataParallel
     from fusedreduce import hooks
     model = DistributedDataParallel(_Given(), bucket_cap_mb=0.004)
-    state = hooks.HookState(max_grad_norm=max_norm)
+    state = hooks.HookState(max_grad_norm=max_norm, backend=backend)
     model.register_comm_hook(state, getattr(hooks, hook_name))
     out = []
     for step in range(2):
@@ -227,6 +229,11 @@ def on_rank(rank, world_size):
         "optimizer": _optimizer(rank, False),
         "optimizer_sharded": _optimizer(rank, True),
         "optimizer_sharded_inf_norm": _optimizer(rank, True, 0.5, math.inf),
+        # the GPU's norm kernels (Triton, interpreted here) on the same paths
+        "l2_triton": _hooked(rank, 1.0, backend="triton"),
+        "inf_norm_triton": _hooked(rank, 0.5, norm_type=math.inf, backend="triton"),
+        "optimizer_sharded_triton": _optimizer(rank, True, backend="triton"),
+        "ddp_allreduce_triton": _ddp(rank, "allreduce_hook", 1.0, backend="triton"),
         "grad_scaler": _grad_scaler(rank, False),
         "grad_scaler_sharded": _grad_scaler(rank, True),
         "grad_scaler_ddp_hook": _ddp_grad_scaler(rank),
@@ -285,6 +292,8 @@ def _assert_clipped(seen, want_norm, want, magnitudes, coefficient, world_size, 
     ("views", 1.0, 2.0, 1, True), ("sum", 1.0, 2.0, 1, False),
     ("optimizer", 1.0, 2.0, 1, True), ("optimizer_sharded", 1.0, 2.0, 1, True),
     ("optimizer_sharded_inf_norm", 0.5, math.inf, 1, True),
+    ("l2_triton", 1.0, 2.0, 1, True), ("inf_norm_triton", 0.5, math.inf, 1, True),
+    ("optimizer_sharded_triton", 1.0, 2.0, 1, True),
 ])
 def test_clipped_gradients_are_torchs_clipping_of_the_reduced_ones(ranks_once, world_size, name,
                                                                   max_norm, norm_type, steps,
@@ -302,7 +311,8 @@ def test_clipped_gradients_are_torchs_clipping_of_the_reduced_ones(ranks_once, w
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("name", ["l2", "inf_norm", "called", "accumulated", "views", "inf",
                                   "optimizer", "optimizer_sharded",
-                                  "optimizer_sharded_inf_norm"])
+                                  "optimizer_sharded_inf_norm", "l2_triton", "inf_norm_triton",
+                                  "optimizer_sharded_triton"])
 def test_norm_and_gradients_are_the_same_bits_on_every_rank(ranks_once, world_size, name):
     results = [r[name] for r in ranks_once(world_size)]
     for rank, r in enumerate(results[1:], 1):
@@ -354,7 +364,7 @@ def test_adasum_clips_its_combined_gradients(ranks_once, world_size, name):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("name", ["ddp_allreduce", "ddp_bf16"])
+@pytest.mark.parametrize("name", ["ddp_allreduce", "ddp_bf16", "ddp_allreduce_triton"])
 def test_ddp_hooks_clip_through_their_hook_state(ranks_once, world_size, name):
     results = ranks_once(world_size)
     wire = torch.finfo(torch.bfloat16).eps if name == "ddp_bf16" else 0.0

@@ -135,9 +135,7 @@ def _finish_kernel(partials, ranges, powers, post, total_out, scales_out, n_buff
         if FINISH:
             # each buffer's term in lane b % BLOCK: the lanes are added in a fixed tree
             weight = tl.abs(tl.load(post + b))
-            if NORM == 0:
-                term = power * weight
-            elif NORM == 1:
+            if NORM <= 1:  # the max norm and the 1-norm scale linearly
                 term = power * weight
             elif NORM == 2:
                 term = power * (weight * weight)
