@@ -294,12 +294,9 @@ class DistributedGradReducer:
             wait_for(p)
         if not pending:
             return []
-        self.grad_norm, scales = clip_buffers(
+        return self._kept_norm(clip_buffers(
             [p.flat[:p.bucket.size] for p in pending], self._postscales_of(pending),
-            self.max_grad_norm, self.norm_type, self.loss_scale, backend=self.backend)
-        if self.error_if_nonfinite:
-            raise_if_nonfinite(self.grad_norm, self.norm_type)
-        return scales
+            self.max_grad_norm, self.norm_type, self.loss_scale, backend=self.backend))
 
     def _postscales_of(self, pending: Sequence[PendingBucket]) -> List[float]:
         return [self._scales[p.bucket.index][1] for p in pending]
@@ -307,9 +304,14 @@ class DistributedGradReducer:
     def _clip(self, pending: Sequence[PendingBucket], powers: torch.Tensor) -> List:
         """``_clipped_postscales`` from each pending bucket's sum of powers
         (``clipping.norm_powers``, a float64 vector), already computed."""
-        self.grad_norm, scales = clip_scales(powers, self._postscales_of(pending),
-                                             self.max_grad_norm, self.norm_type,
-                                             self.loss_scale, backend=self.backend)
+        return self._kept_norm(clip_scales(powers, self._postscales_of(pending),
+                                           self.max_grad_norm, self.norm_type,
+                                           self.loss_scale, backend=self.backend))
+
+    def _kept_norm(self, clipped) -> List:
+        """The scales of ``clipped`` (``(total_norm, scales)``), its norm kept
+        in ``grad_norm``; raises for a non-finite norm with ``error_if_nonfinite``."""
+        self.grad_norm, scales = clipped
         if self.error_if_nonfinite:
             raise_if_nonfinite(self.grad_norm, self.norm_type)
         return scales

@@ -7,9 +7,10 @@ machines without Triton. The Triton kernels' own element helpers live in
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -91,3 +92,14 @@ def scratch_buffer(name: str, shape: Sequence[int], dtype: torch.dtype,
     if buffer is None or buffer.numel() < numel:
         buffer = kept[name, dtype] = torch.empty(numel, dtype=dtype)
     return buffer[:numel].view(shape)
+
+
+@functools.lru_cache(maxsize=64)
+def postscale_vectors(postscales: Tuple[float, ...],
+                      device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Buffers' postscales, absolute and signed, as fp64 vectors on ``device``
+    (the norm family's): the same every step, so uploaded once (a per-step
+    upload would cost a host-to-device copy, and could not be captured in a
+    CUDA graph)."""
+    signed = torch.tensor(postscales, dtype=torch.float64, device=device)
+    return signed.abs(), signed

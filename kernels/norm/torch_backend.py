@@ -6,13 +6,12 @@ raised to the ``p``-th power in fp64.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import List, Sequence, Tuple
 
 import torch
 
-from .._common import NORM_ROW
+from .._common import NORM_ROW, postscale_vectors
 
 
 def flat_norm_power(buffer: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -45,7 +44,7 @@ def clip_scales(powers: torch.Tensor, postscales: Sequence[float], max_norm: flo
                 norm_type: float, loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``(total_norm, scales)`` from the buffers' ``powers`` (see the family)."""
     device = powers.device
-    post, signed = _postscale_vectors(tuple(postscales), device)
+    post, signed = postscale_vectors(tuple(postscales), device)
     if norm_type == math.inf:
         total = (powers * post).max()
     else:
@@ -64,16 +63,6 @@ def clip_buffers(buffers: Sequence[torch.Tensor], postscales: Sequence[float],
     """``clip_scales`` of the buffers' ``norm_powers``."""
     return clip_scales(norm_powers(buffers, norm_type), postscales, max_norm, norm_type,
                        loss_scale)
-
-
-@functools.lru_cache(maxsize=64)
-def _postscale_vectors(postscales: Tuple[float, ...],
-                       device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The buckets' postscales, absolute and signed, as fp64 vectors on
-    ``device``: the same every step, so uploaded once (a per-step upload would
-    cost a host-to-device copy, and could not be captured in a CUDA graph)."""
-    signed = torch.tensor(postscales, dtype=torch.float64, device=device)
-    return signed.abs(), signed
 
 
 __all__ = ["flat_norm_power", "norm_powers", "clip_scales", "clip_buffers"]

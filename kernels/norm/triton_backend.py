@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .._checks import refuse_in_capture
-from .._common import NORM_ROW
+from .._common import NORM_ROW, postscale_vectors
 from .._triton_common import upcast
 from ..flatten.triton_backend import _scale, _to_device, scale_words
 
@@ -182,7 +182,7 @@ class _Layout:
         firsts = np.cumsum([0] + counts[:-1], dtype=np.int64)
         self.n_partials = int(sum(counts))
         self.ranges = _to_device(np.concatenate([firsts, np.asarray(counts, dtype=np.int64)]),
-                               device)
+                                 device)
         self.groups = []
         for dtype in dict.fromkeys(b.dtype for b in buffers):
             members = [i for i, b in enumerate(buffers) if b.dtype == dtype and counts[i]]
@@ -231,11 +231,6 @@ def _row_powers(buffers, layout: _Layout, partials: torch.Tensor, norm_type: flo
             ROW=NORM_ROW, ROWS=ROWS_PER_PROGRAM, num_warps=NUM_WARPS)
 
 
-def _post_vector(postscales: Sequence[float], device: torch.device) -> torch.Tensor:
-    from .torch_backend import _postscale_vectors
-    return _postscale_vectors(tuple(postscales), device)[1]
-
-
 def _finish(partials, layout, powers, postscales, max_norm, norm_type, loss_scale,
             sum_partials: bool, finish: bool):
     """Launch the finishing program; ``(total, scales)`` when ``finish``."""
@@ -245,7 +240,7 @@ def _finish(partials, layout, powers, postscales, max_norm, norm_type, loss_scal
     p = 1.0 if code != NORM_P else float(norm_type)
     total = scales = None
     if finish:
-        post = _post_vector(postscales, device)
+        post = postscale_vectors(tuple(postscales), device)[1]  # signed
         total = torch.empty((), dtype=torch.float32, device=device)
         scales = torch.empty(n, dtype=torch.float64, device=device)
     else:
