@@ -22,7 +22,8 @@ This module must not use ``from __future__ import annotations``: DDP compares
 the hooks' annotations with the real ``dist.GradBucket`` and
 ``torch.futures.Future[torch.Tensor]`` objects, not strings.
 """
-from typing import Dict, List, Optional, Tuple, Union
+import weakref
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -126,7 +127,8 @@ class HookState:
     @property
     def group(self):
         """The process group (None: the world). Settable, e.g. after unpickling."""
-        return self._group
+        group = self._group
+        return group() if isinstance(group, weakref.ref) else group
 
     @group.setter
     def group(self, group) -> None:
@@ -142,7 +144,7 @@ class HookState:
 
     def _resolve(self) -> int:
         if self._world_size is None:
-            world_size = require_process_group(self._group)
+            world_size = require_process_group(self.group)
             if self._pickled_ranks is not None:
                 if global_ranks(None) != self._pickled_ranks:
                     raise RuntimeError(
@@ -156,7 +158,7 @@ class HookState:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        group = state.pop("_group")
+        group = self.group
         state["_group"] = None
         state["_world_size"] = None
         state["_adasum_plans"] = {}
@@ -247,8 +249,12 @@ class HookState:
 
 
 # the states made for ``None`` (the world) and for process groups passed as
-# ``state``, as torch's own hooks take them: one per group object
-_group_states: List[Tuple[object, HookState]] = []
+# ``state``, as torch's own hooks take them: one per group object, held weakly
+# (the state made for a group refers to it weakly too). A group kept here past
+# destroy_process_group would keep gloo's threads alive into the interpreter's
+# exit, which they can abort; and the world object (not its id, which a new
+# group may reuse) says whether a kept state is still current.
+_group_states: "weakref.WeakKeyDictionary[Any, HookState]" = weakref.WeakKeyDictionary()
 
 
 def _state(state) -> HookState:
@@ -256,24 +262,22 @@ def _state(state) -> HookState:
         state._resolve()
         return state
     if state is None:
-        # the world group object (not its id, which a new group may reuse after
-        # destroy_process_group) says whether a kept state is still current
-        key = dist.group.WORLD if dist.is_initialized() else None
-        group = None
+        require_process_group()  # the clear error when there is no world yet
+        key = dist.group.WORLD
     elif isinstance(state, dist.ProcessGroup):
-        key = group = state
+        key = state
     else:
         raise TypeError(f"the fusedreduce hooks take as state what torch's default hooks "
                         f"take (None or a torch.distributed.ProcessGroup) or a "
                         f"fusedreduce.hooks.HookState; got {type(state).__name__}")
-    for kept_key, kept in _group_states:
-        if kept_key is key:
-            kept._resolve()
-            return kept
-    made = HookState(group)
-    made._resolve()
-    _group_states[:] = _group_states[-7:] + [(key, made)]  # a few groups at most
-    return made
+    kept = _group_states.get(key)
+    if kept is None:
+        kept = HookState(None if state is None else state)
+        if state is not None:
+            kept._group = weakref.ref(state)
+        _group_states[key] = kept
+    kept._resolve()
+    return kept
 
 
 def _future_of(tensor: torch.Tensor) -> torch.futures.Future:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import weakref
 from typing import Any, Dict, Iterable, List, Sequence
 
 import torch
@@ -123,17 +124,21 @@ def verify_same_on_all_ranks(description: Sequence[Any], names: Sequence[str], g
                        f"{per_rank}")
 
 
-_blocks: Dict[tuple, list] = {}
+# held weakly, by the parent group object: a kept gloo group's threads outlive
+# destroy_process_group and can abort the interpreter's exit, and a world made
+# again after destroy_process_group must get blocks of its own
+_blocks: "weakref.WeakKeyDictionary[Any, Dict[int, list]]" = weakref.WeakKeyDictionary()
 
 
 def consecutive_block(group, size: int):
     """This rank's block of ``size`` consecutive ranks of ``group``, as a process group.
 
     ``new_group`` is collective over the whole world, so every rank creates
-    every block, once per (group, size), in the same order.
+    every block, once per (group, size), in the same order. The blocks live
+    as long as ``group`` (the world's object for ``None``) does.
     """
-    key = (group, size)
-    if key not in _blocks:
+    by_size = _blocks.setdefault(dist.group.WORLD if group is None else group, {})
+    if size not in by_size:
         ranks = global_ranks(group)
-        _blocks[key] = [dist.new_group(ranks[i:i + size]) for i in range(0, len(ranks), size)]
-    return _blocks[key][dist.get_rank(group) // size]
+        by_size[size] = [dist.new_group(ranks[i:i + size]) for i in range(0, len(ranks), size)]
+    return by_size[size][dist.get_rank(group) // size]

@@ -184,9 +184,10 @@ def assert_raised_before_any_collective(results, expected):
 
 
 #: what a torchrun'd gloo rank prints when it aborts in the interpreter's exit,
-#: after its work is done (gloo's threads outlived destroy_process_group; see
-#: pytorch/pytorch#190489 and tests/test_teardown.py for the cause
-#: ``import fusedreduce`` removes): not a failure of the code under test
+#: after its work is done: gloo's threads outlived destroy_process_group because
+#: something still held the group (see pytorch/pytorch#190489, and
+#: tests/test_teardown.py for the holders fusedreduce removes): not a failure
+#: of the code under test
 EXIT_ABORT = "terminate called without an active exception"
 
 
