@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from .kernels._checks import refuse_in_capture
+from .kernels._checks import metadata_guard, refuse_in_capture
 from ._checks import check_distinct, check_int, check_prescale, tensor_list
 from .allreduce import (PendingBucket, finish_bucket, start_all_reduce, start_bucket_all_reduce,
                         wait_for)
@@ -165,6 +165,9 @@ class DistributedGradReducer:
         # what every call's gradients must match, compared one property at a time
         self._expected = (list(map(_size, self.parameters)), list(map(_dtype, self.parameters)),
                           list(map(_device, self.parameters)), [torch.strided] * n)
+        # the same in one C++ call, made from the first gradients accepted
+        # (False: not made yet; None: not available here)
+        self._grads_guard = False
         self._overlap = BackwardOverlap([self.parameters[i] for i in self._order], self.plan,
                                         self._start, self._finish, self._verify_once)
 
@@ -193,11 +196,18 @@ class DistributedGradReducer:
     def _check_grads(self, grads: Sequence[torch.Tensor]) -> None:
         if len(grads) != len(self.parameters):
             raise ValueError(f"got {len(grads)} gradients for {len(self.parameters)} parameters")
-        # a training loop passes matching gradients every step: four C-level
-        # passes accept them; anything else goes through the loop that names it
+        # a training loop passes matching gradients every step: one guard call
+        # or four C-level passes accept them (a guard's False is only "not
+        # sure", see metadata_guard); anything else goes through the loop
+        # that names it
+        guard = self._grads_guard
+        if guard and guard.check(*grads):
+            return
         try:
             if (list(map(_size, grads)), list(map(_dtype, grads)), list(map(_device, grads)),
                     list(map(_layout, grads))) == self._expected:
+                if guard is False:
+                    self._grads_guard = metadata_guard(grads)
                 return
         except (TypeError, AttributeError, RuntimeError):
             pass  # not all tensors (``Tensor.size`` refuses other objects)

@@ -13,8 +13,38 @@ import torch
 
 from ._common import SUPPORTED_DTYPES, packed_boundaries
 
+try:  # a C++ check of many tensors' metadata in one call; optional (see metadata_guard)
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except (ImportError, AttributeError):  # pragma: no cover - depends on the torch build
+    _TensorGuards = None
+
 _SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
 _STRIDED = frozenset([torch.strided])
+
+
+def metadata_guard(tensors: Sequence[torch.Tensor]):
+    """A check that later tensors have exactly the Python type, dtype, device,
+    shape, strides, ``requires_grad`` and dispatch keys of ``tensors``, in one
+    C++ call (``guard.check(*others)``: True or False), or None where torch
+    has no such check or it does not recognise ``tensors`` themselves.
+
+    A fast path for checks that compare a list of tensors with a kept one
+    every step (``_prepared.Prepared.matches``, the reducer's gradients): it
+    compares at least what they compare, except addresses, so its True means
+    equal. Its False may come from what they ignore (a reshaped tensor of the
+    same count, a ``requires_grad`` flag, ``inference_mode``'s dispatch
+    keys), so a False is settled by the caller's own per-tensor passes.
+    ``torch._C._dynamo.guards.TensorGuards`` is TorchDynamo's; it is private,
+    hence optional.
+    """
+    if _TensorGuards is None or not tensors:
+        return None
+    try:
+        guard = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                              dynamic_dims_strides=[list(t.stride()) for t in tensors])
+        return guard if guard.check(*tensors) is True else None
+    except Exception:  # noqa: BLE001 - a private torch API: any failure means "not usable"
+        return None
 
 
 def capturing(device: torch.device) -> bool:

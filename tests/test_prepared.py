@@ -25,7 +25,7 @@ from hypothesis import given, strategies as st
 import device_mode
 import fusedreduce.kernels._backends as backends
 from device_mode import on_cpu
-from fusedreduce.kernels import _prepared, flatten_cast_scale, unflatten_cast_scale
+from fusedreduce.kernels import _checks, _prepared, flatten_cast_scale, unflatten_cast_scale
 from fusedreduce.kernels.flatten import torch_backend
 from flatten_cases import (DTYPES, accumulate_bound, assert_same_bits, assert_within, lay_out,
                            scales)
@@ -294,9 +294,22 @@ CHANGES = [
 ]
 
 
+@pytest.fixture(params=["guard", "passes"])
+def signature_check(request, monkeypatch):
+    """Both ways of comparing a call's signature with the kept one: torch's
+    C++ metadata guard as the fast path (where this torch has it), and the
+    per-tensor passes alone (a torch without it)."""
+    if request.param == "passes":
+        monkeypatch.setattr(_checks, "_TensorGuards", None)
+    elif _checks._TensorGuards is None:
+        pytest.skip("this torch has no torch._C._dynamo.guards.TensorGuards")
+    return request.param
+
+
 @pytest.mark.parametrize("op", ["flatten", "unflatten"])
 @pytest.mark.parametrize("change, reused", CHANGES, ids=[c[0].__name__.strip("_") for c in CHANGES])
-def test_layout_changes_between_calls_stay_right(backend, prepares, op, change, reused):
+def test_layout_changes_between_calls_stay_right(backend, prepares, signature_check, op, change,
+                                                 reused):
     tensors = layout_tensors(1)
     offsets = [0, 40, 80, 120]
     buffer = new_buffer(op, 160, seed=7)
@@ -304,6 +317,9 @@ def test_layout_changes_between_calls_stay_right(backend, prepares, op, change, 
     run(op, backend, buffer, tensors, 0.7, offsets)
     first = kept_launch(op, backend, buffer)
     assert first is not None and prepares[op] == 1
+    # the fast path is really taken where it exists
+    guarded = ENTRIES[(op, backend, id(buffer))].guard is not None
+    assert guarded == (signature_check == "guard")
 
     tensors, offsets, after = change(op, list(tensors), offsets, buffer)
     for step, scale in enumerate([-1.3, 1.0, 3.0]):
@@ -322,6 +338,29 @@ def test_layout_changes_between_calls_stay_right(backend, prepares, op, change, 
     assert prepares[op] == count and kept_launch(op, backend, after) is launch
     if after is not buffer:  # another buffer object: the first one's entry stays
         assert kept_launch(op, backend, buffer) is first
+
+
+@pytest.mark.parametrize("op", ["flatten", "unflatten"])
+def test_what_only_the_guard_sees_does_not_re_prepare(backend, prepares, op):
+    # the guard also compares shapes, requires_grad and the dispatch keys that
+    # inference_mode changes, which the launch does not depend on: a call that
+    # differs only there is served by the kept launch, alternating or not
+    tensors = layout_tensors(1)
+    offsets = [0, 40, 80, 120]
+    buffer = new_buffer(op, 160, seed=7)
+    run(op, backend, buffer, tensors, 0.7, offsets)
+    first = kept_launch(op, backend, buffer)
+    for step in range(4):
+        refill(tensors, 2 + step)
+        if op == "unflatten":
+            buffer.copy_(randn(buffer.shape, F32, 20 + step))
+        if step % 2:
+            with torch.inference_mode():
+                run(op, backend, buffer, tensors, 1.5, offsets)
+        else:
+            run(op, backend, buffer, [alias(t).requires_grad_(t.is_floating_point())
+                                      for t in tensors[:3]] + tensors[3:], 1.5, offsets)
+    assert prepares[op] == 1 and kept_launch(op, backend, buffer) is first
 
 
 # ----------------------------------------------------- 3. entries die with their buffer

@@ -24,6 +24,7 @@ from torch import nn
 from harness import (CRASH_TIMEOUT, ONE_BYTE_MB, TIMEOUT, assert_raised_before_any_collective,
                      outcomes, outcomes_and_collectives, rank_errors, run_ranks)
 from fusedreduce import DistributedGradReducer
+from fusedreduce.kernels import _checks
 from reference import SIXTEEN_BIT, communication_dtype, subnormal_spacing
 
 HUGE = 1e3  # MiB: everything that may share a bucket does
@@ -341,6 +342,11 @@ def _bad_arguments(rank, world_size):
     good = [torch.ones_like(w) for w in weights]
     sparse = good[:1] + [good[1].to_sparse()] + good[2:]
     make = lambda **kw: DistributedGradReducer(weights, **kw)  # noqa: E731
+    # a reducer that accepted gradients once checks later ones with a metadata
+    # guard first (kernels/_checks.metadata_guard): a bad list must still fail
+    warm = make()
+    warm(good)
+    assert warm._grads_guard or _checks._TensorGuards is None, "the guard was not made"
     cases = {
         "degree=0": lambda: make(degree=0),
         "degree=-2": lambda: make(degree=-2),
@@ -364,6 +370,15 @@ def _bad_arguments(rank, world_size):
         "grads[1] a numpy array": lambda: make()(
             [good[0], good[1].numpy(), good[2]]),
         "grads[2] on another device": lambda: make()(
+            good[:2] + [torch.ones_like(good[2], device="meta")]),
+        "after a good call, grads[2] of the wrong shape": lambda: warm(
+            good[:2] + [torch.ones(6)]),
+        "after a good call, grads[0] of the wrong dtype": lambda: warm(
+            [good[0].double()] + good[1:]),
+        "after a good call, sparse grads[1]": lambda: warm(sparse),
+        "after a good call, grads[1] a numpy array": lambda: warm(
+            [good[0], good[1].numpy(), good[2]]),
+        "after a good call, grads[2] on another device": lambda: warm(
             good[:2] + [torch.ones_like(good[2], device="meta")]),
         "passes_per_sync=0": lambda: make().register_hooks(passes_per_sync=0),
         "hooks registered twice": lambda: make().register_hooks().register_hooks(),
@@ -395,6 +410,11 @@ def test_bad_arguments_raise_on_every_rank_before_any_collective():
         "sparse grads[1]": ("TypeError", "grads[1]"),
         "grads[1] a numpy array": ("TypeError", "grads[1]"),
         "grads[2] on another device": ("ValueError", "grads[2]"),
+        "after a good call, grads[2] of the wrong shape": ("ValueError", "grads[2]"),
+        "after a good call, grads[0] of the wrong dtype": ("ValueError", "grads[0]"),
+        "after a good call, sparse grads[1]": ("TypeError", "grads[1]"),
+        "after a good call, grads[1] a numpy array": ("TypeError", "grads[1]"),
+        "after a good call, grads[2] on another device": ("ValueError", "grads[2]"),
         "passes_per_sync=0": ("ValueError", "passes_per_sync"),
         "hooks registered twice": ("ValueError", "already"),
         "a parameter without requires_grad": ("ValueError", "parameters[0]"),
