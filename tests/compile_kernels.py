@@ -1,6 +1,6 @@
 """Compile the kernels ahead of time for a CUDA target and report what came out.
 
-    python tests/compile_kernels.py {flatten,unflatten,adasum,norm} CAPABILITY
+    python tests/compile_kernels.py {flatten,unflatten,adasum,norm,unspecialized} CAPABILITY
 
 Prints one JSON list, one entry per launch variant. Flatten kernels: the
 constexprs, whether PTX came out, the global loads/stores of the PTX by width
@@ -8,7 +8,8 @@ in bits, and every value of the TTIR that carries a ``tt.divisibility`` hint.
 AdaSum kernels (chunk statistics, their in-order reduction, the combine, per
 buffer dtype): whether PTX came out and the count of each arithmetic, branch
 and atomic instruction of interest; the norm kernels likewise, per norm and
-buffer dtype. It needs no GPU, but
+buffer dtype. ``unspecialized`` (nothing compiled; CAPABILITY ignored): every
+kernel's parameters and those Triton never specialises on. It needs no GPU, but
 it must run without ``TRITON_INTERPRET``: under the interpreter ``@triton.jit``
 makes functions that cannot be compiled (test_compile_aot.py runs it in a
 subprocess for that reason).
@@ -245,7 +246,23 @@ def main_adasum(capability: int, kernel: str = "adasum") -> None:
                       "variants": report}))
 
 
+def main_unspecialized() -> None:
+    """Every ``@triton.jit`` kernel's parameters and those it never specialises
+    on (``do_not_specialize``)."""
+    report = {}
+    for module in (kernels, adasum, norm):
+        for name, fn in sorted(vars(module).items()):
+            if isinstance(fn, triton.runtime.JITFunction) and name.endswith("_kernel"):
+                report[f"{module.__name__}.{name}"] = {
+                    "params": [p.name for p in fn.params],
+                    "unspecialized": [p.name for p in fn.params if p.do_not_specialize]}
+    print(json.dumps(report))
+
+
 def main(kernel: str, capability: int) -> None:
+    if kernel == "unspecialized":
+        main_unspecialized()
+        return
     if kernel in ("adasum", "norm"):
         main_adasum(capability, kernel)
         return

@@ -196,3 +196,20 @@ def test_every_norm_kernel_compiles_without_atomics(capability):
             assert _instructions(variant, "add.f64", "add.rn.f64") > 0, variant
         if "loss=1" in variant["name"]:
             assert _instructions(variant, "div.rn.f64") >= 1, variant
+
+
+def test_the_words_of_run_time_floats_are_never_specialised_on():
+    # a scale (or loss scale) travels as the two 32-bit words of its float64
+    # bits: were Triton to specialise on their values (== 1, divisible by 16), a
+    # new scale could compile another variant mid-training and make a kept
+    # launch's compiled kernel wrong for it
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(HELPER), "unspecialized", "0"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-5000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    words = {name: [p for p in kernel["params"] if p.endswith(("_high", "_low"))]
+             for name, kernel in report.items()}
+    assert sum(map(len, words.values())) >= 4, words  # the flatten kernels' and the norm's
+    for name, kernel in report.items():
+        assert set(words[name]) <= set(kernel["unspecialized"]), (name, kernel)

@@ -100,7 +100,9 @@ def _row_powers_kernel(base, table, work, partials, n_buffers, p,
     tl.store(partials + first + piece + tl.arange(0, 1), total)
 
 
-@triton.jit
+# the loss scale's words change with the scale: specialising on their values
+# (== 1, divisible by 16) would compile another variant when a scale lands there
+@triton.jit(do_not_specialize=["loss_high", "loss_low"])
 def _finish_kernel(partials, ranges, powers, post, total_out, scales_out, n_buffers, p, max_norm,
                    loss_ptr, loss_high, loss_low,
                    NORM: tl.constexpr, SUM_PARTIALS: tl.constexpr, FINISH: tl.constexpr,
