@@ -180,7 +180,8 @@ NOTES = {
                "single-tensor copy's time over the method's (1.00 = copy bandwidth); "
                "fusedreduce_host: host time of a steady-state call on the Triton path, "
                "the kernel's execution excluded; fusedreduce_host_moved: the same, every "
-               "call's tensors at other addresses (gradients set to None)",
+               "call's tensors at other addresses (gradients set to None), two sets in "
+               "turn; fusedreduce_host_new: at addresses the launch has not kept",
     "reduce": "mean of every rank's gradients; GB/s: gradient bytes / time (algbw); "
               "x per_tensor: its time over the method's",
     "step": "forward + backward + gradient reduction; GB/s: gradient bytes / step time; "

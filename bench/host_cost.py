@@ -15,18 +15,20 @@ Python. This module times that cost, call by call, with ``perf_counter``:
   left out. Triton's compiled launcher does not exist on a CPU, so its cost
   (a GPU-only figure) is not in the CPU row.
 
-Two steady states are timed. In the first the call gets the same tensors
+Three steady states are timed. In the first the call gets the same tensors
 every time (``zero_grad(set_to_none=False)``, bucket views). In the second,
 *moved*, every call gets tensors of the same layout at other addresses: what
 torch's default ``zero_grad(set_to_none=True)`` gives when the caching
 allocator hands the new gradients out in another order. The call alternates
-between two sets of tensors, so each one re-points the kept launch
-(``kernels/_prepared.py``: the span check and, on Triton, the table's
-upload).
+between two sets of tensors, as gradients that swap addresses do, so each
+call moves the kept launch back to the addresses it had before (a kept
+binding, ``kernels/_prepared.py``). In the third, *new*, the calls cycle
+through ``NEW_SETS`` sets, more than a launch keeps, so every call re-points
+it from scratch: the span check and, on Triton, a new table and its upload.
 
 ``python -m fusedreduce.bench.host_cost CASES_JSON`` is the child's entry
 point: it prints ``{case key: [ms, ...]}`` as JSON (a moved case's key ends
-in ``MOVED_SUFFIX``).
+in ``MOVED_SUFFIX``, a new-addresses case's in ``NEW_SUFFIX``).
 """
 from __future__ import annotations
 
@@ -41,8 +43,15 @@ from typing import Dict, List, Sequence
 CALLS = 200
 WARMUP = 5
 FLAT_DTYPE_NAME = "float32"
-#: what ends a moved case's key
+#: what ends a moved case's key (two address sets in turn)
 MOVED_SUFFIX = "|moved"
+#: what ends a key of calls at addresses the launch does not keep
+NEW_SUFFIX = "|new"
+#: the address sets such calls cycle through: more than a launch keeps
+#: (``kernels/_prepared.RECENT``)
+NEW_SETS = 8
+#: each key's suffix and how many address sets its calls cycle through
+ADDRESS_SETS = {"": 1, MOVED_SUFFIX: 2, NEW_SUFFIX: NEW_SETS}
 
 
 def case_key(list_name: str, size: int, dtype: str, direction: str, scale: float) -> str:
@@ -61,16 +70,18 @@ def _time_calls(fn, calls: int) -> List[float]:
 
 
 def time_host(tensors: Sequence, out, dsts: Sequence, direction: str, scale: float,
-              calls: int = CALLS, kernels=None, moved: bool = False) -> List[float]:
+              calls: int = CALLS, kernels=None, address_sets: int = 1) -> List[float]:
     """Per-call host times in ms of the Triton path on these buffers (see the module
     docstring). ``kernels``: the kernel package to time (default ``fusedreduce.kernels``;
-    ``versus_revision`` passes another revision's). ``moved``: every call's
-    tensors are at other addresses than the last call's."""
+    ``versus_revision`` passes another revision's). ``address_sets``: how many
+    sets of tensors (the given ones and copies elsewhere) the calls cycle
+    through; 1: the same tensors every call."""
     if kernels is None:
         from fusedreduce import kernels
 
     mine = tensors if direction == "flatten" else dsts
-    sides = itertools.cycle([mine, [t.clone() for t in mine]] if moved else [mine])
+    sides = itertools.cycle([mine] + [[t.clone() for t in mine]
+                                      for _ in range(address_sets - 1)])
 
     if direction == "flatten":
         def call():
@@ -119,9 +130,9 @@ def _child(spec: dict) -> Dict[str, List[float]]:
         for direction in case["directions"]:
             for scale in case["scales"]:
                 key = case_key(case["list"], case["size"], case["dtype"], direction, scale)
-                results[key] = time_host(tensors, out, dsts, direction, scale, spec["calls"])
-                results[key + MOVED_SUFFIX] = time_host(tensors, out, dsts, direction, scale,
-                                                        spec["calls"], moved=True)
+                for suffix, sets in ADDRESS_SETS.items():
+                    results[key + suffix] = time_host(tensors, out, dsts, direction, scale,
+                                                      spec["calls"], address_sets=sets)
     return results
 
 

@@ -43,9 +43,11 @@ per steady-state call on the Triton path, the kernel's execution excluded
 (``host_cost.py``: on CUDA an unsynchronised call, on the CPU a child process
 under Triton's interpreter with the kernel's run made a no-op);
 ``fusedreduce_host_moved``: the same when every call's tensors sit at other
-addresses (gradients set to None and allocated again, re-pointing the kept
-launch). Their ``ms`` is host time; they have no bandwidth or ratio, and the
-summary leaves them out.
+addresses (gradients set to None and allocated again), alternating between
+two address sets, which the kept launch keeps a binding for;
+``fusedreduce_host_new``: the same at addresses it has not kept, re-pointing
+it from scratch. Their ``ms`` is host time; they have no bandwidth or ratio,
+and the summary leaves them out.
 
 Every method counts the same bytes: each element read once in one dtype and
 written once in the other (``n * (in_size + out_size)``), so ``gbps`` is the
@@ -87,9 +89,13 @@ ROLES = {"copy": "reference", "naive": "baseline", "views_then_scale": "baseline
          "torch_chunk_cat": "baseline",
          "torch_split_copy": "baseline", "fusedreduce": "ours",
          "fusedreduce_fresh_out": "ours", "fusedreduce_host": "host",
-         "fusedreduce_host_moved": "host"}
+         "fusedreduce_host_moved": "host", "fusedreduce_host_new": "host"}
 HOST_METHOD = "fusedreduce_host"
 HOST_MOVED_METHOD = "fusedreduce_host_moved"
+HOST_NEW_METHOD = "fusedreduce_host_new"
+#: each host row's method by the suffix of its ``host_cost`` key
+HOST_METHODS = {"": HOST_METHOD, host_cost.MOVED_SUFFIX: HOST_MOVED_METHOD,
+                host_cost.NEW_SUFFIX: HOST_NEW_METHOD}
 #: what the ``timer`` of a CUDA run's config says
 DEVICE_TIMER = "device time alone (CUDA events, call queued behind a spin kernel, L2 flushed)"
 BASELINE = "copy"
@@ -225,11 +231,10 @@ def case_name(w: Workload, direction: str, scale: float) -> str:
 
 
 def measure(w: Workload, size: int, scale: float, direction: str, repeats: int,
-            host_ms: Optional[Sequence[float]] = None,
-            host_moved_ms: Optional[Sequence[float]] = None) -> List[dict]:
+            host_ms: Optional[Dict[str, Sequence[float]]] = None) -> List[dict]:
     """Check and time every method of ``direction`` on ``w`` at ``scale``; one record
-    each, and a ``fusedreduce_host`` record of ``host_ms`` and a
-    ``fusedreduce_host_moved`` one of ``host_moved_ms`` when given."""
+    each, and one of each host row in ``host_ms`` ({method: samples in ms},
+    the methods of ``HOST_METHODS``)."""
     fns = METHODS[direction](w, scale)
     for name, fn in fns.items():
         check(w, scale, direction, name, fn())  # doubles as the warm-up
@@ -246,7 +251,7 @@ def measure(w: Workload, size: int, scale: float, direction: str, repeats: int,
     records = [common.result(
         "kernels", case_name(w, direction, scale), size, name, ROLES[name], BASELINE, 1,
         len(w.tensors), w.n_elements, w.bytes, samples, **extra) for name in fns]
-    for method, host_samples in ((HOST_METHOD, host_ms), (HOST_MOVED_METHOD, host_moved_ms)):
+    for method, host_samples in (host_ms or {}).items():
         if not host_samples:
             continue
         record = common.result("kernels", case_name(w, direction, scale), size, method,
@@ -278,17 +283,17 @@ def run(config: dict, device: torch.device, progress: common.Progress) -> List[d
                 for scale in config["scales"]:
                     for direction in DIRECTIONS:
                         key = host_cost.case_key(list_name, size, dtype, direction, scale)
-                        moved_key = key + host_cost.MOVED_SUFFIX
                         if device.type == "cuda":
-                            for k, moved in ((key, False), (moved_key, True)):
-                                host[k] = host_cost.time_host(
+                            for suffix, sets in host_cost.ADDRESS_SETS.items():
+                                host[key + suffix] = host_cost.time_host(
                                     workload.tensors, workload.out, workload.dsts, direction,
-                                    scale, moved=moved)
+                                    scale, address_sets=sets)
                         with progress.step(f"kernels: {case_name(workload, direction, scale)}, "
                                            f"{workload.n_elements:,} elements"):
-                            results += measure(workload, size, scale, direction,
-                                               config["repeats"], host.get(key),
-                                               host.get(moved_key))
+                            results += measure(
+                                workload, size, scale, direction, config["repeats"],
+                                {method: host.get(key + suffix)
+                                 for suffix, method in HOST_METHODS.items()})
                 del workload  # freed before the next one is built
     return results
 

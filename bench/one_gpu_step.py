@@ -32,20 +32,31 @@ timed round-robin (each step synchronised, ``perf_counter``); the table gives
 the median step in ms, DDP's median over the method's, and the host's
 median time per step in µs (from the call until it returns, before the
 synchronisation: the time the host spends issuing the step).
+
+Then ``COUNTED_STEPS`` more steps of each method, untimed, count what the
+fused kernels' kept launches did per step (``kernels/_prepared.py``): calls
+whose tensors were where the last call's were (``same``), calls at an
+address list the launch keeps a binding for (``switched``: gradients the
+allocator handed back where they were a few steps ago), calls re-pointed to
+new addresses after a span check (``re-pointed``) and launches prepared
+afresh (``prepared``). With ``zero_grad(set_to_none=True)`` which of these a
+step gets depends on the allocator; this shows it.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from fusedreduce import DistributedGradReducer, DistributedOptimizer, hooks
+from fusedreduce.kernels import _prepared
 from fusedreduce.local_ranks import run_on_local_ranks
 
 from . import common
@@ -58,6 +69,10 @@ CUDA_METHODS = ("distributed_optimizer_graph",)
 BASELINE = "ddp"
 BUCKET_CAP_MB = 25.0
 WARMUP = 5
+#: untimed steps per method whose kept launches are counted
+COUNTED_STEPS = 5
+#: what ``launch_counts`` counts
+LAUNCH_OUTCOMES = ("calls", "same", "switched", "re-pointed", "prepared")
 
 
 def _step(method: str, config: dict, device: torch.device, batch, labels) -> Callable[[], None]:
@@ -116,6 +131,36 @@ def _captured(step: Callable[[], None], device: torch.device) -> Callable[[], No
     return graph.replay
 
 
+@contextlib.contextmanager
+def launch_counts(counts: Dict[str, int]) -> Iterator[Dict[str, int]]:
+    """Count into ``counts`` (``LAUNCH_OUTCOMES``) what the kernels' kept
+    launches do meanwhile. It wraps the cache's lookup, the re-pointing, the
+    span check and the preparation, so nothing inside is timed."""
+    cache, entry = _prepared.LAUNCHES, _prepared.Prepared
+    lookup, rebind, spans_clear, init = cache.lookup, entry.rebind, _prepared.spans_clear, \
+        entry.__init__
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    moved = {"n": 0}
+    cache.lookup = counted("calls", lookup)
+    entry.rebind = lambda self, *args: moved.__setitem__("n", moved["n"] + 1) or rebind(
+        self, *args)
+    _prepared.spans_clear = counted("re-pointed", spans_clear)
+    entry.__init__ = counted("prepared", init)
+    try:
+        yield counts
+    finally:
+        del cache.lookup
+        entry.rebind, _prepared.spans_clear, entry.__init__ = rebind, spans_clear, init
+        counts["switched"] += moved["n"] - counts["re-pointed"]
+        counts["same"] += counts["calls"] - moved["n"] - counts["prepared"]
+
+
 def rank_body(rank: int, world_size: int, config: dict) -> dict:
     """Time every method on this (single) rank; the median step per method, in ms."""
     device = (torch.device("cuda", torch.cuda.current_device())
@@ -145,8 +190,15 @@ def rank_body(rank: int, world_size: int, config: dict) -> dict:
                 torch.cuda.synchronize(device)
             samples[method].append((time.perf_counter() - start) * 1e3)
             host[method].append((issued - start) * 1e6)
+    launches = {}
+    for method in methods:
+        with launch_counts(dict.fromkeys(LAUNCH_OUTCOMES, 0)) as counts:
+            for _ in range(COUNTED_STEPS):
+                steps[method]()
+        if counts["calls"]:
+            launches[method] = {k: v / COUNTED_STEPS for k, v in counts.items()}
     return {"device": str(device), "parameters": sum(p.numel() for p in reference.parameters()),
-            "samples": samples, "host_us": host}
+            "samples": samples, "host_us": host, "launches_per_step": launches}
 
 
 def methods_on(device: torch.device):
@@ -184,6 +236,11 @@ def main(argv=None) -> int:
               f"{host[method]:9.0f}")
     if not on_gpu:
         print(f"({', '.join(CUDA_METHODS)}: CUDA only)")
+    print(f"# the fused kernels' kept launches per step, over {COUNTED_STEPS} more steps "
+          f"(untimed)")
+    print(f"{'method':28s} " + " ".join(f"{k:>10s}" for k in LAUNCH_OUTCOMES))
+    for method, counts in record["launches_per_step"].items():
+        print(f"{method:28s} " + " ".join(f"{counts[k]:10.1f}" for k in LAUNCH_OUTCOMES))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": config, "record": record, "median_ms": medians,

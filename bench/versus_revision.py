@@ -17,7 +17,8 @@ torch's fastest baselines:
 - the host cost per steady-state call of each revision's Triton path, the
   kernel's execution excluded (``TRITON_INTERPRET=1`` and the interpreter's
   kernel runner replaced by a no-op, as in ``host_cost.py``), with the same
-  tensors at every call and with tensors that moved (``host_cost.py``).
+  tensors at every call, with tensors that moved between two address sets,
+  and with tensors at new addresses every call (``host_cost.py``).
 
 With ``--device cuda`` only the host cost is measured, on the GPU: each
 revision's compiled kernels really launch (fp16 gradients of the ResNet-50
@@ -128,10 +129,11 @@ def host_cost_us(versions, size, calls=300, blocks=4, scale=0.125,
     for _ in range(blocks):
         for label, kernels in versions.items():
             for direction in ("flatten", "unflatten"):
-                for moved in (False, True):
-                    name = f"{label} {direction}{', moved' if moved else ''}"
-                    samples.setdefault(name, []).extend(host_cost.time_host(
-                        grads, out, dsts, direction, scale, calls, kernels, moved=moved))
+                for what, sets in (("", 1), (", moved", 2),
+                                   (", new addresses", host_cost.NEW_SETS)):
+                    samples.setdefault(f"{label} {direction}{what}", []).extend(
+                        host_cost.time_host(grads, out, dsts, direction, scale, calls, kernels,
+                                            address_sets=sets))
     return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
 
 

@@ -40,6 +40,15 @@ launch is re-pointed instead of prepared again. Anything else is validated and
 prepared afresh, and an overlap is refused by the full validation, naming
 the tensor.
 
+**Address sets seen before.** In steady state the allocator's order repeats
+itself: gradients that swap addresses swap back at the next step. An entry
+keeps the last ``RECENT`` address lists it was pointed at, each with the
+launch's binding for it (``launch.binding()``, ``launch.bind(binding)``:
+for Triton, the table already on the device). A call at one of them — the
+same layout, as ``matches`` established, at exactly those addresses, so the
+same byte spans, already found clear — is served by switching to that
+binding: no span check, no table, no upload.
+
 Entries are kept per buffer object and die with it (a weak reference with a
 callback), and at most ``KEPT`` are kept in all, least recently used first out.
 A torch entry holds views of its buffer; they are made from a detached alias,
@@ -62,6 +71,8 @@ from ._checks import metadata_guard, refuse_in_capture
 KEPT = 64
 #: what ``Prepared.matches`` finds: another layout, the same one, or the same one moved
 MISS, SAME, MOVED = 0, 1, 2
+#: address lists (and the launch's binding for each) an entry keeps for moved calls
+RECENT = 4
 
 _data_ptr = torch.Tensor.data_ptr
 # ``Tensor.size`` builds the same torch.Size as ``.shape`` at half its cost
@@ -84,7 +95,7 @@ class Prepared:
     __slots__ = ("buffer_ref", "buffer_ptr", "buffer_numel", "buffer_dtype", "buffer_stride",
                  "offsets", "offsets_source", "ptrs", "sizes", "size_of", "dtypes",
                  "contiguous", "strided", "guard", "launch", "nbytes", "live", "outputs",
-                 "__weakref__")
+                 "recent", "__weakref__")
 
     def __init__(self, buffer: torch.Tensor, offsets, starts: Sequence[int],
                  tensors: Sequence[torch.Tensor], launch: Callable, by_shape: bool,
@@ -114,6 +125,9 @@ class Prepared:
         # the tensors that occupy bytes (None: all of them, the usual case)
         self.live = None if self.nbytes is None or self.nbytes.all() else self.nbytes > 0
         self.outputs = outputs  # the tensors are written: they must not overlap each other
+        # [(addresses, the launch's binding for them)], the current ones first;
+        # filled from the first move on, when the launch can switch bindings
+        self.recent: list = []
 
     def matches(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets):
         """``(SAME, None)`` when a call with these arguments has exactly the
@@ -147,16 +161,33 @@ class Prepared:
         the layout allows it and the tensors' bytes are clear of the buffer
         (and, for outputs, of each other); whether it did. ``ptrs`` is a list
         the caller hands over (``matches`` makes it): it is kept. The launch's
-        ``rebind(tensors, addresses)`` gets the addresses as an int64 array."""
+        ``rebind(tensors, addresses)`` gets the addresses as an int64 array.
+        Addresses among the ``RECENT`` kept ones switch back to their binding."""
         if self.nbytes is None or len(ptrs) != len(self.nbytes):
             return False
+        launch = self.launch
+        keeps = hasattr(launch, "bind")
+        if keeps:
+            recent = self.recent
+            for i, (seen, binding) in enumerate(recent):
+                if seen == ptrs:
+                    launch.bind(binding)
+                    self.ptrs = seen
+                    if i:
+                        recent.insert(0, recent.pop(i))
+                    return True
         buffer_end = self.buffer_ptr + self.buffer_numel * self.buffer_dtype.itemsize
         addresses = np.fromiter(ptrs, dtype=np.int64, count=len(ptrs))
         if not spans_clear(addresses, self.nbytes, (self.buffer_ptr, buffer_end), self.outputs,
                            self.live):
             return False
-        self.launch.rebind(tensors, addresses)
+        if keeps and not self.recent:
+            self.recent.append((self.ptrs, launch.binding()))
+        launch.rebind(tensors, addresses)
         self.ptrs = ptrs
+        if keeps:
+            self.recent.insert(0, (ptrs, launch.binding()))
+            del self.recent[RECENT:]
         return True
 
 

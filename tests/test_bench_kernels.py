@@ -15,10 +15,11 @@ from fusedreduce.bench.models import (n_elements, resnet50_classes, resnet50_sha
 CPU_METHODS = {"flatten": {"copy", "naive", "views_then_scale", "torch_foreach", "torch_cat",
                            "torch_chunk_cat",
                            "fusedreduce", "fusedreduce_fresh_out", "fusedreduce_host",
-                           "fusedreduce_host_moved"},
+                           "fusedreduce_host_moved", "fusedreduce_host_new"},
                "unflatten": {"copy", "naive", "scale_then_views", "torch_foreach",
-                             "fusedreduce", "fusedreduce_host", "fusedreduce_host_moved"}}
-HOST_ROWS = {"fusedreduce_host", "fusedreduce_host_moved"}
+                             "fusedreduce", "fusedreduce_host", "fusedreduce_host_moved",
+                             "fusedreduce_host_new"}}
+HOST_ROWS = {"fusedreduce_host", "fusedreduce_host_moved", "fusedreduce_host_new"}
 
 
 quick_run = quick_run_fixture(
@@ -119,9 +120,9 @@ def test_every_method_computes_the_right_result(direction, dtype, scale):
         check(workload, scale, direction, name, fn())
 
 
-@pytest.mark.parametrize("moved", [False, True])
+@pytest.mark.parametrize("address_sets", [1, 2, 8])
 def test_the_host_rows_time_the_kept_launch_and_the_moved_ones_re_point_it(monkeypatch,
-                                                                          moved):
+                                                                          address_sets):
     from fusedreduce.bench import host_cost
     from fusedreduce.kernels import _prepared, triton_unavailable_reason
     if triton_unavailable_reason() is not None:
@@ -129,19 +130,29 @@ def test_the_host_rows_time_the_kept_launch_and_the_moved_ones_re_point_it(monke
     tensors = [torch.ones(3, dtype=torch.float16), torch.ones(2, 2, dtype=torch.float16)]
     out = torch.zeros(7)
     dsts = [torch.zeros_like(t) for t in tensors]
-    repointed, prepared = [], []
+    assert host_cost.NEW_SETS == 8 > _prepared.RECENT  # the "new" row's sets are never kept
+    repointed, prepared, checked = [], [], []
     rebind, init = _prepared.Prepared.rebind, _prepared.Prepared.__init__
+    spans_clear = _prepared.spans_clear
     monkeypatch.setattr(_prepared.Prepared, "rebind",
                         lambda self, *args: repointed.append(1) or rebind(self, *args))
+    monkeypatch.setattr(_prepared, "spans_clear",
+                        lambda *args: checked.append(1) or spans_clear(*args))
     monkeypatch.setattr(_prepared.Prepared, "__init__",
                         lambda self, *args, **kw: prepared.append(1) or init(self, *args, **kw))
     for direction in DIRECTIONS:
-        repointed.clear(), prepared.clear()
-        samples = host_cost.time_host(tensors, out, dsts, direction, 0.5, calls=4, moved=moved)
+        repointed.clear(), prepared.clear(), checked.clear()
+        samples = host_cost.time_host(tensors, out, dsts, direction, 0.5, calls=4,
+                                      address_sets=address_sets)
         assert len(samples) == 4
-        # one preparation; then every call of a moved row re-points it
+        # one preparation; then every call of a moved row re-points it: two
+        # sets in turn check their spans once (the second set's first call),
+        # then switch between kept bindings; sets that are never kept check
+        # them at every call
+        calls = host_cost.WARMUP + 4
         assert len(prepared) == 1, direction
-        assert len(repointed) == (host_cost.WARMUP + 4 - 1 if moved else 0), direction
+        assert len(repointed) == (0 if address_sets == 1 else calls - 1), direction
+        assert len(checked) == {1: 0, 2: 1, 8: calls - 1}[address_sets], direction
 
 
 def test_the_result_check_rejects_a_wrong_buffer():

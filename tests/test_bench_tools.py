@@ -105,3 +105,12 @@ def test_one_gpu_step_times_every_api_on_one_rank(tmp_path):
         assert all(h <= 1e3 * t for h, t in zip(record["record"]["host_us"][method],
                                                 record["record"]["samples"][method]))
     assert "distributed_optimizer_graph: CUDA only" in process.stdout
+    # what the kept launches did: the DistributedOptimizer flattens and writes
+    # back every step through them, each call one of the outcomes
+    counts = record["record"]["launches_per_step"]["distributed_optimizer"]
+    assert counts["calls"] >= 2
+    assert counts["same"] + counts["switched"] + counts["re-pointed"] + counts["prepared"] \
+        == counts["calls"]
+    assert "no_communication" not in record["record"]["launches_per_step"]
+    assert any(line.split()[:1] == ["distributed_optimizer"] and len(line.split()) == 6
+               for line in lines)

@@ -674,6 +674,67 @@ def test_moved_contiguous_tensors_are_re_pointed_and_stay_right(backend, data, s
             assert now == launches, "a moved layout was prepared again"
 
 
+@pytest.mark.device_aware
+@given(data=st.data(), n_sets=st.integers(1, _prepared.RECENT + 3),
+       calls=st.integers(2, 12))
+def test_address_sets_seen_before_switch_back_without_a_span_check(backend, data, n_sets,
+                                                                   calls):
+    # steady-state gradients swap addresses back and forth: an entry keeps the
+    # last RECENT address lists with their bindings, and a call at one of them
+    # switches back (no span check, no new table); any other moved call checks
+    # and re-points. A model of that LRU says which calls check; every result
+    # is bitwise the reference's, with new values at every call
+    shapes, dtypes = [(5,), (3, 4), (1,), (2100,)], [F16, F32, BF16, F64]
+    sets = [([_placed(shape, dtype, pad) for shape, dtype in zip(shapes, dtypes)],
+             [_placed(shape, dtype, pad) for shape, dtype in zip(shapes, dtypes)])
+            for pad in range(n_sets)]
+    end = sum(math.prod(shape) for shape in shapes)
+    out = torch.full((end,), math.nan, dtype=F32, device=device_mode.DEVICE())
+    checks = {False: 0, True: 0}  # span checks of flatten (inputs) and unflatten (outputs)
+    spans_clear = _prepared.spans_clear
+
+    def counting(ptrs, nbytes, buffer_span, pairwise, live=None):
+        checks[pairwise] += 1
+        return spans_clear(ptrs, nbytes, buffer_span, pairwise, live)
+
+    order = data.draw(st.lists(st.integers(0, n_sets - 1), min_size=calls, max_size=calls),
+                      "the address set of each call")
+    _prepared.LAUNCHES.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_prepared, "spans_clear", counting)
+        _follow(backend, order, sets, out, end, checks)
+    _prepared.LAUNCHES.clear()
+
+
+def _follow(backend, order, sets, out, end, checks):
+    """The calls of ``order`` (see the test above)."""
+    current, recent, expected, launches = None, [], 0, None
+    for step, which in enumerate(order):
+        sources, targets = sets[which]
+        for i, t in enumerate(sources):
+            t.copy_(randn(t.shape, t.dtype, 100 * step + i))
+        flatten_cast_scale(sources, out, scale=0.5, backend=backend)
+        assert_same_bits(out, reference_flatten([on_cpu(t) for t in sources], F32, 0.5, None,
+                                                end), f"call {step}: out")
+        unflatten_cast_scale(out, targets, scale=3.0, backend=backend)
+        wants = reference_unflatten(on_cpu(out), [on_cpu(t) for t in targets], 3.0, False, None)
+        for i, (t, want) in enumerate(zip(targets, wants)):
+            assert_same_bits(t, want, f"call {step}: targets[{i}]")
+        # the model of one entry's kept address lists
+        if current is not None and which != current:
+            if which not in recent:
+                expected += 1
+                recent = recent or [current]
+            else:
+                recent.remove(which)
+            recent = [which] + recent[:_prepared.RECENT - 1]
+        current = which
+        assert checks == {False: expected, True: expected}, (order[:step + 1], checks)
+        now = (kept_launch("flatten", backend, out), kept_launch("unflatten", backend, out))
+        launches = launches or now
+        assert now == launches, "a moved layout was prepared again"
+
+
 @pytest.mark.parametrize("op", ["flatten", "unflatten"])
 def test_a_tensor_moved_onto_the_buffer_is_refused_before_anything_is_written(backend, fresh,
                                                                                op):

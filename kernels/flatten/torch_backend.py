@@ -248,6 +248,7 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
                 torch._foreach_zero_(gaps)
             return _found_nonfinite(tensors, out) if check_finite else None
     launch.rebind = _reads_tensors_at_launch
+    launch.binding, launch.bind = _no_binding, _bind_nothing
     return launch
 
 
@@ -267,6 +268,14 @@ def _reads_tensors_at_launch(tensors, addresses) -> None:
     """``rebind`` of this backend's launches (``_prepared.py``): they keep views
     of the buffer only and take the tensors at each launch, so moved tensors
     need nothing."""
+
+
+def _no_binding() -> None:
+    """``binding`` of this backend's launches: nothing depends on addresses."""
+
+
+def _bind_nothing(binding) -> None:
+    """``bind`` of this backend's launches: nothing to switch."""
 
 
 class ScaledNarrowing:
@@ -357,6 +366,7 @@ def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
         with torch.no_grad():
             plan.run(tensors, segments, scale, accumulate, products=narrowing)
     launch.rebind = _reads_tensors_at_launch
+    launch.binding, launch.bind = _no_binding, _bind_nothing
     return launch
 
 

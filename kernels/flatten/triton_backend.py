@@ -396,6 +396,15 @@ class _Layout:
         self.host_table = table
         self.table = _to_device(table, self.table.device)
 
+    def binding(self):
+        """The tables the launch reads now (see ``_prepared.Prepared.rebind``)."""
+        return self.host_table, self.table
+
+    def bind(self, binding) -> None:
+        """Read the tables ``binding()`` returned again: neither is ever
+        rewritten, so they still hold what they held."""
+        self.host_table, self.table = binding
+
     def base(self, tensors, flat):
         """The tensor of this call at the table's base address, as bytes."""
         if self.base_kept is not None:
@@ -464,4 +473,5 @@ def _rebindable(launch: Callable, layout: _Layout) -> Callable:
     when its layout's offsets all start from the flat buffer and nothing is staged."""
     if layout.base_is_flat and not layout.staged_indices:
         launch.rebind = lambda tensors, addresses: layout.rebind(addresses)
+        launch.binding, launch.bind = layout.binding, layout.bind
     return launch
