@@ -146,10 +146,9 @@ def launch_counts(counts: Dict[str, int]) -> Iterator[Dict[str, int]]:
             return fn(*args, **kwargs)
         return wrapper
 
-    moved = {"n": 0}
+    counts["moved"] = 0  # re-pointed or switched: derived from below at the end
     cache.lookup = counted("calls", lookup)
-    entry.rebind = lambda self, *args: moved.__setitem__("n", moved["n"] + 1) or rebind(
-        self, *args)
+    entry.rebind = counted("moved", rebind)
     _prepared.spans_clear = counted("re-pointed", spans_clear)
     entry.__init__ = counted("prepared", init)
     try:
@@ -157,8 +156,9 @@ def launch_counts(counts: Dict[str, int]) -> Iterator[Dict[str, int]]:
     finally:
         del cache.lookup
         entry.rebind, _prepared.spans_clear, entry.__init__ = rebind, spans_clear, init
-        counts["switched"] += moved["n"] - counts["re-pointed"]
-        counts["same"] += counts["calls"] - moved["n"] - counts["prepared"]
+        moved = counts.pop("moved")
+        counts["switched"] += moved - counts["re-pointed"]
+        counts["same"] += counts["calls"] - moved - counts["prepared"]
 
 
 def rank_body(rank: int, world_size: int, config: dict) -> dict:

@@ -272,7 +272,7 @@ def _state(state) -> HookState:
                         f"fusedreduce.hooks.HookState; got {type(state).__name__}")
     kept = _group_states.get(key)
     if kept is None:
-        kept = HookState(None if state is None else state)
+        kept = HookState(state)
         if state is not None:
             kept._group = weakref.ref(state)
         _group_states[key] = kept

@@ -40,9 +40,9 @@ launch is re-pointed instead of prepared again. Anything else is validated and
 prepared afresh, and an overlap is refused by the full validation, naming
 the tensor.
 
-**Address sets seen before.** In steady state the allocator's order repeats
-itself: gradients that swap addresses swap back at the next step. An entry
-keeps the last ``RECENT`` address lists it was pointed at, each with the
+**Address sets seen before.** Where the allocator's order repeats itself
+(gradients that swap addresses swap back at the next step) a moved call is
+often at addresses the launch had before. An entry keeps the last ``RECENT`` address lists it was pointed at, each with the
 launch's binding for it (``launch.binding()``, ``launch.bind(binding)``:
 for Triton, the table already on the device). A call at one of them — the
 same layout, as ``matches`` established, at exactly those addresses, so the
@@ -125,9 +125,9 @@ class Prepared:
         # the tensors that occupy bytes (None: all of them, the usual case)
         self.live = None if self.nbytes is None or self.nbytes.all() else self.nbytes > 0
         self.outputs = outputs  # the tensors are written: they must not overlap each other
-        # [(addresses, the launch's binding for them)], the current ones first;
-        # filled from the first move on, when the launch can switch bindings
-        self.recent: list = []
+        # [(addresses, the launch's binding for them)], the current ones first,
+        # filled from the first move on; None: the launch cannot switch bindings
+        self.recent: Optional[list] = [] if hasattr(launch, "bind") else None
 
     def matches(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets):
         """``(SAME, None)`` when a call with these arguments has exactly the
@@ -165,10 +165,8 @@ class Prepared:
         Addresses among the ``RECENT`` kept ones switch back to their binding."""
         if self.nbytes is None or len(ptrs) != len(self.nbytes):
             return False
-        launch = self.launch
-        keeps = hasattr(launch, "bind")
-        if keeps:
-            recent = self.recent
+        launch, recent = self.launch, self.recent
+        if recent is not None:
             for i, (seen, binding) in enumerate(recent):
                 if seen == ptrs:
                     launch.bind(binding)
@@ -181,13 +179,13 @@ class Prepared:
         if not spans_clear(addresses, self.nbytes, (self.buffer_ptr, buffer_end), self.outputs,
                            self.live):
             return False
-        if keeps and not self.recent:
-            self.recent.append((self.ptrs, launch.binding()))
+        if recent == []:
+            recent.append((self.ptrs, launch.binding()))
         launch.rebind(tensors, addresses)
         self.ptrs = ptrs
-        if keeps:
-            self.recent.insert(0, (ptrs, launch.binding()))
-            del self.recent[RECENT:]
+        if recent is not None:
+            recent.insert(0, (ptrs, launch.binding()))
+            del recent[RECENT:]
         return True
 
 
