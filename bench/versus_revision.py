@@ -20,6 +20,12 @@ torch's fastest baselines:
   tensors at every call, with tensors that moved between two address sets,
   and with tensors at new addresses every call (``host_cost.py``).
 
+With ``--launch compiled`` (CPU) the host cost is measured without the
+interpreter: a stand-in driver (``recording_driver``) compiles the kernels for
+sm_90 and its launcher does nothing, so each call takes Triton's real launch
+path (``JITFunction.run``, or the kept compiled launcher of
+``kernels/_launcher.py``) and only the C launcher and the kernel are left out.
+
 With ``--device cuda`` only the host cost is measured, on the GPU: each
 revision's compiled kernels really launch (fp16 gradients of the ResNet-50
 list at the largest ``--sizes`` entry), and a call's host time is from the
@@ -108,7 +114,7 @@ def measure(versions, size, repeats, scale=0.125):
 
 
 def host_cost_us(versions, size, calls=300, blocks=4, scale=0.125,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), interpreted: bool = True):
     """Median host µs per steady-state Triton call of each version (on the
     CPU the kernel's execution excluded; on a GPU the launch is real).
 
@@ -117,7 +123,7 @@ def host_cost_us(versions, size, calls=300, blocks=4, scale=0.125,
     another of the same thing, and interleaving single calls of two versions
     would charge each with the other's effect on caches and the allocator.
     """
-    if device.type == "cpu":
+    if device.type == "cpu" and interpreted:
         from triton.runtime.interpreter import InterpretedFunction
         InterpretedFunction.run = lambda self, *args, **kwargs: None
     generator = torch.Generator().manual_seed(0)
@@ -147,18 +153,32 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu (default): the torch fallback's times and the host cost "
                              "under the interpreter; cuda: the host cost of real launches")
+    parser.add_argument("--launch", choices=("interpreter", "compiled"), default="interpreter",
+                        help="on the CPU, how the host cost's kernels are launched: under "
+                             "the interpreter with a no-op runner (default), or compiled for "
+                             "sm_90 with a no-op launcher (Triton's real launch path)")
     parser.add_argument("--from-dir", type=Path, metavar="PATH",
                         help="the revision's kernels/ from PATH/kernels instead of git")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: CUDA is not available here")
-    if device.type == "cpu":
+    compiled = device.type == "cpu" and args.launch == "compiled"
+    if compiled:
+        os.environ.pop("TRITON_INTERPRET", None)
+        from . import recording_driver
+        recording_driver.install(record=False)
+    elif device.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
     from fusedreduce import kernels as current
     with tempfile.TemporaryDirectory() as tmp:
         old = load_revision_kernels(args.revision, Path(tmp), args.from_dir)
         versions = {args.revision: old, "this checkout": current}
+        if compiled:
+            # the stand-in driver takes CPU tensors, which the façades keep for
+            # the interpreter: lifted here, in this process only
+            for kernels in versions.values():
+                kernels._backends._interpreting = lambda: True
         print(f"# {common.machine_summary(common.machine_info(device, 'torch', None))}")
         if device.type == "cuda":
             size = max(args.sizes)
@@ -176,8 +196,11 @@ def main(argv=None) -> int:
                 best = min(v for k, v in times.items() if k.startswith("torch"))
                 cells = "  ".join(f"{k} {v:.3f} ms ({best / v:.2f}x)" for k, v in times.items())
                 print(f"{elements:>11,} elements, {n} tensors, {direction:9s}: {cells}")
-        print("# host µs per steady-state call on the Triton path, kernel execution excluded:")
-        for name, us in host_cost_us(versions, min(args.sizes)).items():
+        how = ("compiled for sm_90, a no-op launcher" if compiled
+               else "the interpreter, a no-op kernel runner")
+        print(f"# host µs per steady-state call on the Triton path ({how}), kernel "
+              f"execution excluded:")
+        for name, us in host_cost_us(versions, min(args.sizes), interpreted=not compiled).items():
             print(f"  {name}: {us:.1f} µs")
     return 0
 

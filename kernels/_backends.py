@@ -43,6 +43,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from ._common import triton_launch_mode
 from .adasum import torch_backend as _adasum_torch
 from .flatten import torch_backend as _flatten_torch
 from .norm import torch_backend as _norm_torch
@@ -137,6 +138,7 @@ def triton_backend() -> Optional[Backend]:
         if problem is not None:
             _triton_error = ImportError(problem)
             return None
+        triton_launch_mode()  # a bad FUSEDREDUCE_TRITON_LAUNCH is the caller's error, raised
         try:
             from .adasum import triton_backend as adasum_ops
             from .flatten import triton_backend as flatten_ops

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 from typing import List, Sequence, Tuple
 
@@ -31,6 +32,32 @@ ADASUM_CHUNK = 1 << 14
 ADASUM_FP32_LIMIT = 2.0 ** 64
 #: an AdaSum coefficient is 1 where its squared norm is below this: sqrt(fp64 tiny)
 ADASUM_NORM_FLOOR = math.sqrt(2.2250738585072014e-308)
+
+
+#: the environment variable that picks how Triton kernels are launched
+LAUNCH_VARIABLE = "FUSEDREDUCE_TRITON_LAUNCH"
+#: its values: straight through the compiled kernel's launcher once a call of
+#: the same kind went through ``JITFunction.run`` (the default), or always
+#: through ``JITFunction.run``
+LAUNCH_MODES = ("compiled", "jit")
+
+
+def triton_launch_mode() -> str:
+    """How Triton kernels are launched, from ``FUSEDREDUCE_TRITON_LAUNCH``
+    (``kernels/_launcher.py``): ``"compiled"`` (unset) or ``"jit"``.
+
+    Raises:
+        ValueError: the variable holds another value.
+
+    Examples:
+        >>> triton_launch_mode() in LAUNCH_MODES
+        True
+    """
+    mode = os.environ.get(LAUNCH_VARIABLE, LAUNCH_MODES[0]).strip().lower()
+    if mode not in LAUNCH_MODES:
+        raise ValueError(f"{LAUNCH_VARIABLE} must be one of {LAUNCH_MODES}, got "
+                         f"{os.environ[LAUNCH_VARIABLE]!r}")
+    return mode
 
 
 def compute_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:

@@ -8,10 +8,12 @@ from harness import ROOT, TIMEOUT
 
 
 @pytest.mark.timeout(TIMEOUT)
-@pytest.mark.parametrize("source", ["git", "directory"])
+@pytest.mark.parametrize("source", ["git", "directory", "git, compiled launch"])
 def test_versus_revision_times_this_checkout_against_another_revision_in_one_run(source,
                                                                                 tmp_path):
-    extra = []
+    # "compiled launch": the host rows through Triton's real launch path, the
+    # kernels compiled for sm_90 by the stand-in driver (no interpreter)
+    extra = ["--launch", "compiled"] if source.endswith("compiled launch") else []
     if source == "directory":  # a machine without git gets the revision's kernels/ this way
         archive = subprocess.run(["git", "archive", "HEAD", "kernels"], cwd=ROOT, check=True,
                                  capture_output=True).stdout
@@ -27,6 +29,8 @@ def test_versus_revision_times_this_checkout_against_another_revision_in_one_run
                     and "elements" in line)
         assert "torch_foreach" in line and "HEAD" in line and "this checkout" in line
     assert "HEAD flatten:" in out and "this checkout unflatten:" in out
+    how = "compiled for sm_90" if "--launch" in extra else "the interpreter"
+    assert f"host µs per steady-state call on the Triton path ({how}" in out
 
 
 @pytest.mark.timeout(TIMEOUT)

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .._common import ADASUM_CHUNK, ADASUM_FP32_LIMIT, ADASUM_NORM_FLOOR
+from .._launcher import launch_for
 from .._triton_common import downcast, upcast
 
 BLOCK = 1024
@@ -182,8 +183,8 @@ def chunk_stats(a: torch.Tensor, b: torch.Tensor, boundaries: Sequence[int],
     """Fill ``out`` (float64 ``[n_chunks, 3]``) with every chunk's partial sums, in order."""
     table, programs = segment_table(boundaries, a.device, ADASUM_CHUNK)
     if programs:
-        _chunk_stats_kernel[(programs,)](a, b, table, out, len(boundaries) - 1,
-                                         CHUNK=ADASUM_CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        launch_for(_chunk_stats_kernel, (programs,), num_warps=NUM_WARPS)(
+            a, b, table, out, len(boundaries) - 1, ADASUM_CHUNK, BLOCK)
 
 
 def reduce_chunks(partials: torch.Tensor, counts: Sequence[int], out: torch.Tensor) -> None:
@@ -191,7 +192,7 @@ def reduce_chunks(partials: torch.Tensor, counts: Sequence[int], out: torch.Tens
     added in chunk order."""
     if len(counts):
         first = _first_chunks(tuple(int(c) for c in counts), partials.device)
-        _reduce_chunks_kernel[(len(counts),)](partials, first, out, num_warps=1)
+        launch_for(_reduce_chunks_kernel, (len(counts),), num_warps=1)(partials, first, out)
 
 
 def combine(a: torch.Tensor, b: torch.Tensor, boundaries: Sequence[int],
@@ -199,6 +200,6 @@ def combine(a: torch.Tensor, b: torch.Tensor, boundaries: Sequence[int],
     """``out = ca·a + cb·b`` per segment (``out`` may be ``a`` or ``b``)."""
     table, programs = segment_table(boundaries, a.device, BLOCK)
     if programs:
-        _combine_kernel[(programs,)](a, b, out, table, segment_stats, len(boundaries) - 1,
-                                     FLOOR=ADASUM_NORM_FLOOR, LIMIT=ADASUM_FP32_LIMIT,
-                                     BLOCK=BLOCK, num_warps=NUM_WARPS)
+        launch_for(_combine_kernel, (programs,), num_warps=NUM_WARPS)(
+            a, b, out, table, segment_stats, len(boundaries) - 1, ADASUM_NORM_FLOOR,
+            ADASUM_FP32_LIMIT, BLOCK)

@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from .._common import ALIGN_BYTES
+from .._launcher import CompiledLaunch
 from .._triton_common import downcast, upcast
 
 BLOCK = 2048
@@ -428,6 +429,8 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
     """
     layout = _Layout(tensors, starts, extents, out, zero_lead=True)
     staged, staging = layout.staged_indices, layout.staging
+    # positional: every parameter of _flatten_kernel, constexprs included
+    kernel = CompiledLaunch(_flatten_kernel, (layout.programs,), num_warps=NUM_WARPS)
 
     def launch(tensors, out, scale, check_finite):
         if staged:
@@ -435,12 +438,12 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
         flag = torch.zeros(1, dtype=torch.uint8, device=out.device) if check_finite else None
         if layout.programs:
             high, low, scale_ptr, scale_tensor = _scale_arguments(scale, layout.table)
-            _flatten_kernel[(layout.programs,)](
-                layout.table, layout.work, layout.base(tensors, out), out,
-                flag if flag is not None else layout.table, layout.n_segments, high, low,
-                scale_ptr, KINDS=layout.kinds, CHECK_FINITE=flag is not None, BLOCK=BLOCK,
-                OUT_VEC=layout.flat_vec, SCALE_TENSOR=scale_tensor, num_warps=NUM_WARPS)
+            kernel(layout.table, layout.work, layout.base(tensors, out), out,
+                   flag if flag is not None else layout.table, layout.n_segments, high, low,
+                   scale_ptr, layout.kinds, flag is not None, BLOCK, layout.flat_vec,
+                   scale_tensor)
         return flag.view(torch.bool)[0] if flag is not None else None
+    launch.kernel = kernel
     return _rebindable(launch, layout)
 
 
@@ -450,6 +453,7 @@ def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
     adds) each segment of ``flat`` into its tensor, in place."""
     layout = _Layout(tensors, starts, [t.numel() for t in tensors], flat, zero_lead=False)
     staged, staging = layout.staged_indices, layout.staging
+    kernel = CompiledLaunch(_unflatten_kernel, (layout.programs,), num_warps=NUM_WARPS)
 
     def launch(flat, tensors, scale, accumulate):
         with torch.no_grad():
@@ -457,14 +461,12 @@ def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
                 torch._foreach_copy_(staging, [tensors[i] for i in staged])
             if layout.programs:
                 high, low, scale_ptr, scale_tensor = _scale_arguments(scale, layout.table)
-                _unflatten_kernel[(layout.programs,)](
-                    layout.table, layout.work, layout.base(tensors, flat), flat,
-                    layout.n_segments,
-                    high, low, scale_ptr, KINDS=layout.kinds, ACCUMULATE=accumulate,
-                    BLOCK=BLOCK, FLAT_VEC=layout.flat_vec, SCALE_TENSOR=scale_tensor,
-                    num_warps=NUM_WARPS)
+                kernel(layout.table, layout.work, layout.base(tensors, flat), flat,
+                       layout.n_segments, high, low, scale_ptr, layout.kinds, accumulate,
+                       BLOCK, layout.flat_vec, scale_tensor)
             if staged:
                 torch._foreach_copy_([tensors[i] for i in staged], staging)
+    launch.kernel = kernel
     return _rebindable(launch, layout)
 
 

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from .._checks import refuse_in_capture
 from .._common import NORM_ROW, postscale_vectors
+from .._launcher import launch_for
 from .._triton_common import upcast
 from ..flatten.triton_backend import _scale, _to_device, scale_words
 
@@ -228,9 +229,9 @@ def _row_powers(buffers, layout: _Layout, partials: torch.Tensor, norm_type: flo
     code = norm_code(norm_type)
     p = 0.0 if code != NORM_P else float(norm_type)
     for base_index, n, table, work, programs, compute in layout.groups:
-        _row_powers_kernel[(programs,)](
-            buffers[base_index], table, work, partials, n, p, NORM=code, COMPUTE=compute,
-            ROW=NORM_ROW, ROWS=ROWS_PER_PROGRAM, num_warps=NUM_WARPS)
+        launch_for(_row_powers_kernel, (programs,), num_warps=NUM_WARPS)(
+            buffers[base_index], table, work, partials, n, p, code, compute, NORM_ROW,
+            ROWS_PER_PROGRAM)
 
 
 def _finish(partials, layout, powers, postscales, max_norm, norm_type, loss_scale,
@@ -257,13 +258,12 @@ def _finish(partials, layout, powers, postscales, max_norm, norm_type, loss_scal
     else:
         high, low = scale_words(1.0 if loss_scale is None else float(loss_scale))
         loss_ptr, loss_tensor = powers, False
-    _finish_kernel[(1,)](
+    launch_for(_finish_kernel, (1,), num_warps=NUM_WARPS)(
         partials if partials is not None else powers,
         layout.ranges if layout is not None else powers, powers, post,
         total if finish else powers, scales if finish else powers, n, p, float(max_norm),
-        loss_ptr, high, low, NORM=code, SUM_PARTIALS=sum_partials, FINISH=finish,
-        LOSS=loss_scale is not None, LOSS_TENSOR=loss_tensor, BLOCK=FINISH_BLOCK,
-        num_warps=NUM_WARPS)
+        loss_ptr, high, low, code, sum_partials, finish, loss_scale is not None, loss_tensor,
+        FINISH_BLOCK)
     return total, scales
 
 
