@@ -40,7 +40,11 @@ address list the launch keeps a binding for (``switched``: gradients the
 allocator handed back where they were a few steps ago), calls re-pointed to
 new addresses after a span check (``re-pointed``) and launches prepared
 afresh (``prepared``). With ``zero_grad(set_to_none=True)`` which of these a
-step gets depends on the allocator; this shows it.
+step gets depends on the allocator; this shows it. The last two columns count
+the Triton kernel launches of those calls (the clipping norm's and AdaSum's
+included): sent straight to the compiled kernel's launcher (``direct``,
+``kernels/_launcher.py``) or through ``JITFunction.run`` (``via_jit``); the
+torch fallback launches none.
 """
 from __future__ import annotations
 
@@ -72,7 +76,7 @@ WARMUP = 5
 #: untimed steps per method whose kept launches are counted
 COUNTED_STEPS = 5
 #: what ``launch_counts`` counts
-LAUNCH_OUTCOMES = ("calls", "same", "switched", "re-pointed", "prepared")
+LAUNCH_OUTCOMES = ("calls", "same", "switched", "re-pointed", "prepared", "direct", "via_jit")
 
 
 def _step(method: str, config: dict, device: torch.device, batch, labels) -> Callable[[], None]:
@@ -146,6 +150,19 @@ def launch_counts(counts: Dict[str, int]) -> Iterator[Dict[str, int]]:
             return fn(*args, **kwargs)
         return wrapper
 
+    try:
+        from fusedreduce.kernels._launcher import CompiledLaunch
+    except Exception:  # noqa: BLE001 (no usable Triton: the torch fallback launches none)
+        CompiledLaunch = None
+    if CompiledLaunch is not None:
+        launch = CompiledLaunch.__call__
+
+        def counted_launch(self, *args):
+            before = self.direct_calls
+            launch(self, *args)
+            counts["direct" if self.direct_calls > before else "via_jit"] += 1
+        CompiledLaunch.__call__ = counted_launch
+
     counts["moved"] = 0  # re-pointed or switched: derived from below at the end
     cache.lookup = counted("calls", lookup)
     entry.rebind = counted("moved", rebind)
@@ -156,6 +173,8 @@ def launch_counts(counts: Dict[str, int]) -> Iterator[Dict[str, int]]:
     finally:
         del cache.lookup
         entry.rebind, _prepared.spans_clear, entry.__init__ = rebind, spans_clear, init
+        if CompiledLaunch is not None:
+            CompiledLaunch.__call__ = launch
         moved = counts.pop("moved")
         counts["switched"] += moved - counts["re-pointed"]
         counts["same"] += counts["calls"] - moved - counts["prepared"]

@@ -115,6 +115,8 @@ def test_one_gpu_step_times_every_api_on_one_rank(tmp_path):
     assert counts["calls"] >= 2
     assert counts["same"] + counts["switched"] + counts["re-pointed"] + counts["prepared"] \
         == counts["calls"]
+    # on the CPU the torch fallback runs: no Triton launch either way
+    assert counts["direct"] == counts["via_jit"] == 0
     assert "no_communication" not in record["record"]["launches_per_step"]
-    assert any(line.split()[:1] == ["distributed_optimizer"] and len(line.split()) == 6
+    assert any(line.split()[:1] == ["distributed_optimizer"] and len(line.split()) == 8
                for line in lines)
