@@ -181,16 +181,13 @@ class CompiledLaunch:
 
 
 @functools.lru_cache(maxsize=256)
-def _kept_launch(fn: Any, grid: Tuple[int, ...], options: Tuple[Tuple[str, Any], ...]):
-    return CompiledLaunch(fn, grid, **dict(options))
-
-
-def launch_for(fn: Any, grid: Tuple[int, ...], **options: Any) -> CompiledLaunch:
-    """A kept :class:`CompiledLaunch` of ``fn`` over ``grid`` (the last 256 kept),
-    for call sites whose grid follows a kept table rather than a kept layout.
+def launch_for(fn: Any, grid: Tuple[int, ...], num_warps: int) -> CompiledLaunch:
+    """A kept :class:`CompiledLaunch` of ``fn`` over ``grid`` (a tuple) with
+    ``num_warps`` (the last 256 kept), for call sites whose grid follows a kept
+    table rather than a kept layout.
 
     Example::
 
         launch_for(_finish_kernel, (1,), num_warps=4)(partials, ..., 1024)
     """
-    return _kept_launch(fn, tuple(grid), tuple(sorted(options.items())))
+    return CompiledLaunch(fn, grid, num_warps=num_warps)

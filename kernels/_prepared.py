@@ -42,8 +42,9 @@ the tensor.
 
 **Address sets seen before.** Where the allocator's order repeats itself
 (gradients that swap addresses swap back at the next step) a moved call is
-often at addresses the launch had before. An entry keeps the last ``RECENT`` address lists it was pointed at, each with the
-launch's binding for it (``launch.binding()``, ``launch.bind(binding)``:
+often at addresses the launch had before. An entry keeps the last
+``RECENT`` address lists it was pointed at, each with the launch's binding
+for it (``launch.binding()``, ``launch.bind(binding)``:
 for Triton, the table already on the device). A call at one of them — the
 same layout, as ``matches`` established, at exactly those addresses, so the
 same byte spans, already found clear — is served by switching to that

@@ -93,7 +93,7 @@ _original_call = _launcher.CompiledLaunch.__call__
 _launcher.CompiledLaunch.__call__ = _checked_call
 
 
-def _tensor(draw, dtype, size, strided=False, offset=0):
+def _tensor(dtype, size, strided=False, offset=0):
     """A tensor of ``size`` elements, ``offset`` elements into its storage, or strided."""
     if strided:
         return torch.randn(2 * size, dtype=torch.float64).to(dtype)[::2]
@@ -116,7 +116,7 @@ def _scale(kind, value):
 @st.composite
 def flatten_cases(draw):
     n = draw(st.integers(1, 5))
-    tensors = [_tensor(draw, draw(st.sampled_from(DTYPES)), draw(st.sampled_from(SIZES)),
+    tensors = [_tensor(draw(st.sampled_from(DTYPES)), draw(st.sampled_from(SIZES)),
                        strided=draw(st.booleans()) and draw(st.booleans()))
                for _ in range(n)]
     flat_dtype = draw(st.sampled_from(DTYPES))
@@ -124,7 +124,7 @@ def flatten_cases(draw):
     for t in tensors:
         starts.append(pos)
         pos += t.numel() + draw(st.sampled_from([0, 5]))
-    flat = _tensor(draw, flat_dtype, pos, offset=draw(st.sampled_from([0, 0, 1])))
+    flat = _tensor(flat_dtype, pos, offset=draw(st.sampled_from([0, 0, 1])))
     calls = draw(st.lists(st.tuples(scale_kinds, st.floats(-4, 4, allow_nan=False),
                                     st.booleans()), min_size=1, max_size=5))
     return tensors, starts, flat, calls
@@ -147,7 +147,7 @@ def check_flatten_and_unflatten(case):
                                 st.floats(0.1, 10), st.sampled_from([None, "float", "fp32"])),
                       min_size=1, max_size=4))
 def check_clipping_norm(buffers, calls):
-    made = [_tensor(None, dtype, size, offset=offset) for dtype, size, offset in buffers]
+    made = [_tensor(dtype, size, offset=offset) for dtype, size, offset in buffers]
     for norm_type, max_norm, loss in calls:
         loss_scale = None if loss is None else _scale(loss, 1024.0)
         norm.clip_buffers(made, [1.0] * len(made), max_norm, norm_type, loss_scale)
@@ -163,8 +163,8 @@ def check_adasum(dtype, lengths, offsets, repeats):
     boundaries = [0]
     for length in lengths:
         boundaries.append(boundaries[-1] + length)
-    a = _tensor(None, dtype, boundaries[-1], offset=offsets[0])
-    b = _tensor(None, dtype, boundaries[-1], offset=offsets[1])
+    a = _tensor(dtype, boundaries[-1], offset=offsets[0])
+    b = _tensor(dtype, boundaries[-1], offset=offsets[1])
     counts = [-(-length // ADASUM_CHUNK) for length in lengths]
     for _ in range(repeats):
         partials = torch.zeros(sum(counts), 3, dtype=torch.float64)
