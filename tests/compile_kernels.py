@@ -26,6 +26,12 @@ from collections import Counter
 from typing import Optional
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+# Its own on-disk cache: the reports read the compiler's intermediates, and a
+# kernel JIT-compiled elsewhere under the same key (the recording driver's
+# launches in launch_fidelity.py) left Triton 3.2 a TTIR without value names
+os.environ["TRITON_CACHE_DIR"] = os.path.join(
+    os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton",
+                                                       "cache"), "ahead-of-time-reports")
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

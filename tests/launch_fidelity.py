@@ -32,7 +32,7 @@ from fusedreduce.bench import recording_driver  # noqa: E402
 recording_driver.install(record=True)
 
 import torch  # noqa: E402
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import example, given, settings, strategies as st  # noqa: E402
 
 from fusedreduce.kernels import ADASUM_CHUNK  # noqa: E402
 from fusedreduce.kernels import _launcher  # noqa: E402
@@ -130,7 +130,11 @@ def flatten_cases(draw):
     return tensors, starts, flat, calls
 
 
+# each family's coverage of the direct path must not hang on the drawn
+# examples: one explicit case per family repeats an aligned call
 @given(flatten_cases())
+@example(([torch.randn(7).half(), torch.randn(2049)], [0, 16], torch.empty(2065),
+          [("float", 0.5, False)]))
 def check_flatten_and_unflatten(case):
     tensors, starts, flat, calls = case
     gather = flatten.prepare_flatten(tensors, starts, [t.numel() for t in tensors], flat)
@@ -146,6 +150,7 @@ def check_flatten_and_unflatten(case):
        calls=st.lists(st.tuples(st.sampled_from([2.0, math.inf, 1.5]),
                                 st.floats(0.1, 10), st.sampled_from([None, "float", "fp32"])),
                       min_size=1, max_size=4))
+@example(buffers=[(torch.float32, 2049, 0)], calls=[(2.0, 1.0, None), (2.0, 1.0, None)])
 def check_clipping_norm(buffers, calls):
     made = [_tensor(dtype, size, offset=offset) for dtype, size, offset in buffers]
     for norm_type, max_norm, loss in calls:
@@ -159,6 +164,7 @@ def check_clipping_norm(buffers, calls):
                         min_size=1, max_size=3),
        offsets=st.tuples(st.sampled_from([0, 0, 1]), st.sampled_from([0, 0, 1])),
        repeats=st.integers(1, 3))
+@example(dtype=torch.float32, lengths=[5, ADASUM_CHUNK + 3], offsets=(0, 0), repeats=2)
 def check_adasum(dtype, lengths, offsets, repeats):
     boundaries = [0]
     for length in lengths:
