@@ -10,9 +10,12 @@ buckets) and clips the result to a total 2-norm of 1:
 - ``torch_clip`` (baseline): ``reducer(grads)``, then
   ``torch.nn.utils.clip_grad_norm_(outputs, 1.0, foreach=True)``: a norm per
   tensor and a multiply per tensor, one more read and write of every gradient;
-- ``fused_clip`` (ours): ``DistributedGradReducer(..., max_grad_norm=1.0)``:
-  the norm from the reduced flat buffers, the coefficient applied in the
-  unflatten that writes the outputs anyway.
+- ``fused_clip`` (ours): ``DistributedGradReducer(..., max_grad_norm=1.0,
+  split_norm=False)``: the norm from the reduced flat buffers, the
+  coefficient applied in the unflatten that writes the outputs anyway;
+- ``fused_clip_split`` (ours): the same with ``split_norm=True``: each rank
+  reads ``1 / world_size`` of the buffers for the norm, and one all-reduce of
+  the row sums shares them.
 
 Under mixed precision the same clipping sits beside ``GradScaler.unscale_``
 (for fp32 and bf16 gradients: GradScaler refuses fp16 ones), in cases
@@ -34,7 +37,9 @@ reducer lays them out): ``write_back`` (the unflatten with the mean's
 postscale), ``write_back_torch_clip`` (that, then ``clip_grad_norm_``) and
 ``write_back_fused_clip`` (the norm of the buffers and the coefficient,
 ``clipping.clip_buffers``, then the unflatten with the coefficient in its
-scale), in cases labelled "write-back only".
+scale) and ``write_back_fused_clip_split`` (the same, the norm split across
+the ranks: its all-reduce of row sums is the one collective there), in cases
+labelled "write-back only".
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ from typing import Callable, Dict, List
 import torch
 
 from fusedreduce import BucketPlan, DistributedGradReducer, communication_dtype
-from fusedreduce.clipping import clip_buffers
+from fusedreduce.clipping import NormSplit, clip_buffers
 
 from . import common, timing
 from .models import gradients
@@ -52,11 +57,13 @@ NAME = "clip"
 BUCKET_CAP_MB = 25.0
 MAX_NORM = 1.0
 MODELS = ("resnet50", "transformer")
-METHODS = ("reduce_only", "torch_clip", "fused_clip")
-ROLES = {"reduce_only": "reference", "torch_clip": "baseline", "fused_clip": "ours"}
+METHODS = ("reduce_only", "torch_clip", "fused_clip", "fused_clip_split")
+ROLES = {"reduce_only": "reference", "torch_clip": "baseline", "fused_clip": "ours",
+         "fused_clip_split": "ours"}
 BASELINE = "torch_clip"
 WRITE_BACK = {"write_back": "reduce_only", "write_back_torch_clip": "torch_clip",
-              "write_back_fused_clip": "fused_clip"}
+              "write_back_fused_clip": "fused_clip",
+              "write_back_fused_clip_split": "fused_clip_split"}
 UNSCALE = {"torch_clip_unscale": "baseline", "fused_clip_unscale": "ours"}
 #: the loss scale of the GradScaler cases (a power of two: unscaling is exact)
 LOSS_SCALE = 2.0 ** 16
@@ -76,7 +83,8 @@ def _clip_as_torch_does(holders: List[torch.Tensor], grads: List[torch.Tensor]) 
     torch.nn.utils.clip_grad_norm_(holders, MAX_NORM, foreach=True)
 
 
-def _write_backs(grads: List[torch.Tensor], world_size: int) -> Dict[str, Callable]:
+def _write_backs(grads: List[torch.Tensor], rank: int,
+                 world_size: int) -> Dict[str, Callable]:
     """The write-back-only methods over the reducer's layout of ``grads``."""
     plan = BucketPlan(grads, bucket_cap_mb=BUCKET_CAP_MB,  # fp32 buffers, as the reducer's
                       comm_dtype=lambda dtype: communication_dtype(dtype, torch.float32))
@@ -94,13 +102,16 @@ def _write_backs(grads: List[torch.Tensor], world_size: int) -> Dict[str, Callab
         write_back()
         _clip_as_torch_does(holders, outputs)
 
-    def fused_clip():
-        _, scales = clip_buffers(buffers, [postscale] * len(buffers), MAX_NORM, 2.0)
+    def fused_clip(split=None):
+        _, scales = clip_buffers(buffers, [postscale] * len(buffers), MAX_NORM, 2.0,
+                                 split=split)
         for bucket, buffer, scale in zip(plan.buckets, buffers, scales):
             plan.unflatten(bucket, buffer, outputs, scale=scale)
 
+    split = NormSplit(None, rank, world_size)
     return {"write_back": write_back, "write_back_torch_clip": torch_clip,
-            "write_back_fused_clip": fused_clip}
+            "write_back_fused_clip": fused_clip,
+            "write_back_fused_clip_split": lambda: fused_clip(split)}
 
 
 def _with_unscale(grads: List[torch.Tensor], plain: DistributedGradReducer,
@@ -136,7 +147,9 @@ def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
         grads = gradients(model, case["size"], dtype, device, seed=rank)
         plain = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB)
         clipping = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB,
-                                          max_grad_norm=MAX_NORM)
+                                          max_grad_norm=MAX_NORM, split_norm=False)
+        split = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB,
+                                       max_grad_norm=MAX_NORM, split_norm=True)
 
         holders = _gradient_holders(grads)
 
@@ -146,7 +159,8 @@ def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
         fns = {"reduce_only": lambda plain=plain, grads=grads: plain(grads),
                "torch_clip": torch_clip,
                "fused_clip": lambda clipping=clipping, grads=grads: clipping(grads),
-               **_write_backs(grads, world_size)}
+               "fused_clip_split": lambda split=split, grads=grads: split(grads),
+               **_write_backs(grads, rank, world_size)}
         if dtype != torch.float16:
             fns.update(_with_unscale(grads, plain, holders, device))
         samples = timing.time_across_ranks(fns, config["repeats"], device)

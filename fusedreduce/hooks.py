@@ -32,7 +32,8 @@ from . import kernels
 from ._checks import check_int, check_prescale
 from .adasum import adasum_allreduce_plan, adasum_flat_unchecked, check_local_size
 from .buckets import BucketPlan, TensorSpec
-from .clipping import check_clipping, clip_buffers, raise_if_nonfinite
+from .clipping import (check_clipping, check_split_norm, clip_buffers, clip_shared,
+                       norm_split_for, raise_if_nonfinite, share_norm)
 from .precision import communication_dtype, split_scale
 from .process_group import global_ranks, require_process_group
 
@@ -74,11 +75,18 @@ class HookState:
         norm_type: the clipping norm's order (``math.inf``: the max norm).
         error_if_nonfinite: fail the backward pass (every bucket's future) if
             the total norm is inf or NaN, before any bucket is written back.
+        split_norm: as ``DistributedGradReducer``'s: each rank reads
+            ``1 / world_size`` of the reduced buckets for the norm, and one
+            more all-reduce (of row sums, started from the last bucket's
+            callback, as torch's PowerSGD hook chains its collectives)
+            shares them; the same bits. None (default): where it spares each
+            rank at least ``clipping.SPLIT_NORM_MIN_SPARED`` elements.
 
     Raises:
         ValueError: a zero or non-finite ``prescale``; ``local_size`` not a
             positive int, or (once the group is known) not dividing its size.
-        TypeError: a non-number ``prescale``.
+        TypeError: a non-number ``prescale``; ``split_norm`` not None or a
+            bool.
         RuntimeError: on first use (or at construction, when a process group
             exists): torch.distributed is not initialised, this process is not
             a member of ``group``, or an unpickled state's group is not the
@@ -94,11 +102,14 @@ class HookState:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *,
                  prescale: Optional[float] = None, local_size: int = 1,
                  backend: str = "auto", max_grad_norm: Optional[float] = None,
-                 norm_type: float = 2.0, error_if_nonfinite: bool = False) -> None:
+                 norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                 split_norm: Optional[bool] = None) -> None:
         check_prescale(prescale)
         self.max_grad_norm, self.norm_type = check_clipping(max_grad_norm, norm_type,
                                                             error_if_nonfinite)
+        check_split_norm(split_norm)
         self.error_if_nonfinite = error_if_nonfinite
+        self.split_norm = split_norm
         #: with ``max_grad_norm``: the total norm before clipping of the last
         #: iteration's reduced buckets (0-d fp32), or None
         self.grad_norm: Optional[torch.Tensor] = None
@@ -222,19 +233,48 @@ class HookState:
         try:
             for reduced, *_ in entries:
                 reduced.value()  # raises if a collective failed
-            self.grad_norm, scales = clip_buffers(
-                [flat_of() for _, flat_of, *_ in entries], [e[2] for e in entries],
-                self.max_grad_norm, self.norm_type, self.loss_scale, backend=self.backend)
-            if self.error_if_nonfinite:
-                raise_if_nonfinite(self.grad_norm, self.norm_type)
-            results = [write_back(scale) for (_, _, _, write_back, _), scale
-                       in zip(entries, scales)]
+            buffers = [flat_of() for _, flat_of, *_ in entries]
+            postscales = [e[2] for e in entries]
+            split = norm_split_for(self.split_norm, self.group, self.world_size,
+                                   sum(b.numel() for b in buffers), buffers[0].device)
+            if split is None:
+                self._write_clipped(entries, clip_buffers(
+                    buffers, postscales, self.max_grad_norm, self.norm_type, self.loss_scale,
+                    backend=self.backend))
+                return
+            # a collective from a future's callback: started, never waited on here
+            partials, work = share_norm(buffers, self.norm_type, split, self.backend)
+            work.get_future().then(lambda done: self._finish_shared(
+                entries, done, partials, buffers, postscales))
         except Exception as exc:  # noqa: BLE001 (every bucket's future must complete)
-            for *_, out in entries:
-                out.set_exception(exc)
-            return
+            self._fail(entries, exc)
+
+    def _finish_shared(self, entries, done, partials, buffers, postscales) -> None:
+        try:
+            done.value()  # raises if the collective failed
+            self._write_clipped(entries, clip_shared(
+                partials, buffers, postscales, self.max_grad_norm, self.norm_type,
+                self.loss_scale, backend=self.backend))
+        except Exception as exc:  # noqa: BLE001 (every bucket's future must complete)
+            self._fail(entries, exc)
+
+    def _write_clipped(self, entries, clipped) -> None:
+        """Write every bucket with its scale from ``clipped`` (``(total_norm,
+        scales)``) and complete its future; raises for a non-finite norm
+        with ``error_if_nonfinite``, before writing any."""
+        self.grad_norm, scales = clipped
+        if self.error_if_nonfinite:
+            raise_if_nonfinite(self.grad_norm, self.norm_type)
+        results = [write_back(scale) for (_, _, _, write_back, _), scale
+                   in zip(entries, scales)]
         for (*_, out), result in zip(entries, results):
             out.set_result(result)
+
+    @staticmethod
+    def _fail(entries, exc: Exception) -> None:
+        for *_, out in entries:
+            if not out.done():
+                out.set_exception(exc)
 
     def adasum_plan_for(self, grads) -> BucketPlan:
         """The one-bucket AdaSum plan of a DDP bucket holding ``grads``, kept per

@@ -27,7 +27,7 @@ from .kernels._checks import refuse_in_capture
 from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
                      check_local_size)
 from .broadcast import broadcast_tensors
-from .clipping import check_clipping
+from .clipping import check_clipping, check_split_norm
 from .process_group import require_process_group
 from .reducer import DistributedGradReducer
 from .sharded_optimizer import (ShardedGradReducer, ShardedParameters, check_master_dtype,
@@ -136,6 +136,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         norm_type: the clipping norm's order (``math.inf``: the max norm).
         error_if_nonfinite: raise from the backward pass if the total norm is
             inf or NaN, before any gradient is written back.
+        split_norm: without ``shard``, ``DistributedGradReducer``'s option:
+            each rank reads ``1 / world_size`` of the reduced buffers for the
+            clipping norm (None: when they are large enough). With
+            ``shard=True`` the norm is always split so (each rank reads its
+            part); the argument changes nothing there.
         find_unused_parameters: ``True`` (default): find the parameters no
             rank gave a gradient in a step and leave their ``.grad`` None
             (above). ``False``: no count; a parameter without a gradient on
@@ -186,6 +191,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         norm_type: float = 2.0,
         error_if_nonfinite: bool = False,
         find_unused_parameters: bool = True,
+        split_norm: Optional[bool] = None,
     ) -> None:
         if not isinstance(shard, bool):
             raise TypeError(f"shard must be True or False, got {shard!r}")
@@ -211,6 +217,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_int(param_pack_thd, "param_pack_thd")
         check_int(backward_passes_per_step, "backward_passes_per_step")
         check_clipping(max_grad_norm, norm_type, error_if_nonfinite)
+        check_split_norm(split_norm)
         world_size = require_process_group(group)
         if reduce_method == "adasum":
             # checked here too, before the optimizer's state is taken over
@@ -225,7 +232,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         cap_bytes = param_pack_thd if param_pack else 1
         self._reducer_args = dict(group=group, bucket_cap_mb=cap_bytes / 2 ** 20,
                                   reduce_dtype=reduce_dtype, max_grad_norm=max_grad_norm,
-                                  norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+                                  norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                                  split_norm=split_norm)
         if reduce_method == "adasum":
             self._reducer_class = AdaSumReducer
             self._reducer_args["local_size"] = local_size
@@ -282,6 +290,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         args = dict(self._reducer_args)
         mean = args.pop("mean", False)
         local_size = args.pop("local_size", None)
+        args["split_norm"] = False  # the sharded norm reads each rank's part already
         reducer = ShardedGradReducer(self._all_params(), mean=mean,
                                      adasum_local_size=local_size, **args)
         self._follow_unused(reducer)

@@ -36,7 +36,7 @@ from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_
                      adasum_tree_share)
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
 from .buckets import Bucket, BucketPlan
-from .clipping import norm_powers
+from .clipping import max_over_ranks, norm_powers
 from .reducer import DistributedGradReducer
 from .sharded import PartRange, _all_gather, ranges_between, start_bucket_reduce_scatter
 
@@ -252,9 +252,10 @@ class ShardedGradReducer(DistributedGradReducer):
         norm), so every rank computes the same bits."""
         parts = [flat[slice(*self.owned[p.bucket.index])] for p, flat in zip(pending, flats)]
         powers = norm_powers(parts, self.norm_type, backend=self.backend)
-        if self.world_size > 1:
-            op = dist.ReduceOp.MAX if self.norm_type == math.inf else dist.ReduceOp.SUM
-            dist.all_reduce(powers, op=op, group=self.group)
+        if self.world_size > 1 and self.norm_type == math.inf:
+            powers = max_over_ranks(powers, self.group, self.world_size)
+        elif self.world_size > 1:
+            dist.all_reduce(powers, group=self.group)
         return self._clip(pending, powers)
 
     def _finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
@@ -550,7 +551,7 @@ class ShardedParameters:
             local = torch.zeros((), dtype=torch.float32, device=device)
         if norm_type == math.inf:
             if self.world_size > 1:
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+                local = max_over_ranks(local, self.group, self.world_size)
             return local
         # sums of p-th powers add across the ranks; the root is taken once
         power = local.double() ** norm_type

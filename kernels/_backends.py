@@ -25,6 +25,14 @@ A backend is one implementation of every kernel, with arguments the façade
                        each postscale, on the device
 ``clip_buffers``       ``(buffers, postscales, max_norm, norm_type,
                        loss_scale)``: ``clip_scales`` of ``norm_powers``
+``norm_partials``      ``(buffers, norm_type, share)``: the float64 partials
+                       (row sums of powers on Triton, row norms on torch)
+                       the two above finish per buffer, those of share
+                       ``(index, count)`` only, the others zero: the shares'
+                       vectors add up to the whole one, bit for bit
+``clip_partials``      ``(partials, buffers, postscales, max_norm, norm_type,
+                       loss_scale)``: ``clip_buffers`` from the whole
+                       ``norm_partials`` (``clip_buffers`` is exactly this)
 =====================  =======================================================
 
 The op families (``flatten/``, ``adasum/``, ``norm/``) each have a
@@ -64,6 +72,8 @@ class Backend:
     norm_powers: Callable
     clip_scales: Callable
     clip_buffers: Callable
+    norm_partials: Callable
+    clip_partials: Callable
 
     @classmethod
     def of(cls, name: str, flatten_ops, adasum_ops, norm_ops) -> "Backend":
@@ -71,7 +81,8 @@ class Backend:
         return cls(name, flatten_ops.prepare_flatten, flatten_ops.prepare_unflatten,
                    adasum_ops.chunk_stats,
                    adasum_ops.reduce_chunks, adasum_ops.combine,
-                   norm_ops.norm_powers, norm_ops.clip_scales, norm_ops.clip_buffers)
+                   norm_ops.norm_powers, norm_ops.clip_scales, norm_ops.clip_buffers,
+                   norm_ops.norm_partials, norm_ops.clip_partials)
 
 
 TORCH = Backend.of("torch", _flatten_torch, _adasum_torch, _norm_torch)

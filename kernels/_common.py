@@ -122,6 +122,13 @@ def scratch_buffer(name: str, shape: Sequence[int], dtype: torch.dtype,
 
 
 @functools.lru_cache(maxsize=64)
+def share_bounds(count: int, share: Tuple[int, int]) -> Tuple[int, int]:
+    """``[lo, hi)``: share ``(index, of)`` of ``count`` items in order, the
+    shares' sizes differing by at most one (the clipping norm's split)."""
+    index, of = share
+    return index * count // of, (index + 1) * count // of
+
+
 def postscale_vectors(postscales: Tuple[float, ...],
                       device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Buffers' postscales, absolute and signed, as fp64 vectors on ``device``

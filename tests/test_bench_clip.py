@@ -10,8 +10,9 @@ import sys
 from bench_utils import assert_exits_cleanly_and_prints, check_record, quick_run_fixture
 from harness import ROOT, TIMEOUT
 
-METHODS = ["reduce_only", "torch_clip", "fused_clip"]
-WRITE_BACK = ["write_back", "write_back_torch_clip", "write_back_fused_clip"]
+METHODS = ["reduce_only", "torch_clip", "fused_clip", "fused_clip_split"]
+WRITE_BACK = ["write_back", "write_back_torch_clip", "write_back_fused_clip",
+              "write_back_fused_clip_split"]
 UNSCALE = ["torch_clip_unscale", "fused_clip_unscale"]
 
 quick_run = quick_run_fixture(
@@ -31,10 +32,10 @@ def test_quick_clip_benchmark_writes_the_documented_json(quick_run):
     results = check_record(record, ["clip"])
     assert record["config"]["command"] == "clip"
     assert record["config"]["collectives"]["parts"] == ["clip"]
-    # two models x two dtypes: with the collective (three methods), under a
+    # two models x two dtypes: with the collective (four methods), under a
     # GradScaler (two: fp32 and bf16 gradients can be unscaled), without the
-    # collective (three)
-    assert len(results) == 2 * 2 * (3 + 2 + 3)
+    # collective (four)
+    assert len(results) == 2 * 2 * (4 + 2 + 4)
     cases = list(dict.fromkeys(r["case"] for r in results))
     assert [c.split()[0] for c in cases] == ["resnet50"] * 3 + ["transformer"] * 3 + \
         ["resnet50"] * 3 + ["transformer"] * 3
@@ -55,14 +56,15 @@ def test_quick_clip_benchmark_writes_the_documented_json(quick_run):
             continue
         alone = case.endswith("write-back only")
         assert [r["method"] for r in group] == (WRITE_BACK if alone else METHODS)
-        assert [r["role"] for r in group] == ["reference", "baseline", "ours"]
+        assert [r["role"] for r in group] == ["reference", "baseline", "ours", "ours"]
         assert all(r["baseline"] == group[1]["method"] for r in group)
         floor = group[0]["time_ms"]
         assert group[0]["clip_ms"] == 0
         # counted, not timed: torch's clipping adds a multiply per gradient
         # (the CPU counts ops dispatched; the per-tensor casts of the norms too),
-        # the fused one a few per bucket
+        # the fused one a few per bucket (split or not)
         assert launches[0] < launches[2] < launches[1], launches
+        assert launches[0] < launches[3] < launches[1], launches
         for r in group:
             assert math.isclose(r["clip_ms"], r["time_ms"] - floor)
             assert r["n_tensors"] == (161 if case.startswith("resnet50") else 147)

@@ -175,6 +175,8 @@ def capture_on_rank(rank, world_size):
                           ("bucket_views", {"gradient_as_bucket_view": True}),
                           ("clipped_inf_norm", {"max_grad_norm": 0.05,
                                                 "norm_type": float("inf")}),
+                          # the norm's reading shared: one more all-reduce
+                          ("clipped_split", {"max_grad_norm": 0.05, "split_norm": True}),
                           # AdaSum's tree: point-to-point messages and
                           # coefficients computed on the device
                           ("adasum_clipped", {"reduce_method": "adasum",
@@ -255,7 +257,7 @@ def captured(request):
 
 
 @pytest.mark.parametrize("name", ["plain", "clipped", "bucket_views", "clipped_inf_norm",
-                                  "adasum_clipped"])
+                                  "clipped_split", "adasum_clipped"])
 def test_a_steady_state_step_passes_a_simulated_capture_and_gives_the_eager_step(captured,
                                                                                   name):
     for rank, r in enumerate(captured):
@@ -288,6 +290,8 @@ def test_what_needs_the_host_is_refused_during_capture_on_every_rank(captured, n
 #: AdaSum's tree with and without clipping
 DDP_CASES = {"allreduce_clipped": ("allreduce_hook", {"max_grad_norm": 0.05}),
              "bf16_clipped": ("bf16_compress_hook", {"max_grad_norm": 0.05}),
+             "allreduce_clipped_split": ("allreduce_hook", {"max_grad_norm": 0.05,
+                                                            "split_norm": True}),
              "adasum": ("adasum_hook", {}),
              "adasum_clipped": ("adasum_hook", {"max_grad_norm": 0.05})}
 

@@ -27,7 +27,7 @@ import torch
 
 from fusedreduce import DistributedGradReducer
 from fusedreduce.clipping import NORM_ROW, check_clipping
-from fusedreduce.kernels.norm.torch_backend import flat_norm_power
+from fusedreduce.kernels.norm.torch_backend import norm_powers, partials_powers
 from harness import ranks_once_getter
 from reference import reference_clip
 
@@ -71,18 +71,18 @@ def _hooked(rank, max_norm, norm_type=2.0, passes=1, views=False, magnitude=1.0,
             "norm": None if reducer.grad_norm is None else reducer.grad_norm.clone()}
 
 
-def _called(rank, max_norm, norm_type=2.0):
+def _called(rank, max_norm, norm_type=2.0, **kwargs):
     params = _params()
     reducer = DistributedGradReducer(params, max_grad_norm=max_norm, norm_type=norm_type,
-                                     bucket_cap_mb=0.004)
+                                     bucket_cap_mb=0.004, **kwargs)
     out = reducer(_grads(rank, 0))
     return {"grads": list(out), "norm": reducer.grad_norm.clone()}
 
 
-def _with_inf(rank, world_size, error_if_nonfinite):
+def _with_inf(rank, world_size, error_if_nonfinite, **kwargs):
     params = _params()
     reducer = DistributedGradReducer(params, max_grad_norm=1.0, bucket_cap_mb=0.004,
-                                     error_if_nonfinite=error_if_nonfinite)
+                                     error_if_nonfinite=error_if_nonfinite, **kwargs)
     reducer.register_hooks()
     grads = _grads(rank, 0)
     if rank == world_size - 1:
@@ -96,18 +96,41 @@ def _with_inf(rank, world_size, error_if_nonfinite):
     return {"grads": [p.grad.clone() for p in params], "norm": reducer.grad_norm.clone()}
 
 
-def _optimizer(rank, shard, max_norm=1.0, norm_type=2.0, backend="auto"):
+def _optimizer(rank, shard, max_norm=1.0, norm_type=2.0, backend="auto", **kwargs):
     """DistributedOptimizer(SGD(lr=1), max_grad_norm=...) from zero parameters:
     after one step each parameter is minus its clipped gradient (sharded:
     stepped in fp32 masters from the 16-bit gradient, so the same values)."""
     from fusedreduce import DistributedOptimizer
     params = _params()
     opt = DistributedOptimizer(torch.optim.SGD(params, lr=1.0), param_pack_thd=4000,
-                               shard=shard, max_grad_norm=max_norm, norm_type=norm_type)
+                               shard=shard, max_grad_norm=max_norm, norm_type=norm_type,
+                               **kwargs)
     opt.reducer.backend = backend
     _backward(params, _grads(rank, 0))
     opt.step()
     return {"grads": [-p.detach().clone() for p in params], "norm": opt.grad_norm.clone()}
+
+
+def _sharded_nan_max_norm(rank, world_size):
+    """shard=True, the max norm, a NaN in the last rank's gradient at the last
+    element of the (3000,) tensor (alone in its bucket: the last rank owns
+    that element of the reduced bucket): the norm after backward
+    (``max_grad_norm``) and ``clip_grad_norm_``'s must be NaN on every rank,
+    though only the last rank's part holds the NaN."""
+    from fusedreduce import DistributedOptimizer
+    out = {}
+    for via in ("max_grad_norm", "clip_grad_norm_"):
+        params = _params()
+        opt = DistributedOptimizer(torch.optim.SGD(params, lr=1.0), param_pack_thd=4000,
+                                   shard=True, norm_type=math.inf,
+                                   max_grad_norm=1.0 if via == "max_grad_norm" else None)
+        grads = _grads(rank, 0)
+        if rank == world_size - 1:
+            grads[3][-1] = math.nan
+        _backward(params, grads)
+        norm = opt.grad_norm if via == "max_grad_norm" else opt.clip_grad_norm_(1.0, math.inf)
+        out[via] = float(norm)
+    return out
 
 
 def _grad_scaler(rank, shard):
@@ -129,7 +152,7 @@ def _grad_scaler(rank, shard):
             "local": local, "scale_after": scaler.get_scale()}
 
 
-def _adasum(rank, shard):
+def _adasum(rank, shard, **kwargs):
     """AdaSum's combined gradients clipped, beside the same unclipped: the
     clipped ones are the unclipped times the coefficient of their norm."""
     from fusedreduce import DistributedOptimizer
@@ -137,7 +160,8 @@ def _adasum(rank, shard):
     for max_norm in (None, 1.0):
         params = _params(SCALER_DTYPES)
         opt = DistributedOptimizer(torch.optim.SGD(params, lr=1.0), reduce_method="adasum",
-                                   param_pack_thd=4000, shard=shard, max_grad_norm=max_norm)
+                                   param_pack_thd=4000, shard=shard, max_grad_norm=max_norm,
+                                   **kwargs)
         _backward(params, _grads(rank, 0, dtypes=SCALER_DTYPES))
         opt.step()
         key = "clipped" if max_norm else "unclipped"
@@ -159,20 +183,27 @@ class _Given(torch.nn.Module):
         return sum((p.float() * g.float()).sum() for p, g in zip(self.weights, grads))
 
 
-def _ddp(rank, hook_name, max_norm, backend="auto"):
+def _ddp(rank, hook_name, max_norm, backend="auto", **kwargs):
     """Two DDP iterations (DDP rebuilds its buckets after the first) with a
-    fusedreduce hook whose HookState clips; the gradients and norm of each."""
+    fusedreduce hook whose HookState clips; the gradients and norm of each,
+    and how many times the norm's reading was shared so far."""
     from torch.nn.parallel import DistributedDataParallel
     from fusedreduce import hooks
     model = DistributedDataParallel(_Given(), bucket_cap_mb=0.004)
-    state = hooks.HookState(max_grad_norm=max_norm, backend=backend)
+    state = hooks.HookState(max_grad_norm=max_norm, backend=backend, **kwargs)
     model.register_comm_hook(state, getattr(hooks, hook_name))
+    shared, share_norm = [], hooks.share_norm
+    hooks.share_norm = lambda *args, **kw: shared.append(1) or share_norm(*args, **kw)
     out = []
-    for step in range(2):
-        model.zero_grad(set_to_none=True)
-        model(_grads(rank, step, dtypes=SCALER_DTYPES)).backward()
-        out.append({"grads": [p.grad.clone() for p in model.module.weights],
-                    "norm": None if state.grad_norm is None else state.grad_norm.clone()})
+    try:
+        for step in range(2):
+            model.zero_grad(set_to_none=True)
+            model(_grads(rank, step, dtypes=SCALER_DTYPES)).backward()
+            out.append({"grads": [p.grad.clone() for p in model.module.weights],
+                        "norm": None if state.grad_norm is None else state.grad_norm.clone(),
+                        "shared": len(shared)})
+    finally:
+        hooks.share_norm = share_norm
     return out
 
 
@@ -196,12 +227,13 @@ def _ddp_grad_scaler(rank):
             "norm": state.grad_norm.clone(), "local": local, "scale_after": scaler.get_scale()}
 
 
-def _ddp_inf_raises(rank, world_size):
+def _ddp_inf_raises(rank, world_size, **kwargs):
     """An inf on the last rank with error_if_nonfinite: what backward raises."""
     from torch.nn.parallel import DistributedDataParallel
     from fusedreduce import hooks
     model = DistributedDataParallel(_Given(), bucket_cap_mb=0.004)
-    model.register_comm_hook(hooks.HookState(max_grad_norm=1.0, error_if_nonfinite=True),
+    model.register_comm_hook(hooks.HookState(max_grad_norm=1.0, error_if_nonfinite=True,
+                                             **kwargs),
                              hooks.allreduce_hook)
     grads = _grads(rank, 0, dtypes=SCALER_DTYPES)
     if rank == world_size - 1:
@@ -211,6 +243,29 @@ def _ddp_inf_raises(rank, world_size):
     except RuntimeError as exc:
         return str(exc)
     return None
+
+
+def _split_rule(rank):
+    """Whether ``split_norm=None`` splits, the CPU's threshold set to 1000
+    spared elements for the test: buckets sparing each rank exactly that,
+    and one element fewer; and what True and False give."""
+    from fusedreduce import clipping
+    world_size = torch.distributed.get_world_size()
+    kept = dict(clipping.SPLIT_NORM_MIN_SPARED)
+    clipping.SPLIT_NORM_MIN_SPARED["cpu"] = 1000
+    try:
+        # the fewest elements that spare 1000 (one rank spares nothing: any size)
+        at = next((e for e in range(1000, 4000) if e - e // world_size >= 1000), 1000)
+        out = {}
+        for name, elements, split_norm in (("at", at, None), ("below", at - 1, None),
+                                           ("told", 10, True), ("refused", at, False)):
+            reducer = DistributedGradReducer([torch.zeros(elements, requires_grad=True)],
+                                             max_grad_norm=1.0, split_norm=split_norm)
+            split = reducer.norm_split
+            out[name] = None if split is None else (split.rank, split.world_size)
+    finally:
+        clipping.SPLIT_NORM_MIN_SPARED.update(kept)
+    return out
 
 
 def on_rank(rank, world_size):
@@ -229,6 +284,7 @@ def on_rank(rank, world_size):
         "optimizer": _optimizer(rank, False),
         "optimizer_sharded": _optimizer(rank, True),
         "optimizer_sharded_inf_norm": _optimizer(rank, True, 0.5, math.inf),
+        "sharded_nan_max_norm": _sharded_nan_max_norm(rank, world_size),
         # the GPU's norm kernels (Triton, interpreted here) on the same paths
         "l2_triton": _hooked(rank, 1.0, backend="triton"),
         "inf_norm_triton": _hooked(rank, 0.5, norm_type=math.inf, backend="triton"),
@@ -246,6 +302,28 @@ def on_rank(rank, world_size):
         "ddp_under_the_limit": _ddp(rank, "allreduce_hook", 1e6),
         "ddp_unclipped": _ddp(rank, "allreduce_hook", None),
         "ddp_inf_raises": _ddp_inf_raises(rank, world_size),
+        # split_norm=True: each rank reads its share of the buffers for the norm
+        **{f"{name}_split": run() for name, run in (
+            ("l2", lambda: _hooked(rank, 1.0, split_norm=True)),
+            ("inf_norm", lambda: _hooked(rank, 0.5, norm_type=math.inf, split_norm=True)),
+            ("called", lambda: _called(rank, 1.0, split_norm=True)),
+            ("accumulated", lambda: _hooked(rank, 1.0, passes=2, split_norm=True)),
+            ("views", lambda: _hooked(rank, 1.0, views=True, split_norm=True)),
+            ("inf", lambda: _with_inf(rank, world_size, False, split_norm=True)),
+            ("inf_raises", lambda: _with_inf(rank, world_size, True, split_norm=True)),
+            ("optimizer", lambda: _optimizer(rank, False, split_norm=True)),
+            ("l2_triton", lambda: _hooked(rank, 1.0, backend="triton", split_norm=True)),
+            ("inf_norm_triton", lambda: _hooked(rank, 0.5, norm_type=math.inf,
+                                                backend="triton", split_norm=True)),
+            ("adasum", lambda: _adasum(rank, False, split_norm=True)),
+            # DDP's hooks: the shared norm's all-reduce starts from a callback
+            ("ddp_allreduce", lambda: _ddp(rank, "allreduce_hook", 1.0, split_norm=True)),
+            ("ddp_bf16", lambda: _ddp(rank, "bf16_compress_hook", 1.0, split_norm=True)),
+            ("ddp_adasum", lambda: _ddp(rank, "adasum_hook", 1.0, split_norm=True)),
+            ("ddp_allreduce_triton", lambda: _ddp(rank, "allreduce_hook", 1.0,
+                                                  backend="triton", split_norm=True)),
+            ("ddp_inf_raises", lambda: _ddp_inf_raises(rank, world_size, split_norm=True)))},
+        "split_rule": _split_rule(rank),
         "local_scaler_dtypes": [_grads(rank, step, dtypes=SCALER_DTYPES) for step in range(2)],
         "local": [_grads(rank, step) for step in range(2)],
     }
@@ -257,6 +335,9 @@ def ranks_once(request, tmp_path_factory):
 
 
 WORLD_SIZES = [1, 2, 3]
+#: the cases run again with split_norm=True
+SPLIT = ["l2", "inf_norm", "called", "accumulated", "views", "inf", "optimizer", "l2_triton",
+         "inf_norm_triton"]
 
 
 def _reduced(results, steps=1, mean=True):
@@ -312,13 +393,70 @@ def test_clipped_gradients_are_torchs_clipping_of_the_reduced_ones(ranks_once, w
 @pytest.mark.parametrize("name", ["l2", "inf_norm", "called", "accumulated", "views", "inf",
                                   "optimizer", "optimizer_sharded",
                                   "optimizer_sharded_inf_norm", "l2_triton", "inf_norm_triton",
-                                  "optimizer_sharded_triton"])
+                                  "optimizer_sharded_triton"] + [f"{n}_split" for n in SPLIT])
 def test_norm_and_gradients_are_the_same_bits_on_every_rank(ranks_once, world_size, name):
     results = [r[name] for r in ranks_once(world_size)]
     for rank, r in enumerate(results[1:], 1):
         assert r["norm"].view(torch.int32) == results[0]["norm"].view(torch.int32), rank
         for a, b in zip(r["grads"], results[0]["grads"]):
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), rank
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("name", SPLIT)
+def test_a_split_norm_gives_the_bits_of_every_rank_reading_all_of_it(ranks_once, world_size,
+                                                                     name):
+    # the unsplit cases are checked against float64 above; the split ones must
+    # be those bits (each rank adds zeros to the others' row sums: exact)
+    for rank, r in enumerate(ranks_once(world_size)):
+        split, whole = r[f"{name}_split"], r[name]
+        assert split["norm"].view(torch.int32) == whole["norm"].view(torch.int32), rank
+        for a, b in zip(split["grads"], whole["grads"]):
+            assert a.dtype == b.dtype and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), rank
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("name", ["ddp_allreduce", "ddp_bf16", "ddp_adasum",
+                                  "ddp_allreduce_triton"])
+def test_a_ddp_hooks_split_norm_gives_the_bits_of_the_unsplit_one(ranks_once, world_size, name):
+    for rank, r in enumerate(ranks_once(world_size)):
+        for step, (split, whole) in enumerate(zip(r[f"{name}_split"], r[name])):
+            # one shared reading per step where there is anyone to share with
+            assert split["shared"] == (0 if world_size == 1 else step + 1)
+            assert whole["shared"] == 0
+            assert split["norm"].view(torch.int32) == whole["norm"].view(torch.int32), \
+                (rank, step)
+            for a, b in zip(split["grads"], whole["grads"]):
+                assert a.dtype == b.dtype and torch.equal(a, b), (rank, step)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_a_split_norm_raises_alike_and_clips_adasum_alike(ranks_once, world_size):
+    for r in ranks_once(world_size):
+        assert r["inf_raises_split"] == r["inf_raises"]
+        assert r["ddp_inf_raises_split"] == r["ddp_inf_raises"]
+        split, whole = r["adasum_split"], r["adasum"]
+        assert split["norm"].view(torch.int32) == whole["norm"].view(torch.int32)
+        assert all(torch.equal(a, b) for a, b in zip(split["clipped"], whole["clipped"]))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_a_nan_in_one_ranks_part_makes_the_sharded_max_norm_nan_everywhere(ranks_once,
+                                                                          world_size):
+    # torch's max norm of a gradient holding a NaN is NaN; the ranks' maxima
+    # must not lose it on the way (gloo's MAX drops a NaN held by a later rank)
+    for r in ranks_once(world_size):
+        assert all(math.isnan(v) for v in r["sharded_nan_max_norm"].values()), r
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_split_norm_none_splits_from_the_threshold_per_rank(ranks_once, world_size):
+    for rank, r in enumerate(ranks_once(world_size)):
+        if world_size == 1:  # nothing to share, nothing spared
+            assert r["split_rule"] == {"at": None, "below": None, "told": None, "refused": None}
+        else:
+            mine = (rank, world_size)
+            assert r["split_rule"] == {"at": mine, "below": None, "told": mine, "refused": None}
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -447,17 +585,34 @@ def test_an_inf_on_one_rank_gives_every_rank_an_inf_norm_and_no_finite_step(rank
         assert "non-finite" in raised["raised"] and raised["untouched"]
 
 
-def test_the_norm_has_the_same_bits_whatever_the_thread_count():
-    buffer = torch.randn(5 * NORM_ROW * 64 + 17, generator=torch.Generator().manual_seed(3))
+def _with_threads(count, fn):
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one = flat_norm_power(buffer, 2.0)
-        torch.set_num_threads(2)
-        two = flat_norm_power(buffer, 2.0)
+        torch.set_num_threads(count)
+        return fn()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_norm_has_the_same_bits_whatever_the_thread_count():
+    buffer = torch.randn(5 * NORM_ROW * 64 + 17, generator=torch.Generator().manual_seed(3))
+    one = _with_threads(1, lambda: norm_powers([buffer], 2.0))
+    two = _with_threads(2, lambda: norm_powers([buffer], 2.0))
     assert one.view(torch.int64) == two.view(torch.int64)
+
+
+def test_a_sum_of_more_rows_than_torchs_grain_has_the_same_bits_whatever_the_thread_count():
+    # torch splits one sum over more than 32,768 elements among its threads:
+    # a 67M-element buffer's rows; a meta tensor stands in for the buffer
+    rows = 40_000
+    buffer = torch.empty(rows * NORM_ROW - 5, device="meta")
+    partials = torch.rand(rows, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(4)) * 1e3
+    one = _with_threads(1, lambda: partials_powers(partials, [buffer], 2.0))
+    two = _with_threads(2, lambda: partials_powers(partials, [buffer], 2.0))
+    assert one.view(torch.int64) == two.view(torch.int64)
+    # the partials are row norms: their squares add up
+    assert math.isclose(float(one), math.fsum(v * v for v in partials.tolist()), rel_tol=1e-12)
 
 
 @pytest.mark.parametrize("kwargs, error, fragment", [

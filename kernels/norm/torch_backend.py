@@ -1,8 +1,13 @@
 """The norm family on torch ops: the fallback, and the CPU's path.
 
-A row's sum is ``torch.linalg.vector_norm`` over a ``(rows, NORM_ROW)`` view
-(each row a separate reduction, so the thread count cannot change its order),
-raised to the ``p``-th power in fp64.
+A partial is one ``NORM_ROW``-element row's norm: the row's
+``torch.linalg.vector_norm`` over a ``(rows, NORM_ROW)`` view (each row a
+separate reduction, so the thread count cannot change its order), in fp64.
+The finish raises the whole partials vector to the ``p``-th power in one op
+and adds each buffer's slice of it (its max for the max norm). The power is
+taken on the whole vector, never on a share: torch's vectorised ``pow`` and
+its scalar tail round differently, so where an element sits in the tensor
+could change its bits.
 """
 from __future__ import annotations
 
@@ -11,33 +16,84 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from .._common import NORM_ROW, postscale_vectors
+from .._common import NORM_ROW, postscale_vectors, share_bounds
 
 
-def flat_norm_power(buffer: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """The sum of ``|x| ** norm_type`` over ``buffer`` (its max ``|x|`` for
-    ``math.inf``) as a 0-d fp64 tensor, in the family's fixed order."""
-    size = buffer.numel()
+def _row_counts(buffers: Sequence[torch.Tensor]) -> List[int]:
+    return [-(-b.numel() // NORM_ROW) for b in buffers]
+
+
+def _row_norms_into(out: torch.Tensor, part: torch.Tensor, norm_type: float) -> None:
+    """Each ``NORM_ROW``-element row's norm of ``part`` (the last row may be
+    shorter) into ``out``, one element per row, cast to its dtype."""
+    size = part.numel()
     whole = size - size % NORM_ROW
-    compute = torch.float32 if buffer.element_size() < 4 else None  # no 16-bit overflow
-    pieces = []
+    compute = torch.float32 if part.element_size() < 4 else None  # no 16-bit overflow
     if whole:
-        pieces.append(torch.linalg.vector_norm(buffer[:whole].view(-1, NORM_ROW), norm_type,
-                                               dim=1, dtype=compute))
+        out[:whole // NORM_ROW].copy_(torch.linalg.vector_norm(
+            part[:whole].view(-1, NORM_ROW), norm_type, dim=1, dtype=compute))
     if size > whole:
-        pieces.append(torch.linalg.vector_norm(buffer[whole:], norm_type, dtype=compute)
-                      .reshape(1))
-    if not pieces:
-        return torch.zeros((), dtype=torch.float64, device=buffer.device)
-    rows = torch.cat(pieces).double() if len(pieces) > 1 else pieces[0].double()
-    if norm_type == math.inf:
-        return rows.max()
-    return rows.pow(norm_type).sum()
+        out[-1:].copy_(torch.linalg.vector_norm(part[whole:], norm_type, dtype=compute)
+                       .reshape(1))
+
+
+def norm_partials(buffers: Sequence[torch.Tensor], norm_type: float,
+                  share: Tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """Every row's norm, as one fp64 vector, for the rows of share ``(index,
+    count)`` (``share_bounds`` of the rows in buffer order); the other rows'
+    entries are zero."""
+    counts = _row_counts(buffers)
+    total = sum(counts)
+    lo, hi = share_bounds(total, share)
+    device = buffers[0].device
+    partials = (torch.empty if (lo, hi) == (0, total) else torch.zeros)(
+        total, dtype=torch.float64, device=device)
+    first = 0
+    for buffer, count in zip(buffers, counts):
+        start, stop = max(lo - first, 0), min(hi - first, count)
+        if start < stop:
+            _row_norms_into(partials[first + start:first + stop],
+                            buffer[start * NORM_ROW:stop * NORM_ROW], norm_type)
+        first += count
+    return partials
+
+
+#: a buffer's row partials are added in blocks of this many, then the blocks'
+#: sums: each addition one thread's, however many threads torch has
+SUM_BLOCK = 1024
+
+
+def _fixed_sum(rows: torch.Tensor) -> torch.Tensor:
+    """``rows.sum()`` in an order the thread count cannot change: torch splits
+    a single sum longer than its grain among threads, a sum per row never."""
+    if rows.numel() <= SUM_BLOCK:
+        return rows.sum()
+    pad = -rows.numel() % SUM_BLOCK
+    blocks = torch.cat([rows, rows.new_zeros(pad)]) if pad else rows
+    return blocks.view(-1, SUM_BLOCK).sum(dim=1).sum()
+
+
+def partials_powers(partials: torch.Tensor, buffers: Sequence[torch.Tensor],
+                    norm_type: float) -> torch.Tensor:
+    """Each buffer's sum of its rows' norms to the ``norm_type`` (their max
+    for ``math.inf``)."""
+    if norm_type != math.inf:
+        partials = partials.pow(norm_type)
+    powers = []
+    first = 0
+    for count in _row_counts(buffers):
+        rows = partials[first:first + count]
+        if not count:
+            powers.append(torch.zeros((), dtype=torch.float64, device=partials.device))
+        else:
+            powers.append(rows.max() if norm_type == math.inf else _fixed_sum(rows))
+        first += count
+    return torch.stack(powers)
 
 
 def norm_powers(buffers: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """Each buffer's ``flat_norm_power``, as one fp64 vector."""
-    return torch.stack([flat_norm_power(b, norm_type) for b in buffers])
+    """Each buffer's sum of powers, as one fp64 vector (see the family)."""
+    return partials_powers(norm_partials(buffers, norm_type), buffers, norm_type)
 
 
 def clip_scales(powers: torch.Tensor, postscales: Sequence[float], max_norm: float,
@@ -57,12 +113,21 @@ def clip_scales(powers: torch.Tensor, postscales: Sequence[float], max_norm: flo
     return total, list((signed * coefficient.double()).unbind(0))
 
 
+def clip_partials(partials: torch.Tensor, buffers: Sequence[torch.Tensor],
+                  postscales: Sequence[float], max_norm: float, norm_type: float,
+                  loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """``clip_scales`` of the buffers' powers from their ``norm_partials``."""
+    return clip_scales(partials_powers(partials, buffers, norm_type), postscales, max_norm,
+                       norm_type, loss_scale)
+
+
 def clip_buffers(buffers: Sequence[torch.Tensor], postscales: Sequence[float],
                  max_norm: float, norm_type: float,
                  loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """``clip_scales`` of the buffers' ``norm_powers``."""
-    return clip_scales(norm_powers(buffers, norm_type), postscales, max_norm, norm_type,
-                       loss_scale)
+    """``clip_partials`` of all of the buffers' ``norm_partials``."""
+    return clip_partials(norm_partials(buffers, norm_type), buffers, postscales, max_norm,
+                         norm_type, loss_scale)
 
 
-__all__ = ["flat_norm_power", "norm_powers", "clip_scales", "clip_buffers"]
+__all__ = ["norm_partials", "partials_powers", "norm_powers", "clip_scales", "clip_partials",
+           "clip_buffers"]

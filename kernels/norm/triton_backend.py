@@ -19,6 +19,8 @@ partial]`` per buffer (``offset`` in elements from the group's first buffer,
 the base pointer of the launch) and ``work`` (``buffer << 32 | piece`` per
 program), and for the finish ``[first partial | partials]`` per buffer. They
 are uploaded once; a call allocates its outputs and launches, nothing else.
+A layout kept for a share of the partials (the clipping norm split across
+ranks) holds the programs of that share only: the others stay zero.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .._checks import refuse_in_capture
-from .._common import NORM_ROW, postscale_vectors
+from .._common import NORM_ROW, postscale_vectors, share_bounds
 from .._launcher import launch_for
 from .._triton_common import upcast
 from ..flatten.triton_backend import _scale, _to_device, scale_words
@@ -176,28 +178,34 @@ def _finish_kernel(partials, ranges, powers, post, total_out, scales_out, n_buff
 
 
 class _Layout:
-    """The kept tables of one set of buffers (see the module docstring)."""
+    """The kept tables of one set of buffers (see the module docstring), the
+    row-summing programs of one share of their partials only."""
 
-    def __init__(self, buffers: Sequence[torch.Tensor]):
+    def __init__(self, buffers: Sequence[torch.Tensor], share: Tuple[int, int]):
         device = buffers[0].device
         per_program = ROWS_PER_PROGRAM * NORM_ROW
         counts = [-(-b.numel() // per_program) for b in buffers]
         firsts = np.cumsum([0] + counts[:-1], dtype=np.int64)
         self.n_partials = int(sum(counts))
+        lo, hi = share_bounds(self.n_partials, share)
+        self.whole = (lo, hi) == (0, self.n_partials)
+        # each buffer's programs inside [lo, hi), as pieces [start, stop)
+        mine = [(min(max(lo - int(f), 0), c), max(min(hi - int(f), c), 0))
+                for f, c in zip(firsts, counts)]
         self.ranges = _to_device(np.concatenate([firsts, np.asarray(counts, dtype=np.int64)]),
                                  device)
         self.groups = []
         for dtype in dict.fromkeys(b.dtype for b in buffers):
             members = [i for i, b in enumerate(buffers) if b.dtype == dtype and counts[i]]
-            if not members:
+            work = np.concatenate([(np.int64(j) << 32) + np.arange(*mine[i], dtype=np.int64)
+                                   for j, i in enumerate(members)] or [np.zeros(0, np.int64)])
+            if not len(work):
                 continue
             base = buffers[members[0]].data_ptr()
             size = buffers[members[0]].element_size()
             table = np.array([(buffers[i].data_ptr() - base) // size for i in members]
                              + [buffers[i].numel() for i in members]
                              + [int(firsts[i]) for i in members], dtype=np.int64)
-            work = np.concatenate([(np.int64(j) << 32) + np.arange(counts[i], dtype=np.int64)
-                                   for j, i in enumerate(members)])
             compute = tl.float64 if dtype == torch.float64 else tl.float32
             self.groups.append((members[0], len(members), _to_device(table, device),
                                 _to_device(work, device), len(work), compute))
@@ -207,8 +215,8 @@ _layouts: "OrderedDict[tuple, _Layout]" = OrderedDict()
 _lock = threading.Lock()
 
 
-def _layout_of(buffers: Sequence[torch.Tensor]) -> _Layout:
-    key = tuple((b.data_ptr(), b.numel(), b.dtype, b.device) for b in buffers)
+def _layout_of(buffers: Sequence[torch.Tensor], share: Tuple[int, int] = (0, 1)) -> _Layout:
+    key = (share,) + tuple((b.data_ptr(), b.numel(), b.dtype, b.device) for b in buffers)
     with _lock:
         layout = _layouts.get(key)
         if layout is not None:
@@ -217,7 +225,7 @@ def _layout_of(buffers: Sequence[torch.Tensor]) -> _Layout:
     refuse_in_capture(buffers[0].device, "the clipping norm of buffers no eager step used",
                       "run the step eagerly first, so that its buffers' tables are uploaded "
                       "before the capture")
-    layout = _Layout(buffers)
+    layout = _Layout(buffers, share)
     with _lock:
         _layouts[key] = layout
         while len(_layouts) > KEPT:
@@ -267,6 +275,18 @@ def _finish(partials, layout, powers, postscales, max_norm, norm_type, loss_scal
     return total, scales
 
 
+def norm_partials(buffers: Sequence[torch.Tensor], norm_type: float,
+                  share: Tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """Every program's sum of powers, as one fp64 vector (one launch per
+    buffer dtype), for the programs of share ``(index, count)``
+    (``share_bounds`` of the partials in buffer order); the others are zero."""
+    layout = _layout_of(buffers, share)
+    alloc = torch.empty if layout.whole else torch.zeros
+    partials = alloc(layout.n_partials, dtype=torch.float64, device=buffers[0].device)
+    _row_powers(buffers, layout, partials, norm_type)
+    return partials
+
+
 def norm_powers(buffers: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
     """Each buffer's sum of powers, as one fp64 vector (two launches)."""
     layout = _layout_of(buffers)
@@ -287,10 +307,22 @@ def clip_scales(powers: torch.Tensor, postscales: Sequence[float], max_norm: flo
     return total, list(scales.unbind(0))
 
 
+def clip_partials(partials: torch.Tensor, buffers: Sequence[torch.Tensor],
+                  postscales: Sequence[float], max_norm: float, norm_type: float,
+                  loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """``clip_scales`` of the buffers' powers from their ``norm_partials``
+    (one launch)."""
+    layout = _layout_of(buffers)
+    powers = torch.empty(len(buffers), dtype=torch.float64, device=partials.device)
+    total, scales = _finish(partials, layout, powers, postscales, max_norm, norm_type,
+                            loss_scale, sum_partials=True, finish=True)
+    return total, list(scales.unbind(0))
+
+
 def clip_buffers(buffers: Sequence[torch.Tensor], postscales: Sequence[float],
                  max_norm: float, norm_type: float,
                  loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """``clip_scales`` of the buffers' ``norm_powers``, in two launches."""
+    """``clip_partials`` of all of the buffers' ``norm_partials``, in two launches."""
     layout = _layout_of(buffers)
     device = buffers[0].device
     scratch = torch.empty(layout.n_partials + len(buffers), dtype=torch.float64, device=device)
