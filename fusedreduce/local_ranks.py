@@ -1,7 +1,9 @@
 """Run a function on N local processes joined in one process group.
 
 For examples, tests and benchmarks on one machine, where ``torchrun`` is more
-than the job needs. Each rank is a fresh spawned interpreter that joins a
+than the job needs. Each rank is a fresh spawned interpreter (or, with
+``start_method="forkserver"``, a fork of a server that imported torch once:
+the same fresh state, without torch's import per rank) that joins a
 ``gloo`` (or ``nccl``, one GPU per rank) group through a file rendezvous,
 runs ``fn(rank, world_size, *args)`` and sends its result back pickled (tensor
 data is copied, so results outlive the rank). A rank that raises sends its
@@ -19,6 +21,15 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
+#: how ranks start: ``"spawn"`` (a new interpreter each) or ``"forkserver"``
+#: (forked from a server process that imported ``FORKSERVER_PRELOAD`` once;
+#: about 30x faster to start on a 2-core machine, 0.06 s against 1.8 s for
+#: two ranks)
+START_METHODS = ("spawn", "forkserver")
+#: the environment variable that picks the start method when the call does not
+START_METHOD_VARIABLE = "FUSEDREDUCE_START_METHOD"
+#: what the fork server imports before it forks any rank
+FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
 #: after one rank fails, how long the others get to report (they usually fail
 #: within milliseconds, when the failed rank's sockets close) before they are killed
 FAILURE_GRACE_S = 10.0
@@ -42,7 +53,12 @@ class RankFailure(RuntimeError):
 
 def _rank_main(rank: int, world_size: int, init_file: str, backend: str,
                collective_timeout: float, threads: Optional[int], fn: Callable,
-               args: tuple, results) -> None:
+               args: tuple, results, environment: Dict[str, str]) -> None:
+    # the caller's environment as it is now: a forked rank inherits the fork
+    # server's, from when the server started
+    if dict(os.environ) != environment:
+        os.environ.clear()
+        os.environ.update(environment)
     import torch
     import torch.distributed as dist
     try:
@@ -67,7 +83,8 @@ def _rank_main(rank: int, world_size: int, init_file: str, backend: str,
 def run_on_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
                        backend: str = "gloo", timeout: float = 300.0,
                        collective_timeout: float = 60.0,
-                       threads: Optional[int] = None) -> List[Any]:
+                       threads: Optional[int] = None,
+                       start_method: Optional[str] = None) -> List[Any]:
     """``[fn(rank, world_size, *args) for each rank]``, each rank its own process.
 
     Args:
@@ -80,11 +97,15 @@ def run_on_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
         collective_timeout: the process group's timeout, in seconds.
         threads: torch threads per rank (default: torch's own choice);
             ``os.cpu_count() // world_size`` keeps ranks off each other's cores.
+        start_method: ``"spawn"`` or ``"forkserver"`` (``START_METHODS``);
+            default: ``$FUSEDREDUCE_START_METHOD``, else ``"spawn"``. Either
+            way a rank runs with the caller's current environment variables.
 
     Returns:
         Each rank's result, in rank order.
 
     Raises:
+        ValueError: an unknown ``start_method`` (or environment variable).
         RankFailure: a rank raised (every failed rank's traceback is in the
             message); the others were given ``FAILURE_GRACE_S`` to report.
         TimeoutError: some ranks did not finish within ``timeout`` (they are
@@ -99,13 +120,22 @@ def run_on_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
         [3.0, 3.0, 3.0]
     """
     import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
+    if start_method is None:
+        start_method = os.environ.get(START_METHOD_VARIABLE) or "spawn"
+        where = f"${START_METHOD_VARIABLE}"
+    else:
+        where = "start_method"
+    if start_method not in START_METHODS:
+        raise ValueError(f"{where} must be one of {START_METHODS}, got {start_method!r}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # takes effect when the server starts
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_rank_main,
                              args=(r, world_size, init_file, backend, collective_timeout, threads,
-                                   fn, args, results))
+                                   fn, args, results, dict(os.environ)))
                  for r in range(world_size)]
         for p in procs:
             p.start()

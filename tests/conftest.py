@@ -56,6 +56,12 @@ def pytest_configure(config):
             f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}; unset it (or run "
             f"pytest in a fresh process)")
     device_mode.select(mode)
+    if mode == "cpu":
+        # ranks (run_on_local_ranks, here and in the programs the tests start)
+        # fork from a server that imported torch once: 0.06 s to start two
+        # ranks instead of 1.8 s, over some hundred calls. test_local_ranks
+        # runs both start methods; the wheel check and users get "spawn"
+        os.environ.setdefault("FUSEDREDUCE_START_METHOD", "forkserver")
     config.addinivalue_line(
         "markers", "device_aware: runs on the --device (CPU by default, CUDA with --device cuda)")
     config.addinivalue_line(
