@@ -203,10 +203,14 @@ class DistributedGradReducer:
         description = [signature[slot_of[i]] for i in range(len(self.parameters))]
         names = [f"parameters[{i}] {tuple(p.shape)} {p.dtype}"
                  for i, p in enumerate(self.parameters)]
+        # clipping that differs by rank would clip differently, and a norm
+        # split on some ranks only would leave them waiting in its all-reduce
+        clipping = ("clipping", self.max_grad_norm, self.norm_type, self.norm_split is not None)
         verify_same_on_all_ranks(description, names, self.group, what="parameter",
-                                 bucket_layout=self.plan.layout(),
-                                 bucket_layout_hint="pass the same bucket_cap_mb and "
-                                                    "fusion_type on every rank")
+                                 bucket_layout=self.plan.layout() + [clipping],
+                                 bucket_layout_hint="pass the same bucket_cap_mb, fusion_type, "
+                                                    "max_grad_norm, norm_type and split_norm "
+                                                    "on every rank")
         self._verified = True
 
     def _check_grads(self, grads: Sequence[torch.Tensor]) -> None:

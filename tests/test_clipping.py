@@ -245,6 +245,19 @@ def _ddp_inf_raises(rank, world_size, **kwargs):
     return None
 
 
+def _split_mismatch(rank):
+    """Rank 0 alone splits the norm: the first call must raise on every rank
+    (the others would never join the split's all-reduce), naming the option."""
+    params = _params()
+    reducer = DistributedGradReducer(params, max_grad_norm=1.0, bucket_cap_mb=0.004,
+                                     split_norm=rank == 0)
+    try:
+        reducer(_grads(rank, 0))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 def _split_rule(rank):
     """Whether ``split_norm=None`` splits, the CPU's threshold set to 1000
     spared elements for the test: buckets sparing each rank exactly that,
@@ -324,6 +337,7 @@ def on_rank(rank, world_size):
                                                   backend="triton", split_norm=True)),
             ("ddp_inf_raises", lambda: _ddp_inf_raises(rank, world_size, split_norm=True)))},
         "split_rule": _split_rule(rank),
+        "split_mismatch": _split_mismatch(rank),
         "local_scaler_dtypes": [_grads(rank, step, dtypes=SCALER_DTYPES) for step in range(2)],
         "local": [_grads(rank, step) for step in range(2)],
     }
@@ -447,6 +461,17 @@ def test_a_nan_in_one_ranks_part_makes_the_sharded_max_norm_nan_everywhere(ranks
     # must not lose it on the way (gloo's MAX drops a NaN held by a later rank)
     for r in ranks_once(world_size):
         assert all(math.isnan(v) for v in r["sharded_nan_max_norm"].values()), r
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ranks_that_split_the_norm_differently_are_refused_on_every_rank(ranks_once, world_size):
+    messages = [r["split_mismatch"] for r in ranks_once(world_size)]
+    if world_size == 1:  # nothing to split: nothing differs
+        assert messages == [None]
+        return
+    for message in messages:
+        assert message is not None and "not on the bucket layout" in message
+        assert "split_norm" in message and "('clipping', 1.0, 2.0, True)" in message
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
