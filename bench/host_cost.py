@@ -52,6 +52,8 @@ NEW_SUFFIX = "|new"
 NEW_SETS = 8
 #: each key's suffix and how many address sets its calls cycle through
 ADDRESS_SETS = {"": 1, MOVED_SUFFIX: 2, NEW_SUFFIX: NEW_SETS}
+#: the same cases as a reader names them (``versus_revision``'s rows)
+ADDRESS_LABELS = {"": "", MOVED_SUFFIX: ", moved", NEW_SUFFIX: ", new addresses"}
 
 
 def case_key(list_name: str, size: int, dtype: str, direction: str, scale: float) -> str:

@@ -135,8 +135,8 @@ def host_cost_us(versions, size, calls=300, blocks=4, scale=0.125,
     for _ in range(blocks):
         for label, kernels in versions.items():
             for direction in ("flatten", "unflatten"):
-                for what, sets in (("", 1), (", moved", 2),
-                                   (", new addresses", host_cost.NEW_SETS)):
+                for suffix, sets in host_cost.ADDRESS_SETS.items():
+                    what = host_cost.ADDRESS_LABELS[suffix]
                     samples.setdefault(f"{label} {direction}{what}", []).extend(
                         host_cost.time_host(grads, out, dsts, direction, scale, calls, kernels,
                                             address_sets=sets))
