@@ -133,7 +133,7 @@ def _sharded_nan_max_norm(rank, world_size):
     return out
 
 
-def _grad_scaler(rank, shard):
+def _grad_scaler(rank, shard, **kwargs):
     """The documented recipe: DistributedOptimizer(SGD(lr=1), max_grad_norm=1)
     under torch.amp.GradScaler, the scaler's scale handed over as a device
     tensor before backward: the limit applies to the unscaled norm and
@@ -141,7 +141,7 @@ def _grad_scaler(rank, shard):
     from fusedreduce import DistributedOptimizer
     params = _params(SCALER_DTYPES)
     opt = DistributedOptimizer(torch.optim.SGD(params, lr=1.0), param_pack_thd=4000,
-                               shard=shard, max_grad_norm=1.0)
+                               shard=shard, max_grad_norm=1.0, **kwargs)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     opt.loss_scale = scaler.scale(torch.ones(()))
     local = _grads(rank, 0, dtypes=SCALER_DTYPES)
@@ -329,6 +329,7 @@ def on_rank(rank, world_size):
             ("inf_norm_triton", lambda: _hooked(rank, 0.5, norm_type=math.inf,
                                                 backend="triton", split_norm=True)),
             ("adasum", lambda: _adasum(rank, False, split_norm=True)),
+            ("grad_scaler", lambda: _grad_scaler(rank, False, split_norm=True)),
             # DDP's hooks: the shared norm's all-reduce starts from a callback
             ("ddp_allreduce", lambda: _ddp(rank, "allreduce_hook", 1.0, split_norm=True)),
             ("ddp_bf16", lambda: _ddp(rank, "bf16_compress_hook", 1.0, split_norm=True)),
@@ -445,10 +446,15 @@ def test_a_ddp_hooks_split_norm_gives_the_bits_of_the_unsplit_one(ranks_once, wo
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_a_split_norm_raises_alike_and_clips_adasum_alike(ranks_once, world_size):
+def test_a_split_norm_raises_alike_and_clips_adasum_and_scaled_gradients_alike(ranks_once,
+                                                                              world_size):
     for r in ranks_once(world_size):
         assert r["inf_raises_split"] == r["inf_raises"]
         assert r["ddp_inf_raises_split"] == r["ddp_inf_raises"]
+        # under a GradScaler: the loss scale divides the shared norm alike
+        split, whole = r["grad_scaler_split"], r["grad_scaler"]
+        assert split["norm"].view(torch.int32) == whole["norm"].view(torch.int32)
+        assert all(torch.equal(a, b) for a, b in zip(split["grads"], whole["grads"]))
         split, whole = r["adasum_split"], r["adasum"]
         assert split["norm"].view(torch.int32) == whole["norm"].view(torch.int32)
         assert all(torch.equal(a, b) for a, b in zip(split["clipped"], whole["clipped"]))
