@@ -131,7 +131,7 @@ def clip_scales(powers: torch.Tensor, postscales: Sequence[float], max_norm: flo
 def clip_buffers(buffers: Sequence[torch.Tensor], postscales: Sequence[float],
                  max_norm: float, norm_type: float, loss_scale=None,
                  backend: str = "auto",
-                 split: Optional["NormSplit"] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                 split: Optional[NormSplit] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``clip_scales`` of the buffers' ``norm_powers``: on the Triton backend
     two launches in all, whatever the number of buffers.
 

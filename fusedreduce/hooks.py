@@ -32,7 +32,7 @@ from . import kernels
 from ._checks import check_int, check_prescale
 from .adasum import adasum_allreduce_plan, adasum_flat_unchecked, check_local_size
 from .buckets import BucketPlan, TensorSpec
-from .clipping import (check_clipping, check_split_norm, clip_buffers, clip_shared,
+from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers, clip_shared,
                        norm_split_for, raise_if_nonfinite, share_norm)
 from .precision import communication_dtype, split_scale
 from .process_group import global_ranks, require_process_group
@@ -119,6 +119,8 @@ class HookState:
         #: to the unscaled norm; the gradients stay scaled for ``scaler.step``
         self.loss_scale: Optional[Union[float, torch.Tensor]] = None
         self._clipping: list = []  # this iteration's buckets so far
+        # ((split_norm, elements, device), its NormSplit or None): decided once
+        self._norm_split: Optional[tuple] = None
         check_int(local_size, "local_size")
         # the name only: the buckets' device (known at the first bucket) decides
         # whether it can run there
@@ -145,6 +147,7 @@ class HookState:
     def group(self, group) -> None:
         self._group = group
         self._world_size = None
+        self._norm_split = None  # decided for the old group
         if group is not None:
             self._pickled_ranks = None  # the caller names the group: trust it
 
@@ -174,7 +177,7 @@ class HookState:
         state["_world_size"] = None
         state["_adasum_plans"] = {}
         state["_wires"], state["_iteration"] = {}, 0
-        state["_clipping"], state["grad_norm"] = [], None
+        state["_clipping"], state["grad_norm"], state["_norm_split"] = [], None, None
         if group is not None:
             # a group's members are known only while it exists; record them so
             # that the other side can tell whether the world is the same group
@@ -235,8 +238,7 @@ class HookState:
                 reduced.value()  # raises if a collective failed
             buffers = [flat_of() for _, flat_of, *_ in entries]
             postscales = [e[2] for e in entries]
-            split = norm_split_for(self.split_norm, self.group, self.world_size,
-                                   sum(b.numel() for b in buffers), buffers[0].device)
+            split = self._split_for(buffers)
             if split is None:
                 self._write_clipped(entries, clip_buffers(
                     buffers, postscales, self.max_grad_norm, self.norm_type, self.loss_scale,
@@ -248,6 +250,16 @@ class HookState:
                 entries, done, partials, buffers, postscales))
         except Exception as exc:  # noqa: BLE001 (every bucket's future must complete)
             self._fail(entries, exc)
+
+    def _split_for(self, buffers) -> Optional[NormSplit]:
+        """``norm_split_for`` of these buckets, kept while ``split_norm``,
+        their size and their device stay (every step after DDP's first)."""
+        key = (self.split_norm, sum(b.numel() for b in buffers), buffers[0].device)
+        if self._norm_split is None or self._norm_split[0] != key:
+            split_norm, elements, device = key
+            self._norm_split = (key, norm_split_for(split_norm, self.group, self.world_size,
+                                                    elements, device))
+        return self._norm_split[1]
 
     def _finish_shared(self, entries, done, partials, buffers, postscales) -> None:
         try:
