@@ -34,8 +34,9 @@ from .adasum import adasum_allreduce_plan, adasum_flat_unchecked, check_local_si
 from .buckets import BucketPlan, TensorSpec
 from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers, clip_shared,
                        norm_split_for, raise_if_nonfinite, share_norm)
+from .kernels._checks import refuse_in_capture
 from .precision import communication_dtype, split_scale
-from .process_group import global_ranks, require_process_group
+from .process_group import global_ranks, require_process_group, verify_same_on_all_ranks
 
 
 class HookState:
@@ -90,7 +91,15 @@ class HookState:
         RuntimeError: on first use (or at construction, when a process group
             exists): torch.distributed is not initialised, this process is not
             a member of ``group``, or an unpickled state's group is not the
-            world.
+            world. At the first bucket a state sees (every rank, before
+            anything is written): the ranks run different hooks, or the same
+            hook with different options (``prescale``, ``local_size``, the
+            backend each resolves to, ``max_grad_norm``, ``norm_type``,
+            ``error_if_nonfinite``, ``split_norm``), or the bucket dtypes
+            differ; the error names the first option that differs and each
+            rank's value. Such options would otherwise give the ranks other
+            gradients, or leave them waiting in collectives the others never
+            start.
 
     Examples:
         >>> state = HookState(prescale=1 / 8)          # before init_process_group too
@@ -134,6 +143,8 @@ class HookState:
         self._adasum_plans: Dict[tuple, BucketPlan] = {}
         self._wires: Dict[tuple, list] = {}
         self._iteration = 0
+        # whether every rank was seen to run the same hook with the same options
+        self._agreed = False
         if dist.is_available() and dist.is_initialized():
             self._resolve()  # everything checked now, when it can be
 
@@ -148,6 +159,7 @@ class HookState:
         self._group = group
         self._world_size = None
         self._norm_split = None  # decided for the old group
+        self._agreed = False  # checked in the old group
         if group is not None:
             self._pickled_ranks = None  # the caller names the group: trust it
 
@@ -178,11 +190,58 @@ class HookState:
         state["_adasum_plans"] = {}
         state["_wires"], state["_iteration"] = {}, 0
         state["_clipping"], state["grad_norm"], state["_norm_split"] = [], None, None
+        state["_agreed"] = False  # the other side's ranks are checked there
         if group is not None:
             # a group's members are known only while it exists; record them so
             # that the other side can tell whether the world is the same group
             state["_pickled_ranks"] = global_ranks(group)
         return state
+
+    def _check_ranks_agree(self, hook: str, bucket: dist.GradBucket,
+                           wire_dtype: torch.dtype) -> None:
+        """At the first bucket this state sees: every rank must run the same
+        hook with the same options, or all raise, before the hook writes
+        anything.
+
+        Options that differ by rank would not fail by themselves: another
+        ``prescale``, backend or clip limit gives each rank other gradients,
+        and a norm split on some ranks only, or another hook, would leave
+        ranks waiting in collectives the others never start. DDP starts its
+        buckets in index order on every rank, so a state's first bucket 0 is
+        the same point of the program everywhere (whether to check must not
+        depend on anything that may differ by rank, such as the hook: a rank
+        that skipped the check would meet another's check collective with a
+        collective of its own). One all-reduce of two int64s
+        (``verify_same_on_all_ranks``), read on the host: the first bucket of
+        a warm-up step, never a captured one.
+        """
+        if self._agreed or bucket.index() != 0:
+            return
+        buffer = bucket.buffer()
+        refuse_in_capture(buffer.device,
+                          "a DDP hook's first bucket with a new HookState (it checks that "
+                          "every rank runs the same hook with the same options, an all-reduce "
+                          "read on the host)",
+                          "run an eager step with the same state first, the warm-up a "
+                          "capture needs anyway")
+        try:
+            backend = kernels.resolve_backend(self.backend, buffer.device)
+            unusable = None
+        except RuntimeError as exc:  # compared first, so no rank is left waiting
+            backend, unusable = f"{self.backend} (cannot run here)", exc
+        options = [("hook", hook), ("bucket dtype", str(buffer.dtype)),
+                   ("wire dtype", str(wire_dtype)), ("prescale", self.prescale),
+                   ("local_size", self.local_size), ("backend", backend),
+                   ("max_grad_norm", self.max_grad_norm), ("norm_type", self.norm_type),
+                   ("error_if_nonfinite", self.error_if_nonfinite),
+                   ("split_norm", self.split_norm)]
+        verify_same_on_all_ranks([value for _, value in options], [name for name, _ in options],
+                                 self.group, what="hook option",
+                                 remedy="Every rank must register the same hook with the same "
+                                        "HookState options")
+        if unusable is not None:
+            raise unusable
+        self._agreed = True
 
     def scales(self):
         """``(before, after)`` with ``before * after == 1 / world_size``: by
@@ -338,11 +397,12 @@ def _future_of(tensor: torch.Tensor) -> torch.futures.Future:
     return future
 
 
-def _reduce_in(state: HookState, bucket: dist.GradBucket,
-               dtype: torch.dtype) -> torch.futures.Future:
+def _reduce_in(state: HookState, bucket: dist.GradBucket, dtype: torch.dtype,
+               hook: str) -> torch.futures.Future:
     """All-reduce ``bucket`` in ``dtype``: one fused cast-and-prescale pass into a
     temporary, the collective, one fused cast-back-and-postscale pass."""
     buffer = bucket.buffer()
+    state._check_ranks_agree(hook, bucket, dtype)
     before, after = state.scales()
     if buffer.dtype == dtype:
         if before != 1.0:
@@ -382,7 +442,8 @@ def fusedreduce_allreduce_hook(state: Optional[HookState],
     Examples:
         >>> ddp.register_comm_hook(None, allreduce_hook)          # doctest: +SKIP
     """
-    return _reduce_in(_state(state), bucket, communication_dtype(bucket.buffer().dtype))
+    return _reduce_in(_state(state), bucket, communication_dtype(bucket.buffer().dtype),
+                      "allreduce_hook")
 
 
 def fusedreduce_fp16_compress_hook(state: Optional[HookState],
@@ -392,7 +453,7 @@ def fusedreduce_fp16_compress_hook(state: Optional[HookState],
     Examples:
         >>> ddp.register_comm_hook(None, fp16_compress_hook)      # doctest: +SKIP
     """
-    return _reduce_in(_state(state), bucket, torch.float16)
+    return _reduce_in(_state(state), bucket, torch.float16, "fp16_compress_hook")
 
 
 def fusedreduce_bf16_compress_hook(state: Optional[HookState],
@@ -406,7 +467,7 @@ def fusedreduce_bf16_compress_hook(state: Optional[HookState],
     Examples:
         >>> ddp.register_comm_hook(None, bf16_compress_hook)      # doctest: +SKIP
     """
-    return _reduce_in(_state(state), bucket, torch.bfloat16)
+    return _reduce_in(_state(state), bucket, torch.bfloat16, "bf16_compress_hook")
 
 
 
@@ -427,6 +488,7 @@ def fusedreduce_adasum_hook(state: Optional[HookState],
     """
     state = _state(state)
     buffer = bucket.buffer()
+    state._check_ranks_agree("adasum_hook", bucket, communication_dtype(buffer.dtype))
     grads = bucket.gradients()
     # DDP packs a bucket densely in gradients() order
     boundaries = kernels.packed_boundaries([g.numel() for g in grads])

@@ -82,13 +82,14 @@ def refuse_one_shot_in_capture(tensors: Iterable[torch.Tensor], name: str) -> No
 
 def verify_same_on_all_ranks(description: Sequence[Any], names: Sequence[str], group=None,
                              what: str = "parameter", bucket_layout: Any = None,
-                             bucket_layout_hint: str = "") -> None:
+                             bucket_layout_hint: str = "", remedy: str = "") -> None:
     """Raise on every rank unless all ranks hold the same ``description`` and ``bucket_layout``.
 
     ``description`` has one entry per tensor (``names[i]`` names entry ``i`` in
     the error); ``bucket_layout`` (``BucketPlan.layout()``) is compared after
     it, so a differing tensor is always reported as such, not as a layout
-    change. Costs one all-reduce of two int64s when the ranks agree; only on a
+    change; ``remedy`` ends the error (default: every rank must pass the same
+    ``what``s in the same order). Costs one all-reduce of two int64s when the ranks agree; only on a
     mismatch are the descriptions gathered, to name the first entry that differs.
 
     Raises:
@@ -116,8 +117,8 @@ def verify_same_on_all_ranks(description: Sequence[Any], names: Sequence[str], g
         if any(e != entries[0] for e in entries):
             name = next(n[i] for (d, _), n in everyone if i < len(n))
             per_rank = "; ".join(f"rank {r}: {e}" for r, e in enumerate(entries))
-            raise RuntimeError(f"ranks disagree on {what} {i} ({name}): {per_rank}. Every "
-                               f"rank must pass the same {what}s in the same order")
+            remedy = remedy or f"Every rank must pass the same {what}s in the same order"
+            raise RuntimeError(f"ranks disagree on {what} {i} ({name}): {per_rank}. {remedy}")
     per_rank = "; ".join(f"rank {r}: {lay}" for r, ((_, lay), _) in enumerate(everyone))
     hint = f" ({bucket_layout_hint})" if bucket_layout_hint else ""
     raise RuntimeError(f"ranks agree on every {what} but not on the bucket layout{hint}: "

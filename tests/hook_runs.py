@@ -235,6 +235,70 @@ def invalid_states(rank, world_size):
     return outcome
 
 
+#: hook options that differ by rank: (hook per rank, HookState kwargs per rank,
+#: the option the error must name), each with a new state (the check runs at a
+#: state's first bucket; the world's kept state was used before). Each would
+#: otherwise hang (a norm split on rank 0 alone, another hook's collectives)
+#: or give the ranks different gradients, silently
+DISAGREEING = {
+    "split_norm": (("allreduce", "allreduce"),
+                   ({"max_grad_norm": 1.0, "split_norm": True},
+                    {"max_grad_norm": 1.0, "split_norm": False}), "split_norm"),
+    "hook": (("allreduce", "bf16"), ({}, {}), "hook"),
+    "prescale": (("fp16", "fp16"), ({"prescale": 0.5}, {}), "prescale"),
+    "max_grad_norm": (("allreduce", "allreduce"), ({"max_grad_norm": 1.0}, {}),
+                      "max_grad_norm"),
+    "norm_type": (("allreduce", "allreduce"),
+                  ({"max_grad_norm": 1.0}, {"max_grad_norm": 1.0, "norm_type": float("inf")}),
+                  "norm_type"),
+    "backend": (("allreduce", "allreduce"), ({"backend": "triton"}, {"backend": "torch"}),
+                "backend"),
+    "local_size": (("adasum", "adasum"), ({"local_size": 2}, {}), "local_size"),
+}
+
+
+def disagreeing_states(rank, world_size):
+    """Per ``DISAGREEING`` case, what each rank's first backward raised (None:
+    nothing); and, with options that agree, how many times in 3 steps (two
+    buckets each) and after a pickling round trip the ranks were compared."""
+    outcome = {}
+    for name, (hook_names, kwargs, _) in DISAGREEING.items():
+        state = HookState(**kwargs[rank])
+        model = DDP(Net(**SMALL))
+        model.register_comm_hook(state, HOOKS[hook_names[rank]])
+        try:
+            for step in range(2):
+                _loss(model, rank, step, 0, _config(SMALL)).backward()
+            outcome[name] = None
+        except Exception as exc:  # noqa: BLE001 - the type and message are the point
+            outcome[name] = (type(exc).__name__, str(exc))
+    checks = []
+    original = hooks.verify_same_on_all_ranks
+
+    def counted(*args, **kwargs):
+        checks.append(kwargs.get("what"))
+        return original(*args, **kwargs)
+
+    hooks.verify_same_on_all_ranks = counted
+    try:
+        state = HookState(max_grad_norm=1.0, split_norm=True)
+        model = DDP(Net(**LARGE), bucket_cap_mb=0.25)
+        log = []
+        model.register_comm_hook(state, _recording(hooks.allreduce_hook, log))
+        for step in range(3):
+            _loss(model, rank, step, 0, _config(LARGE)).backward()
+        outcome["checks_in_three_steps"] = len(checks)
+        outcome["buckets"] = 1 + max(entry["index"] for entry in log)
+        clone = copy.deepcopy(state)  # through __getstate__, as pickling
+        model = DDP(Net(**LARGE), bucket_cap_mb=0.25)
+        model.register_comm_hook(clone, hooks.allreduce_hook)
+        _loss(model, rank, 0, 0, _config(LARGE)).backward()
+        outcome["checks_after_a_copy"] = len(checks)
+    finally:
+        hooks.verify_same_on_all_ranks = original
+    return outcome
+
+
 def adasum_hook_and_adasum_allreduce(rank, world_size, dtype, seeds=range(4)):
     """Per seed and parameter: is adasum_hook's gradient bitwise
     adasum_allreduce's of the same local gradients? On DDP's second iteration,
@@ -299,6 +363,7 @@ TWO_RANK_JOBS = {
     "fp64_adasum": (adasum_hook_and_adasum_allreduce, (torch.float64,)),
     "fp32_adasum": (adasum_hook_and_adasum_allreduce, (torch.float32,)),
     "invalid": (invalid_states, ()),
+    "disagreeing": (disagreeing_states, ()),
 }
 
 FOUR_RANK_RUNS = EVERY_HOOK + [

@@ -9,8 +9,9 @@ clip coefficients, postscale vectors uploaded once), and refuses, with a
 ``RuntimeError`` that names the step and the remedy, each thing that still
 needs one: a layout no eager call prepared, the torch backend's read of a
 tensor scale, ``find_unused_parameters=True``, ``error_if_nonfinite=True``,
-``shard=True``'s backward, and the one-shot functions that check the ranks at
-every call (``adasum_allreduce``, the broadcasts). It also refuses what the
+``shard=True``'s backward, the one-shot functions that check the ranks at
+every call (``adasum_allreduce``, the broadcasts) and a DDP hook state's first
+bucket (it checks the ranks' hook options). It also refuses what the
 host decides step by step and a replay would freeze: ``bcast_period`` > 0 and
 ``backward_passes_per_step`` > 1.
 
@@ -318,6 +319,9 @@ def ddp_capture_on_rank(rank, world_size):
                                                 "error_if_nonfinite": True})
     _train(ddp, optimizer, rank, 2)
     results["refused"] = _message_in_capture(lambda: _train(ddp, optimizer, rank, 1, first=2))
+    # a state's first bucket compares the ranks' hook options on the host
+    _, ddp, optimizer = _ddp("allreduce_hook", {})
+    results["refused_unwarmed"] = _message_in_capture(lambda: _train(ddp, optimizer, rank, 1))
     return results
 
 
@@ -342,6 +346,13 @@ def test_a_ddp_hook_that_must_read_the_norm_is_refused_during_capture(ddp_captur
         message = r["refused"]
         assert message is not None and "CUDA graph capture" in message and \
             "error_if_nonfinite=False" in message, f"rank {rank}: {message}"
+
+
+def test_a_hook_state_s_first_bucket_is_refused_during_capture(ddp_captured):
+    for rank, r in enumerate(ddp_captured):
+        message = r["refused_unwarmed"]
+        assert message is not None and "CUDA graph capture" in message and \
+            "HookState" in message and "eager step" in message, f"rank {rank}: {message}"
 
 
 # ------------------------------------------------------ a real capture, a GPU

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from fusedreduce import hooks
 from fusedreduce.hooks import HookState
 from harness import TIMEOUT, once_per_session, run_ranks
-from hook_runs import (BAD_STATE_KWARGS, EVERY_HOOK, FOUR_RANK_JOBS, FOUR_RANK_RUNS, HOOKS,
+from hook_runs import (BAD_STATE_KWARGS, DISAGREEING, EVERY_HOOK, FOUR_RANK_JOBS, FOUR_RANK_RUNS, HOOKS,
                        MIXED_RUNS, SUBGROUP, TWO_RANK_JOBS, run_each)
 from reference import (NORM_FLOOR, SIXTEEN_BIT, adasum_coefficient, adasum_pair, adasum_stats,
                        adasum_tree, subnormal_spacing)
@@ -321,6 +321,22 @@ def test_invalid_hook_states_fail_clearly_without_hanging(two_ranks):
                 (rank, name, got)
     assert results[0]["subgroup"] == ("ok", 1)
     assert results[1]["subgroup"][0] == "RuntimeError" and "member" in results[1]["subgroup"][1]
+
+
+def test_hook_options_that_differ_by_rank_raise_on_every_rank_instead_of_hanging(two_ranks):
+    results = _results_of(two_ranks, "disagreeing")
+    for rank, outcome in enumerate(results):
+        for name, (_, _, option) in DISAGREEING.items():
+            got = outcome[name]
+            assert got is not None and got[0] == "RuntimeError", (rank, name, got)
+            assert f"({option})" in got[1] and "ranks disagree on hook option" in got[1], \
+                (rank, name, got)
+        # compared once per state, hook and dtype: at the first bucket of the
+        # first step, not at the other bucket nor at later steps
+        assert outcome["buckets"] >= 2, outcome
+        assert outcome["checks_in_three_steps"] == 1, outcome
+        # a copy (as a pickled state comes back) is compared again where it is used
+        assert outcome["checks_after_a_copy"] == 2, outcome
 
 
 def test_hook_state_without_a_process_group_says_how_to_start_one_on_first_use():
