@@ -50,7 +50,7 @@ from .kernels._common import NORM_ROW
 SPLIT_NORM_MIN_SPARED = {"cpu": 1 << 23, "cuda": 1 << 26}
 
 __all__ = ["NORM_ROW", "NormSplit", "SPLIT_NORM_MIN_SPARED", "check_clipping",
-           "check_split_norm", "clip_buffers", "clip_scales", "clip_shared", "norm_powers",
+           "check_norm_type", "check_split_norm", "clip_buffers", "clip_scales", "clip_shared", "norm_powers",
            "max_over_ranks", "norm_split_for", "raise_if_nonfinite", "share_norm"]
 
 
@@ -63,8 +63,46 @@ class NormSplit(NamedTuple):
     world_size: int
 
 
+def check_norm_type(norm_type) -> float:
+    """``norm_type`` as a float: a positive number, ``math.inf`` for the max
+    norm, or a string ``float()`` reads (torch's ``clip_grad_norm_`` takes
+    ``'inf'``).
+
+    torch also takes orders of 0 and below; they are refused here. They do
+    not measure a gradient's size, so they cannot limit it: a single zero
+    element makes a negative order's norm 0 (nothing would ever be clipped),
+    and order 0 counts the nonzero elements.
+
+    Raises:
+        TypeError: not a number or a string (a bool included).
+        ValueError: a string that is not a number, or not positive (NaN
+            included).
+
+    Examples:
+        >>> check_norm_type("inf")
+        inf
+    """
+    if isinstance(norm_type, str):
+        try:
+            order = float(norm_type)
+        except ValueError:
+            raise ValueError(f"norm_type must be a number (or 'inf'), got {norm_type!r}") \
+                from None
+    elif isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+        raise TypeError(f"norm_type must be a number, got {type(norm_type).__name__}")
+    else:
+        order = float(norm_type)
+    if not order > 0:  # NaN fails too
+        raise ValueError(f"norm_type must be positive (math.inf or 'inf' for the max norm), got "
+                         f"{norm_type!r}: an order of 0 or below does not measure a gradient's "
+                         f"size (one zero element makes a negative order's norm 0, order 0 "
+                         f"counts the nonzero elements), so it cannot limit it")
+    return order
+
+
 def check_clipping(max_grad_norm, norm_type, error_if_nonfinite) -> Tuple[Optional[float], float]:
-    """``(max_grad_norm, norm_type)`` as floats (``max_grad_norm`` None: no clipping).
+    """``(max_grad_norm, norm_type)`` as floats (``max_grad_norm`` None: no
+    clipping; ``norm_type`` as ``check_norm_type`` reads it).
 
     Raises:
         TypeError: a non-number ``max_grad_norm`` or ``norm_type``, or a
@@ -74,17 +112,13 @@ def check_clipping(max_grad_norm, norm_type, error_if_nonfinite) -> Tuple[Option
     """
     if not isinstance(error_if_nonfinite, bool):
         raise TypeError(f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
-    for name, value in (("max_grad_norm", max_grad_norm), ("norm_type", norm_type)):
-        if value is None and name == "max_grad_norm":
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if max_grad_norm is not None and not (0 < max_grad_norm < math.inf):
-        raise ValueError(f"max_grad_norm must be positive and finite, got {max_grad_norm}")
-    if not norm_type > 0:  # NaN fails too
-        raise ValueError(f"norm_type must be positive (math.inf for the max norm), "
-                         f"got {norm_type}")
-    return (None if max_grad_norm is None else float(max_grad_norm)), float(norm_type)
+    if max_grad_norm is not None:
+        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
+            raise TypeError(f"max_grad_norm must be a number, got {type(max_grad_norm).__name__}")
+        if not 0 < max_grad_norm < math.inf:
+            raise ValueError(f"max_grad_norm must be positive and finite, got {max_grad_norm}")
+    order = check_norm_type(norm_type)
+    return (None if max_grad_norm is None else float(max_grad_norm)), order
 
 
 def check_split_norm(split_norm) -> None:

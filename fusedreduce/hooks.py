@@ -73,7 +73,8 @@ class HookState:
             ``grad_norm`` then holds the total norm of the last iteration
             (divided by ``loss_scale`` when that is set: under a GradScaler).
             None (default): no clipping.
-        norm_type: the clipping norm's order (``math.inf``: the max norm).
+        norm_type: the clipping norm's order (``math.inf`` or ``'inf'``: the max
+            norm), positive: ``clipping.check_norm_type``.
         error_if_nonfinite: fail the backward pass (every bucket's future) if
             the total norm is inf or NaN, before any bucket is written back.
         split_norm: as ``DistributedGradReducer``'s: each rank reads
@@ -111,7 +112,7 @@ class HookState:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *,
                  prescale: Optional[float] = None, local_size: int = 1,
                  backend: str = "auto", max_grad_norm: Optional[float] = None,
-                 norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                 norm_type: Union[float, str] = 2.0, error_if_nonfinite: bool = False,
                  split_norm: Optional[bool] = None) -> None:
         check_prescale(prescale)
         self.max_grad_norm, self.norm_type = check_clipping(max_grad_norm, norm_type,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from .kernels._checks import refuse_in_capture
 from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
                      check_local_size)
 from .broadcast import broadcast_tensors
-from .clipping import check_clipping, check_split_norm
+from .clipping import check_clipping, check_norm_type, check_split_norm
 from .process_group import require_process_group
 from .reducer import DistributedGradReducer
 from .sharded_optimizer import (ShardedGradReducer, ShardedParameters, check_master_dtype,
@@ -133,7 +133,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             option; with ``shard=True`` the norm of every rank's part and one
             small all-reduce). ``grad_norm`` then holds the total norm before
             clipping. None (default): no clipping.
-        norm_type: the clipping norm's order (``math.inf``: the max norm).
+        norm_type: the clipping norm's order (``math.inf`` or ``'inf'``: the max
+            norm), positive: ``clipping.check_norm_type``.
         error_if_nonfinite: raise from the backward pass if the total norm is
             inf or NaN, before any gradient is written back.
         split_norm: without ``shard``, ``DistributedGradReducer``'s option:
@@ -188,7 +189,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         assume_elementwise: bool = False,
         overlap_param_gather: bool = False,
         max_grad_norm: Optional[float] = None,
-        norm_type: float = 2.0,
+        norm_type: Union[float, str] = 2.0,
         error_if_nonfinite: bool = False,
         find_unused_parameters: bool = True,
         split_norm: Optional[bool] = None,
@@ -216,7 +217,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_int(bcast_period, "bcast_period", minimum=-1)
         check_int(param_pack_thd, "param_pack_thd")
         check_int(backward_passes_per_step, "backward_passes_per_step")
-        check_clipping(max_grad_norm, norm_type, error_if_nonfinite)
+        max_grad_norm, norm_type = check_clipping(max_grad_norm, norm_type, error_if_nonfinite)
         check_split_norm(split_norm)
         world_size = require_process_group(group)
         if reduce_method == "adasum":
@@ -434,8 +435,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.sharded is not None:
             self.sharded.finish_gather()
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: Union[float, str] = 2.0,
+                        error_if_nonfinite: bool = False,
+                        foreach: Optional[bool] = None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the reduced gradients of
         this optimizer's parameters, the same on every rank.
 
@@ -447,11 +449,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         it), so it is the whole gradient's norm, bitwise the same on every
         rank, and each share is scaled by the same coefficient.
 
+        ``norm_type`` may be ``'inf'``, as torch's; orders of 0 and below are
+        refused (see ``clipping.check_norm_type``). ``foreach`` goes to
+        torch's function without sharding; the shares are always scaled
+        with one foreach multiply.
+
         Returns:
             The total norm (a 0-d tensor, as torch's).
 
         Raises:
-            ValueError: ``max_norm`` is not a finite positive number, or
+            TypeError: ``max_norm`` or ``norm_type`` is not a number (or
+                ``'inf'``), or ``error_if_nonfinite`` is not a bool.
+            ValueError: ``max_norm`` is not finite and positive, or
                 ``norm_type`` is not positive.
             RuntimeError: ``error_if_nonfinite`` and the norm is inf or NaN
                 (on every rank alike); nothing is scaled.
@@ -459,17 +468,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Examples:
             >>> loss.backward(); opt.clip_grad_norm_(1.0); opt.step()   # doctest: +SKIP
         """
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or \
-                not 0 < max_norm < math.inf:
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
+        if not 0 < max_norm < math.inf:
             raise ValueError(f"max_norm must be a finite positive number, got {max_norm!r}")
-        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or \
-                not norm_type > 0:
-            raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
-        norm_type = float(norm_type)
+        norm_type = check_norm_type(norm_type)
+        if not isinstance(error_if_nonfinite, bool):
+            raise TypeError(f"error_if_nonfinite must be True or False, "
+                            f"got {error_if_nonfinite!r}")
+        if foreach is not None and not isinstance(foreach, bool):
+            raise TypeError(f"foreach must be None, True or False, got {foreach!r}")
         with_grads = [p for p in self._all_params() if p.grad is not None]
         if not self.shard:
             return torch.nn.utils.clip_grad_norm_(with_grads, max_norm, norm_type,
-                                                  error_if_nonfinite=error_if_nonfinite)
+                                                  error_if_nonfinite=error_if_nonfinite,
+                                                  foreach=foreach)
         grads = [p.grad for p in with_grads]
         total = self.sharded.grad_norm(norm_type)
         if error_if_nonfinite and not torch.isfinite(total):

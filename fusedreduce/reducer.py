@@ -65,7 +65,8 @@ class DistributedGradReducer:
             reduced flat buffers and the coefficient stays on the device.
             ``grad_norm`` then holds the total norm before clipping (0-d
             fp32), the same bits on every rank. None (default): no clipping.
-        norm_type: the norm's order (``math.inf``: the max norm).
+        norm_type: the norm's order (``math.inf`` or ``'inf'``: the max
+            norm), positive: ``clipping.check_norm_type``.
         error_if_nonfinite: raise if the total norm is inf or NaN (reads it on
             the host), before any gradient is written back.
         split_norm: with ``max_grad_norm`` on more than one rank, each rank
@@ -105,7 +106,7 @@ class DistributedGradReducer:
         check_finite: bool = False,
         backend: str = "auto",
         max_grad_norm: Optional[float] = None,
-        norm_type: float = 2.0,
+        norm_type: Union[float, str] = 2.0,
         error_if_nonfinite: bool = False,
         split_norm: Optional[bool] = None,
     ) -> None:

@@ -38,6 +38,12 @@ NORM_RTOL = 4 * math.log2(NORM_ROW) * EPS32
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 SHAPES = ((7, 13), (13,), (5, 3), (3000,))  # the last spans two norm rows
 TIMEOUT = 300.0
+#: the norm orders torch's clip_grad_norm_ test takes besides 2 and inf (any
+#: order but 1, 2 and inf runs the general |x| ** p path of the kernels), each
+#: with a limit that clips the test's gradients to a few percent (a 0.5-norm of
+#: thousands of elements is millions: a smaller limit would push the fp16
+#: results into fp16's subnormals, where the check says little)
+TORCH_ORDERS = {0.5: 1e5, 1.5: 10.0, 4.0: 0.5}
 
 
 #: GradScaler refuses fp16 gradients (it expects fp32 masters there)
@@ -285,6 +291,11 @@ def on_rank(rank, world_size):
     return {
         "l2": _hooked(rank, 1.0),
         "inf_norm": _hooked(rank, 0.5, norm_type=math.inf),
+        "inf_norm_string": _hooked(rank, 0.5, norm_type="inf"),  # torch's spelling
+        # the other orders torch's own clip_grad_norm_ test takes
+        **{f"p{order}{suffix}": _hooked(rank, limit, norm_type=order, **options)
+           for order, limit in TORCH_ORDERS.items() for suffix, options in (("", {}),
+                                                             ("_triton", {"backend": "triton"}))},
         "called": _called(rank, 1.0),
         "accumulated": _hooked(rank, 1.0, passes=2),
         "views": _hooked(rank, 1.0, views=True),
@@ -390,6 +401,8 @@ def _assert_clipped(seen, want_norm, want, magnitudes, coefficient, world_size, 
     ("optimizer_sharded_inf_norm", 0.5, math.inf, 1, True),
     ("l2_triton", 1.0, 2.0, 1, True), ("inf_norm_triton", 0.5, math.inf, 1, True),
     ("optimizer_sharded_triton", 1.0, 2.0, 1, True),
+    *[(f"p{order}{suffix}", limit, order, 1, True) for order, limit in TORCH_ORDERS.items()
+      for suffix in ("", "_triton")],
 ])
 def test_clipped_gradients_are_torchs_clipping_of_the_reduced_ones(ranks_once, world_size, name,
                                                                   max_norm, norm_type, steps,
@@ -596,6 +609,14 @@ def test_under_the_limit_the_gradients_are_the_unclipped_reduction_bitwise(ranks
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_norm_type_inf_as_torch_spells_it_is_the_max_norm(ranks_once, world_size):
+    for r in ranks_once(world_size):
+        spelled, number = r["inf_norm_string"], r["inf_norm"]
+        assert spelled["norm"].view(torch.int32) == number["norm"].view(torch.int32)
+        assert all(torch.equal(a, b) for a, b in zip(spelled["grads"], number["grads"]))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_bucket_views_clip_bitwise_as_the_flat_path(ranks_once, world_size):
     for r in ranks_once(world_size):
         assert all(torch.equal(a, b) for a, b in zip(r["views"]["grads"],
@@ -652,10 +673,23 @@ def test_a_sum_of_more_rows_than_torchs_grain_has_the_same_bits_whatever_the_thr
     ({"max_grad_norm": 0.0}, ValueError, "positive and finite"),
     ({"max_grad_norm": math.inf}, ValueError, "positive and finite"),
     ({"max_grad_norm": 1.0, "norm_type": 0}, ValueError, "norm_type must be positive"),
+    # torch takes these; they cannot limit a gradient's size (check_norm_type)
+    ({"max_grad_norm": 1.0, "norm_type": -2.0}, ValueError, "cannot limit"),
+    ({"max_grad_norm": 1.0, "norm_type": "-inf"}, ValueError, "norm_type must be positive"),
     ({"max_grad_norm": 1.0, "norm_type": math.nan}, ValueError, "norm_type must be positive"),
+    ({"max_grad_norm": 1.0, "norm_type": "nan"}, ValueError, "norm_type must be positive"),
+    ({"max_grad_norm": 1.0, "norm_type": "two"}, ValueError, "must be a number"),
+    ({"max_grad_norm": 1.0, "norm_type": None}, TypeError, "norm_type must be a number"),
+    ({"max_grad_norm": 1.0, "norm_type": True}, TypeError, "norm_type must be a number"),
     ({"max_grad_norm": 1.0, "error_if_nonfinite": 1}, TypeError, "error_if_nonfinite"),
 ])
 def test_bad_clipping_arguments_are_refused(kwargs, error, fragment):
     args = {"max_grad_norm": None, "norm_type": 2.0, "error_if_nonfinite": False, **kwargs}
     with pytest.raises(error, match=fragment):
         check_clipping(args["max_grad_norm"], args["norm_type"], args["error_if_nonfinite"])
+
+
+@pytest.mark.parametrize("norm_type, order", [("inf", math.inf), ("Infinity", math.inf),
+                                              ("2", 2.0), (3, 3.0), (0.5, 0.5)])
+def test_norm_type_is_read_as_torch_reads_it(norm_type, order):
+    assert check_clipping(1.0, norm_type, False) == (1.0, order)

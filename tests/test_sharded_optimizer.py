@@ -349,9 +349,10 @@ def _deferred_gathers(rank, world_size):
 
 def _clipping(rank, world_size):
     """clip_grad_norm_ sharded against the whole reduced gradient (the
-    unsharded optimizer's, every rank alike) in float64; norm orders 2 and inf."""
+    unsharded optimizer's, every rank alike) in float64; norm orders 2 and
+    inf, and torch's spelling ``'inf'`` with its ``foreach`` argument."""
     seen = {}
-    for norm_type in (2.0, math.inf):
+    for norm_type in (2.0, math.inf, "inf"):
         sharded_model, whole_model = _model(), _model()
         sharded = DistributedOptimizer(_adamw(sharded_model.parameters()), shard=True,
                                        param_pack_thd=300)
@@ -360,11 +361,26 @@ def _clipping(rank, world_size):
         _loss(whole_model, rank, 0).backward()
         exact = torch.linalg.vector_norm(
             torch.cat([p.grad.double().reshape(-1) for p in whole_model.parameters()]),
-            norm_type)
-        total = sharded.clip_grad_norm_(0.05, norm_type)
-        after = sharded.clip_grad_norm_(1e9, norm_type)  # the clipped gradients' norm
+            float(norm_type))
+        options = {"foreach": True} if norm_type == "inf" else {}
+        total = sharded.clip_grad_norm_(0.05, norm_type, **options)
+        after = sharded.clip_grad_norm_(1e9, norm_type, **options)  # the clipped norm
         seen[norm_type] = {"total": total, "exact": float(exact), "after": float(after),
                            "elements": sum(p.numel() for p in whole_model.parameters())}
+    refused = {}
+    grads = [p.grad.clone() for p in sharded_model.parameters()]
+    for name, args, kwargs in (("max_norm_str", ("1",), {}), ("order_zero", (1.0, 0), {}),
+                               ("order_negative", (1.0, -1.0), {}),
+                               ("foreach_int", (1.0,), {"foreach": 1}),
+                               ("error_if_nonfinite_none", (1.0,), {"error_if_nonfinite": None})):
+        try:
+            sharded.clip_grad_norm_(*args, **kwargs)
+            refused[name] = None
+        except (TypeError, ValueError) as exc:
+            refused[name] = type(exc).__name__
+    seen["refused"] = refused
+    seen["untouched"] = all(torch.equal(g, p.grad)
+                            for g, p in zip(grads, sharded_model.parameters()))
     model = _model()
     optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True, param_pack_thd=300)
     loss = _loss(model, rank, 0) * (math.inf if rank == world_size - 1 else 1.0)
@@ -845,6 +861,13 @@ def test_clipping_takes_the_whole_gradients_norm_on_every_rank(ranks_once, world
                 1e-4 + seen["elements"] * EPS32 + torch.finfo(torch.bfloat16).eps)
     for seen in results:
         assert seen["error"] is not None and "non-finite" in seen["error"]
+        assert seen["refused"] == {"max_norm_str": "TypeError", "order_zero": "ValueError",
+                                   "order_negative": "ValueError", "foreach_int": "TypeError",
+                                   "error_if_nonfinite_none": "TypeError"}
+        assert seen["untouched"]  # refused before anything was scaled
+        # torch's 'inf' is math.inf: the same bits
+        assert torch.equal(seen["inf"]["total"], seen[math.inf]["total"])
+        assert seen["inf"]["after"] == seen[math.inf]["after"]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
