@@ -102,12 +102,14 @@ def check_norm_type(norm_type) -> float:
 
 def check_clipping(max_grad_norm, norm_type, error_if_nonfinite) -> Tuple[Optional[float], float]:
     """``(max_grad_norm, norm_type)`` as floats (``max_grad_norm`` None: no
-    clipping; ``norm_type`` as ``check_norm_type`` reads it).
+    clipping, ``math.inf``: the norm measured and nothing clipped, as torch's
+    ``clip_grad_norm_(params, math.inf)``; ``norm_type`` as
+    ``check_norm_type`` reads it).
 
     Raises:
         TypeError: a non-number ``max_grad_norm`` or ``norm_type``, or a
             non-bool ``error_if_nonfinite``.
-        ValueError: ``max_grad_norm`` not positive and finite, or
+        ValueError: ``max_grad_norm`` not positive (NaN included), or
             ``norm_type`` not positive (``math.inf`` is the max norm).
     """
     if not isinstance(error_if_nonfinite, bool):
@@ -115,8 +117,9 @@ def check_clipping(max_grad_norm, norm_type, error_if_nonfinite) -> Tuple[Option
     if max_grad_norm is not None:
         if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
             raise TypeError(f"max_grad_norm must be a number, got {type(max_grad_norm).__name__}")
-        if not 0 < max_grad_norm < math.inf:
-            raise ValueError(f"max_grad_norm must be positive and finite, got {max_grad_norm}")
+        if not max_grad_norm > 0:  # NaN fails too; math.inf measures without clipping
+            raise ValueError(f"max_grad_norm must be positive (math.inf: measure the norm "
+                             f"without clipping), got {max_grad_norm}")
     order = check_norm_type(norm_type)
     return (None if max_grad_norm is None else float(max_grad_norm)), order
 

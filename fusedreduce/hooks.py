@@ -72,7 +72,8 @@ class HookState:
             cast back; AdaSum's 16-bit buckets take one extra multiply).
             ``grad_norm`` then holds the total norm of the last iteration
             (divided by ``loss_scale`` when that is set: under a GradScaler).
-            None (default): no clipping.
+            None (default): no clipping; ``math.inf``: the norm measured into
+            ``grad_norm``, the gradients unchanged.
         norm_type: the clipping norm's order (``math.inf`` or ``'inf'``: the max
             norm), positive: ``clipping.check_norm_type``.
         error_if_nonfinite: fail the backward pass (every bucket's future) if

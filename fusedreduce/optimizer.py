@@ -15,7 +15,6 @@ the original.
 """
 from __future__ import annotations
 
-import math
 import operator
 from typing import Optional, Union
 
@@ -132,7 +131,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             pass that writes them back (``DistributedGradReducer``'s
             option; with ``shard=True`` the norm of every rank's part and one
             small all-reduce). ``grad_norm`` then holds the total norm before
-            clipping. None (default): no clipping.
+            clipping. None (default): no clipping; ``math.inf``: the norm
+            measured into ``grad_norm``, the gradients unchanged.
         norm_type: the clipping norm's order (``math.inf`` or ``'inf'``: the max
             norm), positive: ``clipping.check_norm_type``.
         error_if_nonfinite: raise from the backward pass if the total norm is
@@ -460,7 +460,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             TypeError: ``max_norm`` or ``norm_type`` is not a number (or
                 ``'inf'``), or ``error_if_nonfinite`` is not a bool.
-            ValueError: ``max_norm`` is not finite and positive, or
+            ValueError: ``max_norm`` is not positive (``math.inf`` measures
+                the norm and scales by exactly 1, as torch's), or
                 ``norm_type`` is not positive.
             RuntimeError: ``error_if_nonfinite`` and the norm is inf or NaN
                 (on every rank alike); nothing is scaled.
@@ -470,8 +471,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
             raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
-        if not 0 < max_norm < math.inf:
-            raise ValueError(f"max_norm must be a finite positive number, got {max_norm!r}")
+        if not max_norm > 0:  # NaN fails too; math.inf measures without clipping
+            raise ValueError(f"max_norm must be positive (math.inf: measure the norm without "
+                             f"clipping), got {max_norm!r}")
         norm_type = check_norm_type(norm_type)
         if not isinstance(error_if_nonfinite, bool):
             raise TypeError(f"error_if_nonfinite must be True or False, "

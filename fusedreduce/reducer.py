@@ -64,7 +64,8 @@ class DistributedGradReducer:
             them back (``fusedreduce.clipping``): the norm comes from the
             reduced flat buffers and the coefficient stays on the device.
             ``grad_norm`` then holds the total norm before clipping (0-d
-            fp32), the same bits on every rank. None (default): no clipping.
+            fp32), the same bits on every rank. None (default): no clipping;
+            ``math.inf``: the norm measured, the gradients unchanged (bitwise).
         norm_type: the norm's order (``math.inf`` or ``'inf'``: the max
             norm), positive: ``clipping.check_norm_type``.
         error_if_nonfinite: raise if the total norm is inf or NaN (reads it on

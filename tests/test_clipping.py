@@ -85,9 +85,9 @@ def _called(rank, max_norm, norm_type=2.0, **kwargs):
     return {"grads": list(out), "norm": reducer.grad_norm.clone()}
 
 
-def _with_inf(rank, world_size, error_if_nonfinite, **kwargs):
+def _with_inf(rank, world_size, error_if_nonfinite, max_norm=1.0, **kwargs):
     params = _params()
-    reducer = DistributedGradReducer(params, max_grad_norm=1.0, bucket_cap_mb=0.004,
+    reducer = DistributedGradReducer(params, max_grad_norm=max_norm, bucket_cap_mb=0.004,
                                      error_if_nonfinite=error_if_nonfinite, **kwargs)
     reducer.register_hooks()
     grads = _grads(rank, 0)
@@ -292,6 +292,14 @@ def on_rank(rank, world_size):
         "l2": _hooked(rank, 1.0),
         "inf_norm": _hooked(rank, 0.5, norm_type=math.inf),
         "inf_norm_string": _hooked(rank, 0.5, norm_type="inf"),  # torch's spelling
+        # max_grad_norm=math.inf: the norm measured, nothing clipped (torch's
+        # clip_grad_norm_(params, math.inf) idiom for logging the norm)
+        "measure_only": _hooked(rank, math.inf),
+        "measure_only_triton": _hooked(rank, math.inf, backend="triton"),
+        "measure_only_split": _hooked(rank, math.inf, split_norm=True),
+        "measure_only_inf": _with_inf(rank, world_size, False, max_norm=math.inf),
+        "measure_only_optimizer_sharded": _optimizer(rank, True, math.inf),
+        "ddp_measure_only": _ddp(rank, "allreduce_hook", math.inf),
         # the other orders torch's own clip_grad_norm_ test takes
         **{f"p{order}{suffix}": _hooked(rank, limit, norm_type=order, **options)
            for order, limit in TORCH_ORDERS.items() for suffix, options in (("", {}),
@@ -403,6 +411,8 @@ def _assert_clipped(seen, want_norm, want, magnitudes, coefficient, world_size, 
     ("optimizer_sharded_triton", 1.0, 2.0, 1, True),
     *[(f"p{order}{suffix}", limit, order, 1, True) for order, limit in TORCH_ORDERS.items()
       for suffix in ("", "_triton")],
+    ("measure_only", math.inf, 2.0, 1, True), ("measure_only_triton", math.inf, 2.0, 1, True),
+    ("measure_only_optimizer_sharded", math.inf, 2.0, 1, True),
 ])
 def test_clipped_gradients_are_torchs_clipping_of_the_reduced_ones(ranks_once, world_size, name,
                                                                   max_norm, norm_type, steps,
@@ -411,7 +421,7 @@ def test_clipped_gradients_are_torchs_clipping_of_the_reduced_ones(ranks_once, w
     reduced, magnitudes = _reduced(results, steps, mean)
     want_norm, want = reference_clip(reduced, max_norm, norm_type)
     coefficient = min(1.0, max_norm / (want_norm + 1e-6))
-    assert coefficient < 0.5  # the case clips
+    assert coefficient < 0.5 or max_norm == math.inf  # the case clips, or only measures
     for rank, r in enumerate(results):
         _assert_clipped(r[name], want_norm, want, magnitudes, coefficient, world_size, steps,
                         f"rank {rank}")
@@ -617,6 +627,28 @@ def test_norm_type_inf_as_torch_spells_it_is_the_max_norm(ranks_once, world_size
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_an_infinite_limit_measures_the_norm_and_leaves_the_gradients_bitwise(ranks_once,
+                                                                              world_size):
+    for rank, r in enumerate(ranks_once(world_size)):
+        unclipped = r["unclipped"]["grads"]
+        for name, clipped in (("measure_only", "l2"), ("measure_only_triton", "l2_triton"),
+                              ("measure_only_split", "l2")):
+            seen = r[name]
+            # the norm of the same reduced gradients: the clipping case's bits
+            assert seen["norm"].view(torch.int32) == r[clipped]["norm"].view(torch.int32), \
+                (rank, name)
+            assert all(torch.equal(a, b) for a, b in zip(seen["grads"], unclipped)), (rank, name)
+        for step, (seen, plain, clipping) in enumerate(zip(
+                r["ddp_measure_only"], r["ddp_unclipped"], r["ddp_allreduce"])):
+            assert seen["norm"].view(torch.int32) == clipping["norm"].view(torch.int32)
+            assert all(torch.equal(a, b) for a, b in zip(seen["grads"], plain["grads"])), step
+        # torch's formula: an infinite limit over an infinite norm is NaN, so
+        # every gradient becomes NaN (a GradScaler skips the step)
+        assert math.isinf(float(r["measure_only_inf"]["norm"]))
+        assert all(g.isnan().all() for g in r["measure_only_inf"]["grads"]), rank
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_bucket_views_clip_bitwise_as_the_flat_path(ranks_once, world_size):
     for r in ranks_once(world_size):
         assert all(torch.equal(a, b) for a, b in zip(r["views"]["grads"],
@@ -670,8 +702,9 @@ def test_a_sum_of_more_rows_than_torchs_grain_has_the_same_bits_whatever_the_thr
 @pytest.mark.parametrize("kwargs, error, fragment", [
     ({"max_grad_norm": "1"}, TypeError, "max_grad_norm must be a number"),
     ({"max_grad_norm": True}, TypeError, "max_grad_norm must be a number"),
-    ({"max_grad_norm": 0.0}, ValueError, "positive and finite"),
-    ({"max_grad_norm": math.inf}, ValueError, "positive and finite"),
+    ({"max_grad_norm": 0.0}, ValueError, "max_grad_norm must be positive"),
+    ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm must be positive"),
+    ({"max_grad_norm": math.nan}, ValueError, "max_grad_norm must be positive"),
     ({"max_grad_norm": 1.0, "norm_type": 0}, ValueError, "norm_type must be positive"),
     # torch takes these; they cannot limit a gradient's size (check_norm_type)
     ({"max_grad_norm": 1.0, "norm_type": -2.0}, ValueError, "cannot limit"),

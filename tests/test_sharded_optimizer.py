@@ -379,6 +379,12 @@ def _clipping(rank, world_size):
         except (TypeError, ValueError) as exc:
             refused[name] = type(exc).__name__
     seen["refused"] = refused
+    # math.inf measures and scales by exactly 1: the norm a limit far above
+    # it returns, and the gradients unchanged
+    seen["measured"] = sharded.clip_grad_norm_(math.inf)
+    seen["measured_untouched"] = all(torch.equal(g, p.grad)
+                                     for g, p in zip(grads, sharded_model.parameters()))
+    seen["far_limit"] = sharded.clip_grad_norm_(1e30)
     seen["untouched"] = all(torch.equal(g, p.grad)
                             for g, p in zip(grads, sharded_model.parameters()))
     model = _model()
@@ -865,6 +871,8 @@ def test_clipping_takes_the_whole_gradients_norm_on_every_rank(ranks_once, world
                                    "order_negative": "ValueError", "foreach_int": "TypeError",
                                    "error_if_nonfinite_none": "TypeError"}
         assert seen["untouched"]  # refused before anything was scaled
+        assert torch.equal(seen["measured"], seen["far_limit"]) and seen["measured_untouched"]
+        assert 0 < float(seen["measured"]) < math.inf
         # torch's 'inf' is math.inf: the same bits
         assert torch.equal(seen["inf"]["total"], seen[math.inf]["total"])
         assert seen["inf"]["after"] == seen[math.inf]["after"]
