@@ -1,0 +1,164 @@
+"""Fused clipping as a property: random gradient lists on 1-4 local gloo ranks
+against torch's ``clip_grad_norm_`` semantics in float64 (``reference_clip``).
+
+Each hypothesis example is one launch of the ranks running a batch of random
+cases: tensor lists with 0-element, 1-element and odd sizes, non-contiguous
+gradients, all four float dtypes; random gradient scales, limits (``math.inf``
+included: measured, not clipped), norm orders (1, 2, 3.5 and the max norm),
+bucket caps; the reducer's call and hooks paths and the sharded optimizer;
+the mean or the sum; both kernel backends; the norm split across the ranks or
+not. test_clipping.py holds the fixed scenarios (accumulation, bucket views,
+an inf on one rank, GradScaler, DDP's hooks, AdaSum); this file draws the
+inputs those scenarios fix.
+
+Tolerances, from the precision each step computes in (``eps`` is a dtype's
+machine epsilon, ``comm`` the dtype the reduction adds in: fp32 for 16-bit
+gradients):
+
+- the reduced gradient: the prescaled addends and each of the
+  ``world_size - 1`` additions round once in ``comm``, relative to the sum of
+  magnitudes ``m``: ``(world_size + 1) * eps_comm * m``;
+- the norm: ``NORM_RTOL`` relative (rows summed in fp32, then in fp64; see
+  test_clipping.py), plus the reduced gradient's error, whose ``p``-norm is at
+  most ``(world_size + 1) * eps_comm * ||m||_p``;
+- the coefficient carries the norm's relative error; the clipped value rounds
+  once to the gradient's dtype (``eps_dtype`` relative, or one subnormal
+  spacing near zero).
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fusedreduce import DistributedGradReducer, DistributedOptimizer, communication_dtype
+from harness import ONE_BYTE_MB, run_ranks
+from reference import reference_clip, subnormal_spacing
+from test_clipping import NORM_RTOL
+from test_sharded_pipelines import tensor_lists
+
+MODES = ("call", "hooks", "sharded")
+
+
+def _gradients(specs, seed, rank, magnitude):
+    """This rank's gradients of a case: float64 normals times ``magnitude``,
+    cast once to each dtype; transposed specs are non-contiguous views."""
+    gen = torch.Generator().manual_seed(10_000 * seed + rank)
+    grads = []
+    for shape, dtype, transposed in specs:
+        drawn = torch.randn(shape[::-1] if transposed else shape, generator=gen,
+                            dtype=torch.float64) * magnitude
+        grads.append(drawn.to(dtype).t() if transposed else drawn.to(dtype))
+    return grads
+
+
+def _params(specs):
+    return [torch.zeros(shape, dtype=dtype, requires_grad=True) for shape, dtype, _ in specs]
+
+
+def _clip_cases(rank, world_size, cases):
+    """Per case: the clipped gradients this rank ends with and ``grad_norm``."""
+    seen = []
+    for case in cases:
+        specs, cap_mb, max_norm, norm_type, magnitude, mode, mean, backend, split, seed = case
+        grads = _gradients(specs, seed, rank, magnitude)
+        params = _params(specs)
+        clipping = dict(max_grad_norm=max_norm, norm_type=norm_type, split_norm=split)
+        if mode == "sharded":
+            opt = DistributedOptimizer(torch.optim.SGD(params, lr=1.0), shard=True,
+                                       param_pack_thd=max(1, int(cap_mb * 2 ** 20)),
+                                       reduce_method="mean" if mean else "sum", **clipping)
+            opt.reducer.backend = backend
+            sum((p * g).sum() for p, g in zip(params, grads)).backward()
+            opt.step()  # SGD(lr=1) from zeros: each parameter is minus its gradient
+            out = [-p.detach().clone() for p in params]
+            norm = opt.grad_norm
+        else:
+            reducer = DistributedGradReducer(params, bucket_cap_mb=cap_mb, mean=mean,
+                                             backend=backend, **clipping)
+            if mode == "call":
+                out = list(reducer(grads))
+            else:
+                reducer.register_hooks()
+                sum((p * g).sum() for p, g in zip(params, grads)).backward()
+                out = [p.grad.clone() for p in params]
+            norm = reducer.grad_norm
+        seen.append((out, None if norm is None else norm.clone()))
+    return seen
+
+
+def _judge(results, world_size, cases):
+    for c, case in enumerate(cases):
+        specs, cap_mb, max_norm, norm_type, magnitude, mode, mean, backend, split, seed = case
+        what = f"case {c} ({mode}, {backend}, p={norm_type}, limit={max_norm}, split={split})"
+        inputs = [_gradients(specs, seed, r, magnitude) for r in range(world_size)]
+        divisor = world_size if mean else 1
+        reduced = [sum(x[i].double() for x in inputs) / divisor for i in range(len(specs))]
+        magnitudes = [sum(x[i].double().abs() for x in inputs) / divisor
+                      for i in range(len(specs))]
+        want_norm, want = reference_clip(reduced, max_norm, norm_type)
+        coefficient = min(1.0, max_norm / (want_norm + 1e-6))
+        comm_eps = [torch.finfo(communication_dtype(dtype)).eps for _, dtype, _ in specs]
+        reduction = [(world_size + 1) * eps * m for eps, m in zip(comm_eps, magnitudes)]
+        reduction_norm = reference_clip(reduction, math.inf, norm_type)[0]
+        grads, norm = results[0][c]
+        assert norm is not None, what
+        assert abs(float(norm) - want_norm) <= NORM_RTOL * want_norm + reduction_norm, \
+            f"{what}: norm {float(norm)} vs {want_norm}"
+        for i, (got, exact, error) in enumerate(zip(grads, want, reduction)):
+            dtype = specs[i][1]
+            assert got.dtype == dtype and got.shape == exact.shape, f"{what}: tensor {i}"
+            bound = coefficient * error + (NORM_RTOL + torch.finfo(dtype).eps) * exact.abs() \
+                + subnormal_spacing(dtype)
+            assert torch.all((got.double() - exact).abs() <= bound), \
+                f"{what}: tensor {i} ({dtype}, {tuple(got.shape)})"
+        for rank in range(1, world_size):
+            other, other_norm = results[rank][c]
+            # every rank reads the same reduced buffers in the same order
+            assert other_norm.view(torch.int32) == norm.view(torch.int32), f"{what}: rank {rank}"
+            assert all(torch.equal(a, b) for a, b in zip(other, grads)), f"{what}: rank {rank}"
+
+
+CASE = st.tuples(
+    tensor_lists(max_tensors=8),
+    st.sampled_from([ONE_BYTE_MB, 0.004, 25.0]),               # bucket caps
+    st.sampled_from([1e-3, 0.1, 1.0, 10.0, 1e3, math.inf]),   # limits
+    st.sampled_from([1.0, 2.0, 3.5, math.inf]),               # norm orders
+    st.sampled_from([1e-4, 1e-2, 1.0, 30.0]),                 # gradient scales
+    st.sampled_from(MODES),
+    st.booleans(),                                            # the mean, or the sum
+    st.sampled_from(["torch", "triton"]),
+    st.sampled_from([None, True, False]),                     # split_norm
+    st.integers(0, 1000),                                     # the gradients' seed
+)
+
+
+@settings(max_examples=4, deadline=None)
+@given(cases=st.lists(CASE, min_size=4, max_size=6), world_size=st.sampled_from([1, 2, 3, 4]))
+def test_fused_clipping_is_torchs_clipping_of_the_reduced_gradients(cases, world_size):
+    results = run_ranks(_clip_cases, world_size, cases)
+    _judge(results, world_size, cases)
+
+
+def _fixed(specs, mode, backend="torch", norm_type=2.0, split=None):
+    return (specs, 25.0, 0.1, norm_type, 1.0, mode, True, backend, split, 7)
+
+
+#: what a random draw reaches rarely: nothing but empty tensors (torch's norm
+#: of no elements is 0, so nothing is clipped), one element, an empty tensor
+#: between others, every mode on both backends
+EDGE_CASES = [
+    *[_fixed([((0,), torch.float32, False), ((0, 3), torch.float16, False)], mode, backend)
+      for mode in MODES for backend in ("torch", "triton")],
+    *[_fixed([((1,), torch.bfloat16, False)], mode, norm_type=p)
+      for mode in MODES for p in (2.0, math.inf)],
+    _fixed([((5, 3), torch.float16, True), ((0,), torch.float64, False),
+            ((2049,), torch.float32, False)], "hooks", "triton", 3.5, True),
+]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_empty_and_one_element_gradients_clip_as_torch_does(world_size):
+    results = run_ranks(_clip_cases, world_size, EDGE_CASES)
+    _judge(results, world_size, EDGE_CASES)
