@@ -5,8 +5,8 @@ Each hypothesis example is one launch of the ranks running a batch of random
 cases: tensor lists with 0-element, 1-element and odd sizes, non-contiguous
 gradients, all four float dtypes; random gradient scales, limits (``math.inf``
 included: measured, not clipped), norm orders (1, 2, 3.5 and the max norm),
-bucket caps; the reducer's call and hooks paths and the sharded optimizer;
-the mean or the sum; both kernel backends; the norm split across the ranks or
+bucket caps; the reducer's call and hooks paths, the sharded optimizer and
+DDP with ``allreduce_hook``; the mean or the sum; both kernel backends; the norm split across the ranks or
 not. test_clipping.py holds the fixed scenarios (accumulation, bucket views,
 an inf on one rank, GradScaler, DDP's hooks, AdaSum); this file draws the
 inputs those scenarios fix.
@@ -38,7 +38,18 @@ from reference import reference_clip, subnormal_spacing
 from test_clipping import NORM_RTOL
 from test_sharded_pipelines import tensor_lists
 
-MODES = ("call", "hooks", "sharded")
+MODES = ("call", "hooks", "sharded", "ddp")
+
+
+class _Given(torch.nn.Module):
+    """Parameters whose gradients are exactly the tensors ``forward`` is given."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(params)
+
+    def forward(self, grads):
+        return sum((p * g).sum() for p, g in zip(self.weights, grads))
 
 
 def _gradients(specs, seed, rank, magnitude):
@@ -65,7 +76,17 @@ def _clip_cases(rank, world_size, cases):
         grads = _gradients(specs, seed, rank, magnitude)
         params = _params(specs)
         clipping = dict(max_grad_norm=max_norm, norm_type=norm_type, split_norm=split)
-        if mode == "sharded":
+        if mode == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+            from fusedreduce import hooks
+            model = DistributedDataParallel(_Given(params), bucket_cap_mb=cap_mb)
+            state = hooks.HookState(backend=backend, **clipping)
+            model.register_comm_hook(state, hooks.allreduce_hook)
+            model(grads).backward()  # DDP averages: the case's mean is ignored
+            # ParameterList made parameters of its own from the tensors
+            out = [p.grad.clone() for p in model.module.weights]
+            norm = state.grad_norm
+        elif mode == "sharded":
             opt = DistributedOptimizer(torch.optim.SGD(params, lr=1.0), shard=True,
                                        param_pack_thd=max(1, int(cap_mb * 2 ** 20)),
                                        reduce_method="mean" if mean else "sum", **clipping)
@@ -93,7 +114,7 @@ def _judge(results, world_size, cases):
         specs, cap_mb, max_norm, norm_type, magnitude, mode, mean, backend, split, seed = case
         what = f"case {c} ({mode}, {backend}, p={norm_type}, limit={max_norm}, split={split})"
         inputs = [_gradients(specs, seed, r, magnitude) for r in range(world_size)]
-        divisor = world_size if mean else 1
+        divisor = world_size if mean or mode == "ddp" else 1
         reduced = [sum(x[i].double() for x in inputs) / divisor for i in range(len(specs))]
         magnitudes = [sum(x[i].double().abs() for x in inputs) / divisor
                       for i in range(len(specs))]
