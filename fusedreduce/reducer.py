@@ -206,13 +206,24 @@ class DistributedGradReducer:
         names = [f"parameters[{i}] {tuple(p.shape)} {p.dtype}"
                  for i, p in enumerate(self.parameters)]
         # clipping that differs by rank would clip differently, and a norm
-        # split on some ranks only would leave them waiting in its all-reduce
+        # split on some ranks only would leave them waiting in its all-reduce;
+        # the backends sum the norm in rows of different lengths (other bits,
+        # and a split's all-reduce of another size)
         clipping = ("clipping", self.max_grad_norm, self.norm_type, self.norm_split is not None)
+        unusable = None
+        try:
+            resolved = kernels.resolve_backend(self.backend, self.parameters[0].device) \
+                if self.parameters else self.backend
+        except RuntimeError as exc:  # compared first, so that no rank is left waiting
+            resolved, unusable = f"{self.backend} (cannot run here)", exc
+        backend = ("backend", resolved)
         verify_same_on_all_ranks(description, names, self.group, what="parameter",
-                                 bucket_layout=self.plan.layout() + [clipping],
+                                 bucket_layout=self.plan.layout() + [clipping, backend],
                                  bucket_layout_hint="pass the same bucket_cap_mb, fusion_type, "
-                                                    "max_grad_norm, norm_type and split_norm "
-                                                    "on every rank")
+                                                    "max_grad_norm, norm_type, split_norm and "
+                                                    "backend on every rank")
+        if unusable is not None:
+            raise unusable
         self._verified = True
 
     def _check_grads(self, grads: Sequence[torch.Tensor]) -> None:

@@ -251,12 +251,15 @@ def _ddp_inf_raises(rank, world_size, **kwargs):
     return None
 
 
-def _split_mismatch(rank):
-    """Rank 0 alone splits the norm: the first call must raise on every rank
-    (the others would never join the split's all-reduce), naming the option."""
+def _split_mismatch(rank, **differing):
+    """Rank 0 alone splits the norm (or, with ``differing``, every rank splits
+    and rank 0 alone takes those reducer arguments): the first call must raise
+    on every rank (the others would never join the split's all-reduce, or join
+    one of another size), naming the option."""
     params = _params()
-    reducer = DistributedGradReducer(params, max_grad_norm=1.0, bucket_cap_mb=0.004,
-                                     split_norm=rank == 0)
+    options = {"split_norm": rank == 0} if not differing else \
+        dict(differing if rank == 0 else {}, split_norm=True)
+    reducer = DistributedGradReducer(params, max_grad_norm=1.0, bucket_cap_mb=0.004, **options)
     try:
         reducer(_grads(rank, 0))
     except RuntimeError as exc:
@@ -358,6 +361,8 @@ def on_rank(rank, world_size):
             ("ddp_inf_raises", lambda: _ddp_inf_raises(rank, world_size, split_norm=True)))},
         "split_rule": _split_rule(rank),
         "split_mismatch": _split_mismatch(rank),
+        # the backends' norms have other rows: other bits, another split size
+        "backend_mismatch": _split_mismatch(rank, backend="triton"),
         "local_scaler_dtypes": [_grads(rank, step, dtypes=SCALER_DTYPES) for step in range(2)],
         "local": [_grads(rank, step) for step in range(2)],
     }
@@ -493,7 +498,8 @@ def test_a_nan_in_one_ranks_part_makes_the_sharded_max_norm_nan_everywhere(ranks
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_ranks_that_split_the_norm_differently_are_refused_on_every_rank(ranks_once, world_size):
+def test_ranks_that_split_the_norm_or_take_backends_differently_are_refused(ranks_once,
+                                                                          world_size):
     messages = [r["split_mismatch"] for r in ranks_once(world_size)]
     if world_size == 1:  # nothing to split: nothing differs
         assert messages == [None]
@@ -501,6 +507,9 @@ def test_ranks_that_split_the_norm_differently_are_refused_on_every_rank(ranks_o
     for message in messages:
         assert message is not None and "not on the bucket layout" in message
         assert "split_norm" in message and "('clipping', 1.0, 2.0, True)" in message
+    for message in (r["backend_mismatch"] for r in ranks_once(world_size)):
+        assert message is not None and "('backend', 'triton')" in message and \
+            "('backend', 'torch')" in message and "('clipping', 1.0, 2.0, False)" not in message
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
