@@ -9,7 +9,8 @@ bucket caps; the reducer's call and hooks paths, the sharded optimizer and
 DDP with ``allreduce_hook``; the mean or the sum; both kernel backends; the norm split across the ranks or
 not. test_clipping.py holds the fixed scenarios (accumulation, bucket views,
 an inf on one rank, GradScaler, DDP's hooks, AdaSum); this file draws the
-inputs those scenarios fix.
+inputs those scenarios fix. Under ``--device cuda`` the same cases run on
+the GPU (one NCCL rank) with the compiled kernels.
 
 Tolerances, from the precision each step computes in (``eps`` is a dtype's
 machine epsilon, ``comm`` the dtype the reduction adds in: fp32 for 16-bit
@@ -32,13 +33,29 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import device_mode
 from fusedreduce import DistributedGradReducer, DistributedOptimizer, communication_dtype
-from harness import ONE_BYTE_MB, run_ranks
+from fusedreduce.local_ranks import run_on_local_ranks
+from harness import ONE_BYTE_MB
 from reference import reference_clip, subnormal_spacing
 from test_clipping import NORM_RTOL
 from test_sharded_pipelines import tensor_lists
 
+# under --device cuda the same cases run on the GPU with the compiled kernels:
+# one rank on NCCL (more ranks would need more GPUs)
+pytestmark = pytest.mark.device_aware
 MODES = ("call", "hooks", "sharded", "ddp")
+TIMEOUT = 300.0
+
+
+def _ranks(world_size, cases):
+    """``_clip_cases`` on ``world_size`` local ranks: gloo on the CPU, NCCL on
+    the GPU (rank r on GPU r)."""
+    backend = "nccl" if device_mode.cuda_mode() else "gloo"
+    return run_on_local_ranks(_clip_cases, world_size, cases, backend=backend, timeout=TIMEOUT)
+
+
+WORLD_SIZES = [1] if device_mode.cuda_mode() else [1, 2, 3, 4]
 
 
 class _Given(torch.nn.Module):
@@ -52,29 +69,33 @@ class _Given(torch.nn.Module):
         return sum((p * g).sum() for p, g in zip(self.weights, grads))
 
 
-def _gradients(specs, seed, rank, magnitude):
-    """This rank's gradients of a case: float64 normals times ``magnitude``,
-    cast once to each dtype; transposed specs are non-contiguous views."""
+def _gradients(specs, seed, rank, magnitude, device=torch.device("cpu")):
+    """This rank's gradients of a case on ``device``: float64 normals times
+    ``magnitude``, cast once to each dtype; transposed specs are
+    non-contiguous views."""
     gen = torch.Generator().manual_seed(10_000 * seed + rank)
     grads = []
     for shape, dtype, transposed in specs:
-        drawn = torch.randn(shape[::-1] if transposed else shape, generator=gen,
-                            dtype=torch.float64) * magnitude
-        grads.append(drawn.to(dtype).t() if transposed else drawn.to(dtype))
+        drawn = (torch.randn(shape[::-1] if transposed else shape, generator=gen,
+                             dtype=torch.float64) * magnitude).to(dtype).to(device)
+        grads.append(drawn.t() if transposed else drawn)
     return grads
 
 
-def _params(specs):
-    return [torch.zeros(shape, dtype=dtype, requires_grad=True) for shape, dtype, _ in specs]
+def _params(specs, device):
+    return [torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
+            for shape, dtype, _ in specs]
 
 
 def _clip_cases(rank, world_size, cases):
     """Per case: the clipped gradients this rank ends with and ``grad_norm``."""
     seen = []
+    device = torch.device("cuda", torch.cuda.current_device()) if device_mode.cuda_mode() \
+        else torch.device("cpu")
     for case in cases:
         specs, cap_mb, max_norm, norm_type, magnitude, mode, mean, backend, split, seed = case
-        grads = _gradients(specs, seed, rank, magnitude)
-        params = _params(specs)
+        grads = _gradients(specs, seed, rank, magnitude, device)
+        params = _params(specs, device)
         clipping = dict(max_grad_norm=max_norm, norm_type=norm_type, split_norm=split)
         if mode == "ddp":
             from torch.nn.parallel import DistributedDataParallel
@@ -105,7 +126,7 @@ def _clip_cases(rank, world_size, cases):
                 sum((p * g).sum() for p, g in zip(params, grads)).backward()
                 out = [p.grad.clone() for p in params]
             norm = reducer.grad_norm
-        seen.append((out, None if norm is None else norm.clone()))
+        seen.append(([g.cpu() for g in out], None if norm is None else norm.cpu()))
     return seen
 
 
@@ -156,9 +177,9 @@ CASE = st.tuples(
 
 
 @settings(max_examples=4, deadline=None)
-@given(cases=st.lists(CASE, min_size=4, max_size=6), world_size=st.sampled_from([1, 2, 3, 4]))
+@given(cases=st.lists(CASE, min_size=4, max_size=6), world_size=st.sampled_from(WORLD_SIZES))
 def test_fused_clipping_is_torchs_clipping_of_the_reduced_gradients(cases, world_size):
-    results = run_ranks(_clip_cases, world_size, cases)
+    results = _ranks(world_size, cases)
     _judge(results, world_size, cases)
 
 
@@ -179,7 +200,7 @@ EDGE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", WORLD_SIZES[:2])
 def test_empty_and_one_element_gradients_clip_as_torch_does(world_size):
-    results = run_ranks(_clip_cases, world_size, EDGE_CASES)
+    results = _ranks(world_size, EDGE_CASES)
     _judge(results, world_size, EDGE_CASES)
