@@ -40,9 +40,19 @@ postscale), ``write_back_torch_clip`` (that, then ``clip_grad_norm_``) and
 scale) and ``write_back_fused_clip_split`` (the same, the norm split across
 the ranks: its all-reduce of row sums is the one collective there), in cases
 labelled "write-back only".
+
+Measuring the norm without clipping (``max_grad_norm=math.inf``, for logging
+it) is timed the same way, in cases labelled "write-back only, norm
+measured": ``write_back_torch_norm`` (baseline: the write-back, then
+``torch.nn.utils.get_total_norm(outputs, foreach=True)``, torch's read-only
+norm), ``write_back_torch_clip_inf`` (the write-back, then torch's idiom
+``clip_grad_norm_(params, math.inf, foreach=True)``, which also multiplies
+every gradient by 1) and ``write_back_fused_measure`` (``clip_buffers`` with
+an infinite limit, then the unflatten with its scales).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List
 
 import torch
@@ -65,6 +75,8 @@ WRITE_BACK = {"write_back": "reduce_only", "write_back_torch_clip": "torch_clip"
               "write_back_fused_clip": "fused_clip",
               "write_back_fused_clip_split": "fused_clip_split"}
 UNSCALE = {"torch_clip_unscale": "baseline", "fused_clip_unscale": "ours"}
+MEASURE = {"write_back_torch_norm": "baseline", "write_back_torch_clip_inf": "baseline",
+           "write_back_fused_measure": "ours"}
 #: the loss scale of the GradScaler cases (a power of two: unscaling is exact)
 LOSS_SCALE = 2.0 ** 16
 FIXED_DTYPE = None  # the gradients take --dtype
@@ -102,16 +114,28 @@ def _write_backs(grads: List[torch.Tensor], rank: int,
         write_back()
         _clip_as_torch_does(holders, outputs)
 
-    def fused_clip(split=None):
-        _, scales = clip_buffers(buffers, [postscale] * len(buffers), MAX_NORM, 2.0,
+    def fused_clip(split=None, limit=MAX_NORM):
+        _, scales = clip_buffers(buffers, [postscale] * len(buffers), limit, 2.0,
                                  split=split)
         for bucket, buffer, scale in zip(plan.buckets, buffers, scales):
             plan.unflatten(bucket, buffer, outputs, scale=scale)
 
+    def torch_norm():
+        write_back()
+        torch.nn.utils.get_total_norm(outputs, 2.0, foreach=True)
+
+    def torch_clip_inf():
+        write_back()
+        for holder, grad in zip(holders, outputs):
+            holder.grad = grad
+        torch.nn.utils.clip_grad_norm_(holders, math.inf, foreach=True)
+
     split = NormSplit(None, rank, world_size)
     return {"write_back": write_back, "write_back_torch_clip": torch_clip,
             "write_back_fused_clip": fused_clip,
-            "write_back_fused_clip_split": lambda: fused_clip(split)}
+            "write_back_fused_clip_split": lambda: fused_clip(split),
+            "write_back_torch_norm": torch_norm, "write_back_torch_clip_inf": torch_clip_inf,
+            "write_back_fused_measure": lambda: fused_clip(limit=math.inf)}
 
 
 def _with_unscale(grads: List[torch.Tensor], plain: DistributedGradReducer,
@@ -203,6 +227,15 @@ def records(outcome: Dict[int, dict], case: dict, config: dict) -> List[dict]:
             result = common.result(NAME, f"{label}, write-back only", case["size"], method,
                                    ROLES[like], "write_back_torch_clip", world_size,
                                    record["n_tensors"], record["n_elements"],
+                                   record["n_elements"] * measured["itemsize"],
+                                   record["samples"], dtype=case["dtype"])
+            result["clip_ms"] = result["time_ms"] - floor
+            result["launches"] = record["launches"][method]
+            results.append(result)
+        for method, role in MEASURE.items():
+            result = common.result(NAME, f"{label}, write-back only, norm measured",
+                                   case["size"], method, role, "write_back_torch_norm",
+                                   world_size, record["n_tensors"], record["n_elements"],
                                    record["n_elements"] * measured["itemsize"],
                                    record["samples"], dtype=case["dtype"])
             result["clip_ms"] = result["time_ms"] - floor

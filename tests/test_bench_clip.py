@@ -14,6 +14,7 @@ METHODS = ["reduce_only", "torch_clip", "fused_clip", "fused_clip_split"]
 WRITE_BACK = ["write_back", "write_back_torch_clip", "write_back_fused_clip",
               "write_back_fused_clip_split"]
 UNSCALE = ["torch_clip_unscale", "fused_clip_unscale"]
+MEASURE = ["write_back_torch_norm", "write_back_torch_clip_inf", "write_back_fused_measure"]
 
 quick_run = quick_run_fixture(
     "clip", ["clip", "--quick", "--world-size", "2", "--sizes", "30K", "--repeats", "2",
@@ -24,7 +25,8 @@ quick_run = quick_run_fixture(
 def test_quick_clip_benchmark_exits_cleanly_and_prints_every_method(quick_run):
     process, _ = quick_run
     assert_exits_cleanly_and_prints(process,
-                                    METHODS + WRITE_BACK + UNSCALE + ["clip ms", "launches"])
+                                    METHODS + WRITE_BACK + UNSCALE + MEASURE
+                                    + ["clip ms", "launches", "norm measured"])
 
 
 def test_quick_clip_benchmark_writes_the_documented_json(quick_run):
@@ -34,15 +36,26 @@ def test_quick_clip_benchmark_writes_the_documented_json(quick_run):
     assert record["config"]["collectives"]["parts"] == ["clip"]
     # two models x two dtypes: with the collective (four methods), under a
     # GradScaler (two: fp32 and bf16 gradients can be unscaled), without the
-    # collective (four)
-    assert len(results) == 2 * 2 * (4 + 2 + 4)
+    # collective (four), the norm measured without the collective (three)
+    assert len(results) == 2 * 2 * (4 + 2 + 4 + 3)
     cases = list(dict.fromkeys(r["case"] for r in results))
-    assert [c.split()[0] for c in cases] == ["resnet50"] * 3 + ["transformer"] * 3 + \
-        ["resnet50"] * 3 + ["transformer"] * 3
+    assert [c.split()[0] for c in cases] == ["resnet50"] * 4 + ["transformer"] * 4 + \
+        ["resnet50"] * 4 + ["transformer"] * 4
     for case in cases:
         group = [r for r in results if r["case"] == case]
         launches = [r["launches"] for r in group]
         assert all(type(n) is int and n > 0 for n in launches), launches
+        if case.endswith("norm measured"):
+            assert [r["method"] for r in group] == MEASURE
+            assert [r["role"] for r in group] == ["baseline", "baseline", "ours"]
+            assert all(r["baseline"] == "write_back_torch_norm" for r in group)
+            # counted, not timed: torch's idiom multiplies every gradient by 1
+            assert launches[2] < launches[1], launches
+            floor = next(r for r in results if r["method"] == "write_back"
+                         and case.startswith(r["case"]))
+            for r in group:
+                assert math.isclose(r["clip_ms"], r["time_ms"] - floor["time_ms"])
+            continue
         if case.endswith("+ GradScaler.unscale_"):
             assert [r["method"] for r in group] == UNSCALE
             assert [r["role"] for r in group] == ["baseline", "ours"]
