@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=2 examples/lightning_hooks.py --distributed-optimizer
     torchrun --nproc_per_node=2 examples/lightning_hooks.py --distributed-optimizer --shard
     torchrun --nproc_per_node=2 examples/lightning_hooks.py --compare-ddp
+    torchrun --nproc_per_node=2 examples/lightning_hooks.py --max-grad-norm 0.05 --compare-ddp
     python examples/lightning_hooks.py --devices 2        # Lightning starts the processes
 
 A hook (``--hook``, default ``allreduce_hook``) is registered by
@@ -16,6 +17,11 @@ DDP wrapper (it would reduce every gradient a second time), so no hook runs;
 ``--shard`` makes it ``DistributedOptimizer(..., shard=True)`` (each rank keeps
 its part of the optimizer state; Lightning's checkpoint holds the whole state,
 gathered on every rank).
+``--max-grad-norm X`` clips the reduced gradients in the pass that writes
+them back: ``HookState(max_grad_norm=X)`` for the hook,
+``DistributedOptimizer(..., max_grad_norm=X)`` for the optimizer; Lightning's
+own ``gradient_clip_val`` stays unset (it would take the norm again, tensor by
+tensor), and rank 0 prints the last step's norm before clipping.
 Trains a small MLP on a fixed synthetic set (or scikit-learn's digits when
 installed) and with ``--out PATH`` saves the final weights.
 
@@ -25,11 +31,14 @@ digests, bitwise equal weights). ``--compare-ddp`` then trains Lightning's own
 DDP, without a hook, from the same start on the same batches and prints its
 loss and digest and how the two compare: ``allreduce_hook`` and
 ``--distributed-optimizer`` give its weights bitwise, ``fp16_compress_hook``
-within fp16's rounding.
+within fp16's rounding. With ``--max-grad-norm X`` Lightning's DDP clips with
+``gradient_clip_val=X`` (torch's ``clip_grad_norm_``): the same clipping, the
+norm summed in another order, so within a few roundings.
 """
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 import lightning.pytorch as pl
 import torch
@@ -56,12 +65,12 @@ def dataset() -> TensorDataset:
 
 class Classifier(pl.LightningModule):
     def __init__(self, distributed_optimizer: bool = False, accumulate: int = 1,
-                 shard: bool = False) -> None:
+                 shard: bool = False, max_grad_norm: Optional[float] = None) -> None:
         super().__init__()
         torch.manual_seed(0)  # the same initial weights on every rank
         self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
         self.distributed_optimizer, self.accumulate = distributed_optimizer, accumulate
-        self.shard = shard
+        self.shard, self.max_grad_norm = shard, max_grad_norm
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -74,28 +83,36 @@ class Classifier(pl.LightningModule):
         if self.distributed_optimizer:
             # reduces on the pass the trainer steps after: accumulate_grad_batches
             return DistributedOptimizer(optimizer, backward_passes_per_step=self.accumulate,
-                                        shard=self.shard)
+                                        shard=self.shard, max_grad_norm=self.max_grad_norm)
         return optimizer
 
 
 def fit(args, hook: str, distributed_optimizer: bool):
     """A model trained from the fixed start: (its final training loss averaged over
-    the ranks, the model, whether this process is rank 0)."""
+    the ranks, the model, whether this process is rank 0, the last norm before
+    clipping or None). With ``--max-grad-norm``, fusedreduce clips (the hook's
+    state or the optimizer) and, where neither runs (Lightning's own DDP),
+    Lightning does (``gradient_clip_val``)."""
+    fused = hook != "none" or distributed_optimizer
+    clip = args.max_grad_norm
     model = Classifier(distributed_optimizer, args.accumulate,
-                       shard=args.shard and distributed_optimizer)
-    callbacks = [] if hook == "none" else [CommHook(getattr(hooks, hook))]
+                       shard=args.shard and distributed_optimizer, max_grad_norm=clip)
+    state = hooks.HookState(max_grad_norm=clip) if hook != "none" and clip else None
+    callbacks = [] if hook == "none" else [CommHook(getattr(hooks, hook), state)]
     strategy = DistributedOptimizerStrategy() if distributed_optimizer else "ddp"
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=args.devices,
         strategy=strategy, max_steps=args.steps, accumulate_grad_batches=args.accumulate,
-        callbacks=callbacks, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False)
+        gradient_clip_val=None if fused else clip, callbacks=callbacks, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     # Lightning's distributed sampler gives each rank its own shard
     trainer.fit(model, DataLoader(dataset(), batch_size=16, shuffle=False))
     loss = float(trainer.strategy.reduce(model.last_loss, reduce_op="mean"))
     if args.checkpoint and distributed_optimizer:
         trainer.save_checkpoint(args.checkpoint)  # on every rank: the state is gathered
-    return loss, model, trainer.is_global_zero
+    norm = state.grad_norm if state is not None else \
+        trainer.optimizers[0].grad_norm if distributed_optimizer and clip else None
+    return loss, model, trainer.is_global_zero, None if norm is None else float(norm)
 
 
 def main(argv=None) -> None:
@@ -111,6 +128,9 @@ def main(argv=None) -> None:
                              "part of the optimizer state)")
     parser.add_argument("--checkpoint",
                         help="with --distributed-optimizer: save Lightning's checkpoint here")
+    parser.add_argument("--max-grad-norm", type=float,
+                        help="clip the reduced gradients to this total 2-norm (fusedreduce's "
+                             "fused clip; Lightning's gradient_clip_val for --compare-ddp)")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="accumulate_grad_batches: backward passes per optimizer step")
     parser.add_argument("--devices", type=int, default=2)
@@ -122,6 +142,8 @@ def main(argv=None) -> None:
 
     if (args.shard or args.checkpoint) and not args.distributed_optimizer:
         parser.error("--shard and --checkpoint go with --distributed-optimizer")
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        parser.error(f"--max-grad-norm must be positive, got {args.max_grad_norm}")
     if args.hook is None:
         args.hook = "none" if args.distributed_optimizer else "allreduce_hook"
     elif args.distributed_optimizer and args.hook != "none":
@@ -129,14 +151,19 @@ def main(argv=None) -> None:
                      f"{args.hook} cannot run: leave --hook out")
     label = ("DistributedOptimizer" if args.distributed_optimizer
              else "DDP, no hook" if args.hook == "none" else args.hook)
-    loss, model, rank_zero = fit(args, args.hook, args.distributed_optimizer)
+    clipped = "" if args.max_grad_norm is None else f", max_grad_norm={args.max_grad_norm:g}"
+    loss, model, rank_zero, norm = fit(args, args.hook, args.distributed_optimizer)
     if rank_zero and args.out:
         torch.save(model.state_dict(), args.out)
-    runs = [(label, loss, model)]
+    runs = [(label + clipped, loss, model)]
     if args.compare_ddp:
-        runs.append(("Lightning's DDP", *fit(args, "none", distributed_optimizer=False)[:2]))
+        reference = "Lightning's DDP" + (
+            "" if args.max_grad_norm is None else f", gradient_clip_val={args.max_grad_norm:g}")
+        runs.append((reference, *fit(args, "none", distributed_optimizer=False)[:2]))
     if rank_zero:
         print(final_report(runs))
+        if norm is not None:
+            print(f"{label + clipped}: last norm before clipping {norm:.4f}")
     if torch.distributed.is_initialized():
         # the ranks leave together, and the group is shut down while Python
         # still runs: a gloo group left to the interpreter's exit aborted a

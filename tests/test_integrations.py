@@ -124,6 +124,46 @@ def test_sharded_distributed_optimizer_in_lightning_trains_like_lightnings_ddp(t
     assert [tuple(state[i]["momentum_buffer"].shape) for i in range(len(shapes))] == shapes
 
 
+#: the momentum of the examples' SGD: a difference in one step's gradient
+#: moves the weights by at most 1 / (1 - momentum) times as much, summed
+MOMENTUM_GAIN = 1 / (1 - 0.9)
+EPS32 = torch.finfo(torch.float32).eps
+NORM = re.compile(r"^(.+): last norm before clipping (\d+\.\d{4})$", re.MULTILINE)
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("mode", ["hook", "distributed_optimizer"])
+def test_fused_clipping_in_lightning_trains_like_lightnings_gradient_clip_val(mode, tmp_path):
+    # --max-grad-norm: HookState(max_grad_norm) on the hook, or
+    # DistributedOptimizer(max_grad_norm); the reference is Lightning's DDP with
+    # gradient_clip_val (torch's clip_grad_norm_ after the reduction)
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed (pip install -e \".[integrations]\")")
+    script = FRAMEWORKS["lightning"][1]
+    limit = 0.05
+    hook, options = ("allreduce_hook", []) if mode == "hook" else \
+        ("none", ["--distributed-optimizer"])
+    process = run_torchrun(
+        ["--nproc_per_node=2", "--standalone", script, "--hook", hook, "--steps", str(STEPS),
+         "--max-grad-norm", str(limit), "--compare-ddp", *options], cwd=ROOT, timeout=TIMEOUT)
+    assert process.returncode == 0, process.stderr[-3000:]
+    ours = "allreduce_hook" if mode == "hook" else "DistributedOptimizer"
+    finals = {what: loss for what, loss, _ in FINAL.findall(process.stdout)}
+    assert set(finals) == {f"{ours}, max_grad_norm={limit:g}",
+                           f"Lightning's DDP, gradient_clip_val={limit:g}"}, process.stdout
+    # the last step's norm was above the limit: the coefficient was below 1
+    [(_, norm)] = NORM.findall(process.stdout)
+    assert float(norm) > limit, process.stdout
+    [(_, _, verdict, difference)] = VERSUS.findall(process.stdout)
+    # the same clipping, the norm summed in another order: each step's
+    # coefficient differs by the norm's rounding (rows of 2048 in fp32, then
+    # fp64: at most 4 log2(2048) eps32 relative) and the clipped gradient (of
+    # norm `limit`) by one more rounding; SGD at LR with momentum carries a
+    # step's difference into the weights at most MOMENTUM_GAIN times over
+    bound = STEPS * LR * MOMENTUM_GAIN * limit * (4 * 11 + 2) * EPS32
+    assert verdict == "bitwise equal" or float(difference) <= bound, (verdict, bound)
+
+
 def _strategy_checks(rank, world_size):
     """The strategy's refusals, on one rank (a DistributedOptimizer needs a group)."""
     from types import SimpleNamespace
