@@ -131,26 +131,38 @@ EPS32 = torch.finfo(torch.float32).eps
 NORM = re.compile(r"^(.+): last norm before clipping (\d+\.\d{4})$", re.MULTILINE)
 
 
+#: (framework, the example's options, the clipped run's label, the reference's)
+CLIPPED = {
+    "lightning_hook": ("lightning", ["--hook", "allreduce_hook"], "allreduce_hook",
+                       "Lightning's DDP, gradient_clip_val={limit:g}"),
+    "lightning_distributed_optimizer": ("lightning", ["--hook", "none",
+                                                      "--distributed-optimizer"],
+                                        "DistributedOptimizer",
+                                        "Lightning's DDP, gradient_clip_val={limit:g}"),
+    "accelerate_hook": ("accelerate", ["--hook", "allreduce_hook"], "allreduce_hook",
+                        "Accelerate's DDP, clip_grad_norm_ {limit:g}"),
+}
+
+
 @pytest.mark.timeout(TIMEOUT)
-@pytest.mark.parametrize("mode", ["hook", "distributed_optimizer"])
-def test_fused_clipping_in_lightning_trains_like_lightnings_gradient_clip_val(mode, tmp_path):
+@pytest.mark.parametrize("case", sorted(CLIPPED))
+def test_fused_clipping_in_the_frameworks_trains_like_their_own_clipping(case):
     # --max-grad-norm: HookState(max_grad_norm) on the hook, or
-    # DistributedOptimizer(max_grad_norm); the reference is Lightning's DDP with
-    # gradient_clip_val (torch's clip_grad_norm_ after the reduction)
-    if importlib.util.find_spec("lightning") is None:
-        pytest.skip("lightning is not installed (pip install -e \".[integrations]\")")
-    script = FRAMEWORKS["lightning"][1]
+    # DistributedOptimizer(max_grad_norm); the reference is the framework's
+    # DDP clipping with its own call (Lightning's gradient_clip_val,
+    # Accelerate's clip_grad_norm_: torch's clip_grad_norm_ after the reduction)
+    framework, options, ours, reference = CLIPPED[case]
+    module, script = FRAMEWORKS[framework]
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{framework} is not installed (pip install -e \".[integrations]\")")
     limit = 0.05
-    hook, options = ("allreduce_hook", []) if mode == "hook" else \
-        ("none", ["--distributed-optimizer"])
     process = run_torchrun(
-        ["--nproc_per_node=2", "--standalone", script, "--hook", hook, "--steps", str(STEPS),
-         "--max-grad-norm", str(limit), "--compare-ddp", *options], cwd=ROOT, timeout=TIMEOUT)
+        ["--nproc_per_node=2", "--standalone", script, *options, "--steps", str(STEPS),
+         "--max-grad-norm", str(limit), "--compare-ddp"], cwd=ROOT, timeout=TIMEOUT)
     assert process.returncode == 0, process.stderr[-3000:]
-    ours = "allreduce_hook" if mode == "hook" else "DistributedOptimizer"
     finals = {what: loss for what, loss, _ in FINAL.findall(process.stdout)}
-    assert set(finals) == {f"{ours}, max_grad_norm={limit:g}",
-                           f"Lightning's DDP, gradient_clip_val={limit:g}"}, process.stdout
+    assert set(finals) == {f"{ours}, max_grad_norm={limit:g}", reference.format(limit=limit)}, \
+        process.stdout
     # the last step's norm was above the limit: the coefficient was below 1
     [(_, norm)] = NORM.findall(process.stdout)
     assert float(norm) > limit, process.stdout
@@ -158,8 +170,9 @@ def test_fused_clipping_in_lightning_trains_like_lightnings_gradient_clip_val(mo
     # the same clipping, the norm summed in another order: each step's
     # coefficient differs by the norm's rounding (rows of 2048 in fp32, then
     # fp64: at most 4 log2(2048) eps32 relative) and the clipped gradient (of
-    # norm `limit`) by one more rounding; SGD at LR with momentum carries a
-    # step's difference into the weights at most MOMENTUM_GAIN times over
+    # norm `limit`) by one more rounding; SGD at LR (with momentum 0.9 in the
+    # Lightning example) carries a step's difference into the weights at most
+    # MOMENTUM_GAIN times over
     bound = STEPS * LR * MOMENTUM_GAIN * limit * (4 * 11 + 2) * EPS32
     assert verdict == "bitwise equal" or float(difference) <= bound, (verdict, bound)
 
