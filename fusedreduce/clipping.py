@@ -50,8 +50,8 @@ from .kernels._common import NORM_ROW
 SPLIT_NORM_MIN_SPARED = {"cpu": 1 << 23, "cuda": 1 << 26}
 
 __all__ = ["NORM_ROW", "NormSplit", "SPLIT_NORM_MIN_SPARED", "check_clipping",
-           "check_norm_type", "check_split_norm", "clip_buffers", "clip_scales", "clip_shared", "norm_powers",
-           "max_over_ranks", "norm_split_for", "raise_if_nonfinite", "share_norm"]
+           "check_norm_type", "check_split_norm", "clip_buffers", "clip_scales", "clip_shared",
+           "norm_powers", "max_over_ranks", "norm_split_for", "raise_if_nonfinite", "share_norm"]
 
 
 class NormSplit(NamedTuple):
