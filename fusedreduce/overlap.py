@@ -84,6 +84,11 @@ class BackwardOverlap:
         return self._passes_since_sync
 
     @property
+    def passes_per_sync(self) -> int:
+        """The backward passes per communicating one (``attach``'s)."""
+        return self._passes_per_sync
+
+    @property
     def in_backward(self) -> bool:
         """Whether a backward pass is running (its end not reached yet)."""
         return self._in_backward

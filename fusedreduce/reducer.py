@@ -217,11 +217,25 @@ class DistributedGradReducer:
         except RuntimeError as exc:  # compared first, so that no rank is left waiting
             resolved, unusable = f"{self.backend} (cannot run here)", exc
         backend = ("backend", resolved)
+        # how the buckets are combined and scaled: a mean on some ranks and a
+        # sum on others (or another prescale, degree, local_size) gives the
+        # ranks other gradients; AdaSum against a sum, or another count of
+        # passes per reduction or of collectives for unused parameters, leaves
+        # ranks waiting in collectives the others never start
+        hooked = self._overlap.attached
+        reduction = ("reduction", type(self).__name__, self._scales, self.check_finite,
+                     getattr(self, "local_size", 1),
+                     self._overlap.passes_per_sync if hooked else None,
+                     self.unused_grads_to_none if hooked else None)
         verify_same_on_all_ranks(description, names, self.group, what="parameter",
-                                 bucket_layout=self.plan.layout() + [clipping, backend],
+                                 bucket_layout=self.plan.layout() + [clipping, backend,
+                                                                     reduction],
                                  bucket_layout_hint="pass the same bucket_cap_mb, fusion_type, "
-                                                    "max_grad_norm, norm_type, split_norm and "
-                                                    "backend on every rank")
+                                                    "shard, max_grad_norm, norm_type, "
+                                                    "split_norm, backend, mean (reduce_method), "
+                                                    "degree, prescale, local_size, "
+                                                    "check_finite, passes per reduction and "
+                                                    "find_unused_parameters on every rank")
         if unusable is not None:
             raise unusable
         self._verified = True

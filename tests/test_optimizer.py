@@ -444,6 +444,48 @@ def test_a_differently_shaped_parameter_on_one_rank_is_a_runtime_error_on_every_
                for e in errors), errors
 
 
+#: DistributedOptimizer arguments that rank 0 alone takes: each would give
+#: the ranks other gradients (a mean against a sum) or leave them waiting in
+#: collectives the others never start (AdaSum's exchanges, a sharded layout,
+#: another count of passes or of unused-parameter checks)
+DIFFERING_OPTIONS = {
+    "mean_or_sum": {"reduce_method": "sum"},
+    "adasum": {"reduce_method": "adasum"},
+    "shard": {"shard": True},
+    "passes": {"backward_passes_per_step": 2},
+    "find_unused": {"find_unused_parameters": False},
+    "clipping": {"max_grad_norm": 1.0},
+}
+
+
+def _differing_options(rank, world_size):
+    """Per ``DIFFERING_OPTIONS`` case: what each rank's first reducing backward
+    raised (None: nothing), and whether the parameters stayed untouched."""
+    seen = {}
+    for name, options in DIFFERING_OPTIONS.items():
+        weights = [torch.zeros(s, requires_grad=True) for s in [(4, 3), (3,), (5,), (2, 2)]]
+        opt = DistributedOptimizer(torch.optim.SGD(weights, lr=0.1),
+                                   **(options if rank == 0 else {}))
+        try:
+            for _ in range(opt.backward_passes_per_step):
+                sum((w * (rank + 1)).sum() for w in weights).backward()
+            opt.step()
+            seen[name] = None
+        except RuntimeError as exc:
+            seen[name] = (str(exc), all(bool((w == 0).all()) for w in weights))
+    return seen
+
+
+def test_optimizer_options_that_differ_by_rank_raise_on_every_rank_instead_of_diverging():
+    results = run_ranks(_differing_options, 2, timeout=TIMEOUT)
+    for rank, seen in enumerate(results):
+        for name in DIFFERING_OPTIONS:
+            assert seen[name] is not None, (rank, name)
+            message, untouched = seen[name]
+            assert "not on the bucket layout" in message, (rank, name, message)
+            assert untouched, (rank, name)
+
+
 # ------------------------------------- parameter groups added, parameters (un)frozen
 def _changing_parameters(rank, world_size, bucket_view):
     """Six steps of SGD with momentum on a model whose trained set changes:
