@@ -50,8 +50,9 @@ from .kernels._common import NORM_ROW
 SPLIT_NORM_MIN_SPARED = {"cpu": 1 << 23, "cuda": 1 << 26}
 
 __all__ = ["NORM_ROW", "NormSplit", "SPLIT_NORM_MIN_SPARED", "check_clipping",
-           "check_norm_type", "check_split_norm", "clip_buffers", "clip_scales", "clip_shared",
-           "norm_powers", "max_over_ranks", "norm_split_for", "raise_if_nonfinite", "share_norm"]
+           "check_error_if_nonfinite", "check_limit", "check_norm_type", "check_split_norm",
+           "clip_buffers", "clip_scales", "clip_shared", "norm_powers", "max_over_ranks",
+           "norm_split_for", "raise_if_nonfinite", "share_norm"]
 
 
 class NormSplit(NamedTuple):
@@ -100,6 +101,29 @@ def check_norm_type(norm_type) -> float:
     return order
 
 
+def check_limit(limit, name: str) -> float:
+    """``limit`` (the clipping argument ``name``) as a float: positive,
+    ``math.inf`` measuring the norm without clipping, as torch's
+    ``clip_grad_norm_(params, math.inf)``.
+
+    Raises:
+        TypeError: not a number (a bool or None included).
+        ValueError: not positive (NaN included).
+    """
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(limit).__name__}")
+    if not limit > 0:  # NaN fails too
+        raise ValueError(f"{name} must be positive (math.inf: measure the norm without "
+                         f"clipping), got {limit!r}")
+    return float(limit)
+
+
+def check_error_if_nonfinite(error_if_nonfinite) -> None:
+    """Raises ``TypeError`` unless ``error_if_nonfinite`` is True or False."""
+    if not isinstance(error_if_nonfinite, bool):
+        raise TypeError(f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
+
+
 def check_clipping(max_grad_norm, norm_type, error_if_nonfinite) -> Tuple[Optional[float], float]:
     """``(max_grad_norm, norm_type)`` as floats (``max_grad_norm`` None: no
     clipping, ``math.inf``: the norm measured and nothing clipped, as torch's
@@ -112,16 +136,9 @@ def check_clipping(max_grad_norm, norm_type, error_if_nonfinite) -> Tuple[Option
         ValueError: ``max_grad_norm`` not positive (NaN included), or
             ``norm_type`` not positive (``math.inf`` is the max norm).
     """
-    if not isinstance(error_if_nonfinite, bool):
-        raise TypeError(f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
-    if max_grad_norm is not None:
-        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
-            raise TypeError(f"max_grad_norm must be a number, got {type(max_grad_norm).__name__}")
-        if not max_grad_norm > 0:  # NaN fails too; math.inf measures without clipping
-            raise ValueError(f"max_grad_norm must be positive (math.inf: measure the norm "
-                             f"without clipping), got {max_grad_norm}")
-    order = check_norm_type(norm_type)
-    return (None if max_grad_norm is None else float(max_grad_norm)), order
+    check_error_if_nonfinite(error_if_nonfinite)
+    limit = None if max_grad_norm is None else check_limit(max_grad_norm, "max_grad_norm")
+    return limit, check_norm_type(norm_type)
 
 
 def check_split_norm(split_norm) -> None:

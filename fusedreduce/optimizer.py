@@ -26,7 +26,8 @@ from .kernels._checks import refuse_in_capture
 from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
                      check_local_size)
 from .broadcast import broadcast_tensors
-from .clipping import check_clipping, check_norm_type, check_split_norm
+from .clipping import (check_clipping, check_error_if_nonfinite, check_limit,
+                       check_norm_type, check_split_norm)
 from .process_group import require_process_group
 from .reducer import DistributedGradReducer
 from .sharded_optimizer import (ShardedGradReducer, ShardedParameters, check_master_dtype,
@@ -469,15 +470,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Examples:
             >>> loss.backward(); opt.clip_grad_norm_(1.0); opt.step()   # doctest: +SKIP
         """
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-            raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
-        if not max_norm > 0:  # NaN fails too; math.inf measures without clipping
-            raise ValueError(f"max_norm must be positive (math.inf: measure the norm without "
-                             f"clipping), got {max_norm!r}")
+        max_norm = check_limit(max_norm, "max_norm")
         norm_type = check_norm_type(norm_type)
-        if not isinstance(error_if_nonfinite, bool):
-            raise TypeError(f"error_if_nonfinite must be True or False, "
-                            f"got {error_if_nonfinite!r}")
+        check_error_if_nonfinite(error_if_nonfinite)
         if foreach is not None and not isinstance(foreach, bool):
             raise TypeError(f"foreach must be None, True or False, got {foreach!r}")
         with_grads = [p for p in self._all_params() if p.grad is not None]
