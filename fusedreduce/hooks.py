@@ -36,7 +36,8 @@ from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers
                        norm_split_for, raise_if_nonfinite, share_norm)
 from .kernels._checks import refuse_in_capture
 from .precision import communication_dtype, split_scale
-from .process_group import global_ranks, require_process_group, verify_same_on_all_ranks
+from .process_group import (backend_to_compare, global_ranks, require_process_group,
+                            verify_same_on_all_ranks)
 
 
 class HookState:
@@ -226,11 +227,7 @@ class HookState:
                           "read on the host)",
                           "run an eager step with the same state first, the warm-up a "
                           "capture needs anyway")
-        try:
-            backend = kernels.resolve_backend(self.backend, buffer.device)
-            unusable = None
-        except RuntimeError as exc:  # compared first, so no rank is left waiting
-            backend, unusable = f"{self.backend} (cannot run here)", exc
+        backend, unusable = backend_to_compare(self.backend, buffer.device)
         options = [("hook", hook), ("bucket dtype", str(buffer.dtype)),
                    ("wire dtype", str(wire_dtype)), ("prescale", self.prescale),
                    ("local_size", self.local_size), ("backend", backend),

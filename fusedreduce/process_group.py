@@ -10,11 +10,12 @@ from __future__ import annotations
 import hashlib
 import pickle
 import weakref
-from typing import Any, Dict, Iterable, List, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .kernels import resolve_backend
 from .kernels._checks import refuse_in_capture
 
 
@@ -78,6 +79,18 @@ def refuse_one_shot_in_capture(tensors: Iterable[torch.Tensor], name: str) -> No
     if first is not None:
         refuse_in_capture(first.device, f"{name} (it plans, checks the ranks' tensors on "
                           f"the host and allocates its buffers at every call)", ONE_SHOT_REMEDY)
+
+
+def backend_to_compare(backend: str, device: torch.device) -> Tuple[str, Optional[Exception]]:
+    """``(name, error)``: the kernels' backend ``backend`` resolves to on
+    ``device``, to compare across ranks, and None; or, where it cannot run
+    here (no Triton on this rank), a name saying so and the error, for the
+    caller to raise after the comparison, so that no rank is left waiting in
+    it."""
+    try:
+        return resolve_backend(backend, device), None
+    except RuntimeError as exc:
+        return f"{backend} (cannot run here)", exc
 
 
 def verify_same_on_all_ranks(description: Sequence[Any], names: Sequence[str], group=None,

@@ -29,7 +29,7 @@ from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers
                        norm_split_for, raise_if_nonfinite)
 from .overlap import BackwardOverlap
 from .precision import communication_dtype, split_scale
-from .process_group import require_process_group, verify_same_on_all_ranks
+from .process_group import backend_to_compare, require_process_group, verify_same_on_all_ranks
 
 
 class DistributedGradReducer:
@@ -210,12 +210,8 @@ class DistributedGradReducer:
         # the backends sum the norm in rows of different lengths (other bits,
         # and a split's all-reduce of another size)
         clipping = ("clipping", self.max_grad_norm, self.norm_type, self.norm_split is not None)
-        unusable = None
-        try:
-            resolved = kernels.resolve_backend(self.backend, self.parameters[0].device) \
-                if self.parameters else self.backend
-        except RuntimeError as exc:  # compared first, so that no rank is left waiting
-            resolved, unusable = f"{self.backend} (cannot run here)", exc
+        resolved, unusable = backend_to_compare(self.backend, self.parameters[0].device) \
+            if self.parameters else (self.backend, None)
         backend = ("backend", resolved)
         # how the buckets are combined and scaled: a mean on some ranks and a
         # sum on others (or another prescale, degree, local_size) gives the
