@@ -203,42 +203,26 @@ def records(outcome: Dict[int, dict], case: dict, config: dict) -> List[dict]:
     for model in MODELS:
         record = measured[model]
         label = f"{model} {case['dtype']} mean + clip to norm {MAX_NORM:g}, {world_size} ranks"
+
+        def add(suffix, method, role, baseline, floor, record=record, label=label):
+            """One method's record; ``clip_ms`` is its time over ``floor``."""
+            result = common.result(NAME, label + suffix, case["size"], method, role, baseline,
+                                   world_size, record["n_tensors"], record["n_elements"],
+                                   record["n_elements"] * measured["itemsize"],
+                                   record["samples"], dtype=case["dtype"])
+            result["clip_ms"] = result["time_ms"] - floor
+            result["launches"] = record["launches"][method]
+            results.append(result)
+
         floor = timing.summary_ms(record["samples"]["reduce_only"])["time_ms"]
         for method in METHODS:
-            result = common.result(NAME, label, case["size"], method, ROLES[method], BASELINE,
-                                   world_size, record["n_tensors"], record["n_elements"],
-                                   record["n_elements"] * measured["itemsize"],
-                                   record["samples"], dtype=case["dtype"])
-            result["clip_ms"] = result["time_ms"] - floor
-            result["launches"] = record["launches"][method]
-            results.append(result)
+            add("", method, ROLES[method], BASELINE, floor)
         for method, role in UNSCALE.items():
-            if method not in record["samples"]:
-                continue  # fp16: GradScaler does not unscale fp16 gradients
-            result = common.result(NAME, f"{label} + GradScaler.unscale_", case["size"], method,
-                                   role, "torch_clip_unscale", world_size, record["n_tensors"],
-                                   record["n_elements"], record["n_elements"] * measured["itemsize"],
-                                   record["samples"], dtype=case["dtype"])
-            result["clip_ms"] = result["time_ms"] - floor
-            result["launches"] = record["launches"][method]
-            results.append(result)
+            if method in record["samples"]:  # fp16: GradScaler does not unscale fp16 gradients
+                add(" + GradScaler.unscale_", method, role, "torch_clip_unscale", floor)
         floor = timing.summary_ms(record["samples"]["write_back"])["time_ms"]
         for method, like in WRITE_BACK.items():
-            result = common.result(NAME, f"{label}, write-back only", case["size"], method,
-                                   ROLES[like], "write_back_torch_clip", world_size,
-                                   record["n_tensors"], record["n_elements"],
-                                   record["n_elements"] * measured["itemsize"],
-                                   record["samples"], dtype=case["dtype"])
-            result["clip_ms"] = result["time_ms"] - floor
-            result["launches"] = record["launches"][method]
-            results.append(result)
+            add(", write-back only", method, ROLES[like], "write_back_torch_clip", floor)
         for method, role in MEASURE.items():
-            result = common.result(NAME, f"{label}, write-back only, norm measured",
-                                   case["size"], method, role, "write_back_torch_norm",
-                                   world_size, record["n_tensors"], record["n_elements"],
-                                   record["n_elements"] * measured["itemsize"],
-                                   record["samples"], dtype=case["dtype"])
-            result["clip_ms"] = result["time_ms"] - floor
-            result["launches"] = record["launches"][method]
-            results.append(result)
+            add(", write-back only, norm measured", method, role, "write_back_torch_norm", floor)
     return results
