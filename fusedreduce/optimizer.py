@@ -28,7 +28,7 @@ from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
 from .broadcast import broadcast_tensors
 from .clipping import (check_clipping, check_error_if_nonfinite, check_limit,
                        check_norm_type, check_split_norm)
-from .process_group import require_process_group
+from .process_group import require_process_group, verify_same_on_all_ranks
 from .reducer import DistributedGradReducer
 from .sharded_optimizer import (ShardedGradReducer, ShardedParameters, check_master_dtype,
                                 check_shardable, master_dtype_of)
@@ -161,7 +161,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; ``shard``
             or ``find_unused_parameters`` is not a bool; ``master_dtype`` is
             not a floating dtype.
-        RuntimeError: torch.distributed is not initialised.
+        RuntimeError: torch.distributed is not initialised; the ranks of
+            ``group`` pass different ``bcast_period`` values (raised on every
+            rank, before any broadcast; the other options are compared at the
+            first reducing backward, before any gradient is written), or
+            different parameter shapes to the first broadcast.
 
     Examples:
         >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # doctest: +SKIP
@@ -252,8 +256,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.sharded: Optional[ShardedParameters] = None
         # the reducer checks the parameters (before any collective)
         self.reducer = self._sharded_reducer() if shard else self._hooked_reducer()
-        if bcast_period != -1:
-            self.broadcast_parameters()
+        try:
+            if world_size > 1:
+                # before the first broadcast: a rank that skips it (-1), or
+                # broadcasts at other steps, would leave the others waiting in
+                # a collective it never starts
+                verify_same_on_all_ranks(
+                    [bcast_period], ["bcast_period"], group, what="DistributedOptimizer option",
+                    remedy="Every rank must construct DistributedOptimizer with the same "
+                           "bcast_period")
+            if bcast_period != -1:
+                self.broadcast_parameters()
+        except Exception:
+            self.reducer.remove_hooks()  # the caller's parameters keep no hook of ours
+            raise
         if shard:
             # masters are taken from the broadcast parameters
             self._take_shards(self.state)

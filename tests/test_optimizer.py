@@ -486,6 +486,41 @@ def test_optimizer_options_that_differ_by_rank_raise_on_every_rank_instead_of_di
             assert untouched, (rank, name)
 
 
+def _differing_bcast_period(rank, world_size):
+    """Per case, rank 0 alone with another ``bcast_period``: what each rank's
+    construction raised, whether the parameters kept their own values (no
+    broadcast ran), and whether a plain backward afterwards leaves each
+    rank's own gradient (no hook of the failed optimizer is left behind)."""
+    seen = {}
+    for name, period in (("never", -1), ("every_3_steps", 3)):
+        weights = [torch.full(s, float(rank)).requires_grad_() for s in [(4, 3), (3,)]]
+        try:
+            DistributedOptimizer(torch.optim.SGD(weights, lr=0.1),
+                                 bcast_period=period if rank == 0 else 0)
+            seen[name] = None
+            continue
+        except RuntimeError as exc:
+            message = str(exc)
+        kept = all(bool((w == rank).all()) for w in weights)
+        sum((w * (rank + 1)).sum() for w in weights).backward()
+        local = all(bool((w.grad == rank + 1).all()) for w in weights)
+        seen[name] = (message, kept, local)
+    return seen
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_bcast_period_that_differs_by_rank_raises_at_construction_instead_of_hanging():
+    # before the check, rank 0 (bcast_period=-1) skipped the construction's
+    # broadcast and rank 1 waited in it until the collective timeout
+    for rank, seen in enumerate(run_ranks(_differing_bcast_period, 2, timeout=TIMEOUT)):
+        for name, period in (("never", -1), ("every_3_steps", 3)):
+            assert seen[name] is not None, (rank, name)
+            message, kept, local = seen[name]
+            assert f"option 0 (bcast_period): rank 0: {period}; rank 1: 0" in message, message
+            assert "same bcast_period" in message
+            assert kept and local, (rank, name)
+
+
 # ------------------------------------- parameter groups added, parameters (un)frozen
 def _changing_parameters(rank, world_size, bucket_view):
     """Six steps of SGD with momentum on a model whose trained set changes:
