@@ -120,3 +120,55 @@ def test_one_gpu_step_times_every_api_on_one_rank(tmp_path):
     assert "no_communication" not in record["record"]["launches_per_step"]
     assert any(line.split()[:1] == ["distributed_optimizer"] and len(line.split()) == 8
                for line in lines)
+
+
+@pytest.mark.device_aware
+@pytest.mark.timeout(TIMEOUT)
+def test_norm_share_times_the_norm_whole_and_as_one_ranks_share(tmp_path, device):
+    # on the CPU the torch fallback's rows; under --device cuda the compiled
+    # Triton kernels, device-timed: the figures issue 26's clipping aim needs
+    import json
+
+    from fusedreduce.bench.norm_share import AIM_OF_WRITE_BACK, REFERENCE
+    path = tmp_path / "share.json"
+    process = subprocess.run(
+        [sys.executable, "-m", "fusedreduce.bench.norm_share", "--sizes", "40K,100K",
+         "--shares", "2,8", "--dtype", "float16,float64", "--models", "resnet50",
+         "--repeats", "2", "--device", device.type, "--json", str(path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert process.returncode == 0, process.stderr
+    assert f"the norm at most {AIM_OF_WRITE_BACK:.2f} of the write-back" in process.stdout
+    from bench_utils import check_record
+    results = check_record(json.loads(path.read_text()), ["norm_share"])
+    methods = ["write_back", "torch_clip", "fused_norm", "fused_norm_share_2",
+               "fused_norm_share_8"]
+    assert len(results) == 2 * 2 * len(methods)  # two sizes, two dtypes
+    for key in dict.fromkeys((r["case"], r["size"]) for r in results):
+        group = [r for r in results if (r["case"], r["size"]) == key]
+        assert [r["method"] for r in group] == methods
+        assert [r["role"] for r in group] == ["reference", "baseline"] + ["ours"] * 3
+        assert [r["world_size"] for r in group] == [1, 1, 1, 2, 8]
+        reference = group[0]
+        assert reference["method"] == REFERENCE and reference["of_write_back"] == 1.0
+        for r in group:
+            assert r["of_write_back"] == pytest.approx(r["time_ms"] / reference["time_ms"])
+        # the split's one collective: a fp64 partial per row, the same for every share
+        shared = [r["allreduce_bytes"] for r in group[3:]]
+        assert shared[0] == shared[1] > 0 and shared[0] % 8 == 0
+        assert all(r["allreduce_bytes"] == 0 for r in group[:3])
+    for line in ("fused_norm_share_8", "float16 gradients, float32 buffers",
+                 "float64 gradients, float64 buffers"):
+        assert line in process.stdout
+
+
+def test_norm_share_refuses_to_time_a_wrong_norm():
+    import torch
+
+    from fusedreduce.bench import norm_share
+    grads = [torch.randn(3000), torch.randn(7, 5).to(torch.bfloat16)]
+    fns = norm_share.methods(grads, torch.float32, [2])
+    norm_share.check_norm(fns, grads, torch.float32)  # the true norm passes
+    right = fns["fused_norm"]
+    fns["fused_norm"] = lambda: (right()[0] * (1 + 2 * norm_share.NORM_RTOL),)
+    with pytest.raises(RuntimeError, match="fused_norm gave"):
+        norm_share.check_norm(fns, grads, torch.float32)
