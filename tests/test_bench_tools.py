@@ -172,3 +172,46 @@ def test_norm_share_refuses_to_time_a_wrong_norm():
     fns["fused_norm"] = lambda: (right()[0] * (1 + 2 * norm_share.NORM_RTOL),)
     with pytest.raises(RuntimeError, match="fused_norm gave"):
         norm_share.check_norm(fns, grads, torch.float32)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_every_step_of_the_gpu_session_script_names_what_exists():
+    # the script runs only on a lent GPU machine, where a typo costs a
+    # session's one chance: its dry run lists the steps, and each one's test
+    # files must exist and each command must take its options (--help after
+    # them: argparse checks every value it reads before it prints the help,
+    # and every option named must be one the help lists)
+    import re
+    import shlex
+    script = ROOT / ".ci" / "gpu-session"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    listed = subprocess.run(["bash", str(script), "run", "--dry-run"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    steps = dict(line.split(": ", 1) for line in listed.stdout.splitlines())
+    assert list(steps)[:2] == ["capture", "clipping_properties"]
+    assert {"norm_share", "one_gpu_step", "clip", "gpu_check"} <= set(steps)
+    for name, command in steps.items():
+        words = shlex.split(command)
+        assert words[:2] == ["python3", "-m"], (name, command)
+        if words[2] == "pytest":
+            paths = [w for w in words if w.startswith("tests/")]
+            assert paths and all((ROOT / p).is_file() for p in paths), (name, paths)
+            assert "--device" in words and words[words.index("--device") + 1] == "cuda"
+            continue
+        helped = subprocess.run([sys.executable, *words[1:], "--help"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=TIMEOUT)
+        assert helped.returncode == 0, (name, helped.stderr)
+        for option in re.findall(r"(?<!\S)(--[a-z-]+)", command):
+            # whole: argparse would take an abbreviation, and a substring
+            # would find it in the full name
+            assert re.search(rf"(?<![\w-]){option}(?![\w-])", helped.stdout), (name, option)
+    # the older revisions the host rows compare with exist in this history
+    # (a shallow clone holds none of it)
+    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT,
+                             capture_output=True, text=True).stdout.strip()
+    revisions = re.search(r'^REVISIONS="([^"]+)"', script.read_text(), re.M).group(1).split()
+    for rev in revisions:
+        assert f"versus_{rev}" in steps
+        assert shallow == "true" or subprocess.run(
+            ["git", "cat-file", "-e", f"{rev}^{{commit}}"], cwd=ROOT).returncode == 0, rev
