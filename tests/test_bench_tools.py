@@ -174,6 +174,26 @@ def test_norm_share_refuses_to_time_a_wrong_norm():
         norm_share.check_norm(fns, grads, torch.float32)
 
 
+#: run by the test below: each {name: [module, *args]} as ``python -m module
+#: *args --help`` (``runpy``, as ``-m`` runs it), its exit code and help text
+#: printed as one JSON line
+_HELP_EACH = """
+import contextlib, io, json, runpy, sys
+seen = {}
+for name, (module, *args) in json.loads(sys.argv[1]).items():
+    sys.argv = [module, *args, "--help"]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    seen[name] = (code, out.getvalue())
+print(json.dumps(seen))
+"""
+
+
 @pytest.mark.timeout(TIMEOUT)
 def test_every_step_of_the_gpu_session_script_names_what_exists():
     # the script runs only on a lent GPU machine, where a typo costs a
@@ -181,6 +201,7 @@ def test_every_step_of_the_gpu_session_script_names_what_exists():
     # files must exist and each command must take its options (--help after
     # them: argparse checks every value it reads before it prints the help,
     # and every option named must be one the help lists)
+    import json
     import re
     import shlex
     script = ROOT / ".ci" / "gpu-session"
@@ -191,6 +212,7 @@ def test_every_step_of_the_gpu_session_script_names_what_exists():
     steps = dict(line.split(": ", 1) for line in listed.stdout.splitlines())
     assert list(steps)[:2] == ["capture", "clipping_properties"]
     assert {"norm_share", "one_gpu_step", "clip", "gpu_check"} <= set(steps)
+    modules = {}
     for name, command in steps.items():
         words = shlex.split(command)
         assert words[:2] == ["python3", "-m"], (name, command)
@@ -199,13 +221,19 @@ def test_every_step_of_the_gpu_session_script_names_what_exists():
             assert paths and all((ROOT / p).is_file() for p in paths), (name, paths)
             assert "--device" in words and words[words.index("--device") + 1] == "cuda"
             continue
-        helped = subprocess.run([sys.executable, *words[1:], "--help"], cwd=ROOT,
-                                capture_output=True, text=True, timeout=TIMEOUT)
-        assert helped.returncode == 0, (name, helped.stderr)
-        for option in re.findall(r"(?<!\S)(--[a-z-]+)", command):
+        modules[name] = words[2:]
+    # every command's module run as python -m runs it, in one process (one
+    # import of torch instead of one per command)
+    helped = subprocess.run([sys.executable, "-c", _HELP_EACH, json.dumps(modules)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert helped.returncode == 0, helped.stderr
+    helps = json.loads(helped.stdout.splitlines()[-1])
+    for name, (code, text) in helps.items():
+        assert code == 0, (name, text)
+        for option in re.findall(r"(?<!\S)(--[a-z-]+)", steps[name]):
             # whole: argparse would take an abbreviation, and a substring
             # would find it in the full name
-            assert re.search(rf"(?<![\w-]){option}(?![\w-])", helped.stdout), (name, option)
+            assert re.search(rf"(?<![\w-]){option}(?![\w-])", text), (name, option)
     # the older revisions the host rows compare with exist in this history
     # (a shallow clone holds none of it)
     shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT,
