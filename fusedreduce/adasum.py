@@ -102,9 +102,9 @@ def adasum_allreduce(tensors: Sequence[torch.Tensor], group: Optional[dist.Proce
     plan = BucketPlan(tensors, bucket_cap_mb=bucket_cap_mb, comm_dtype=communication_dtype)
     if world_size > 1:
         names = [f"tensors[{i}] {tuple(s.shape)} {s.dtype}" for i, s in enumerate(plan.specs)]
-        verify_same_on_all_ranks(plan.signature() + [("local_size", local_size)],
-                                 names + ["local_size"], group, what="tensor",
+        verify_same_on_all_ranks(plan.signature(), names, group, what="tensor",
                                  bucket_layout=plan.layout(),
+                                 options=[("local_size", local_size)],
                                  bucket_layout_hint="pass the same bucket_cap_mb on every rank")
     outputs: List[Optional[torch.Tensor]] = [None] * len(tensors)
     for bucket, buffer in _combined_buckets(plan, tensors, group, local_size, backend):

@@ -38,13 +38,15 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *,
     ``src`` is a rank of ``group`` (its group rank, as every rank fusedreduce
     takes; the same as the global rank for the default group). With
     ``verify`` (the default), one small all-reduce first checks that every
-    rank passes the same shapes and dtypes and the same bucket cap; ``names``
-    (one per tensor) label the first mismatch in the error.
+    rank passes the same shapes and dtypes, the same ``src`` and the same
+    bucket cap; ``names`` (one per tensor) label the first mismatch in the
+    error.
 
     Raises:
         RuntimeError: torch.distributed is not initialised; with ``verify``:
-            the ranks' tensor lists or bucket layouts differ (raised on every
-            rank before any broadcast); called during CUDA graph capture.
+            the ranks' tensor lists, ``src`` or bucket layouts differ (raised
+            on every rank before any broadcast); called during CUDA graph
+            capture.
         ValueError: ``src`` is not a rank of ``group``.
 
     Examples:
@@ -62,10 +64,12 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *,
     if verify and dist.get_world_size(group) > 1:
         labels = list(names) if names is not None else [f"tensors[{i}]"
                                                          for i in range(len(tensors))]
+        # src is compared too: ranks naming different sources would each
+        # send, and wait for one another until the collective timeout
         verify_same_on_all_ranks(
             [(tuple(t.shape), str(t.dtype)) for t in tensors],
             [f"{label} {tuple(t.shape)} {t.dtype}" for label, t in zip(labels, tensors)],
-            group, what="tensor", bucket_layout=plan.layout(),
+            group, what="tensor", bucket_layout=plan.layout(), options=[("src", src)],
             bucket_layout_hint="pass the same bucket_cap_mb on every rank")
     with torch.no_grad():
         for bucket in plan.buckets:
@@ -121,7 +125,7 @@ def parameter_broadcast(
             iterable. Raised first, even without a process group.
         RuntimeError: torch.distributed is not initialised; the ranks' modules
             differ in their parameters' (or buffers') names order, shapes or
-            dtypes, or ``bucket_cap_mb`` differs (raised on every rank, naming
+            dtypes, or the source rank or ``bucket_cap_mb`` differs (raised on every rank, naming
             the first mismatch, before anything is broadcast); called during
             CUDA graph capture.
         ValueError: ``cur_rank`` is not this process's rank; ``initial_rank``
@@ -178,8 +182,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0,
             process group.
         RuntimeError: torch.distributed is not initialised; called during CUDA
             graph capture.
-        ValueError: ``src`` is not a rank of the group; the ranks' optimizers
-            differ in parameter groups (raised on every rank).
+        ValueError: ``src`` is not a rank of the group; the ranks pass
+            different ``src`` ranks, or their optimizers differ in parameter
+            groups (raised on every rank, before any broadcast).
 
     Examples:
         >>> broadcast_optimizer_state(optimizer, src=0)          # doctest: +SKIP
@@ -198,12 +203,18 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0,
         skeleton = copy.copy(state_dict)
         skeleton["state"] = {k: {name: _placeholder(v) for name, v in entry.items()}
                              for k, entry in state_dict["state"].items()}
-    shared: List[Any] = [skeleton, [len(g["params"]) for g in state_dict["param_groups"]]]
+    sizes = [len(g["params"]) for g in state_dict["param_groups"]]
     everyone: List[Any] = [None] * world_size
-    dist.all_gather_object(everyone, shared[1], group=group)
-    if any(sizes != everyone[src] for sizes in everyone):
+    # src is gathered too: ranks naming different sources would each wait in
+    # a broadcast the others never join
+    dist.all_gather_object(everyone, (src, sizes), group=group)
+    sources = [s for s, _ in everyone]
+    if any(s != src for s in sources):
+        raise ValueError(f"the ranks passed different src ranks (by rank: {sources}): every "
+                         f"rank must name the same source")
+    if any(theirs != sizes for _, theirs in everyone):
         raise ValueError(f"the ranks' optimizers have different parameter groups (parameters "
-                         f"per group, by rank: {everyone})")
+                         f"per group, by rank: {[s for _, s in everyone]})")
     holder = [skeleton]
     dist.broadcast_object_list(holder, src=global_src, group=group)
     skeleton = holder[0]

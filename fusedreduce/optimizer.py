@@ -261,10 +261,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 # before the first broadcast: a rank that skips it (-1), or
                 # broadcasts at other steps, would leave the others waiting in
                 # a collective it never starts
-                verify_same_on_all_ranks(
-                    [bcast_period], ["bcast_period"], group, what="DistributedOptimizer option",
-                    remedy="Every rank must construct DistributedOptimizer with the same "
-                           "bcast_period")
+                verify_same_on_all_ranks([], [], group, options=[("bcast_period", bcast_period)])
             if bcast_period != -1:
                 self.broadcast_parameters()
         except Exception:
@@ -612,6 +609,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         pieces = self.sharded.local_pieces(self.state)
         if self.reducer.world_size == 1:
             return self.sharded.assemble([pieces])
+        # ranks passing different ``to`` would meet an all-gather with a
+        # gather, or gathers to different ranks, and wait in them
+        verify_same_on_all_ranks([], [], self.group, options=[("state_dict's to", to)])
         if to is None:
             gathered = [None] * self.reducer.world_size
             dist.all_gather_object(gathered, pieces, group=self.group)
@@ -637,6 +637,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         Raises:
             ValueError: ``to`` is not a rank of the group.
+            RuntimeError: with ``shard=True``, the ranks pass different
+                ``to`` (raised on every rank, before the state is gathered).
 
         Examples:
             >>> state = opt.state_dict()                      # on every rank  # doctest: +SKIP

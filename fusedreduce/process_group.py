@@ -95,35 +95,49 @@ def backend_to_compare(backend: str, device: torch.device) -> Tuple[str, Optiona
 
 def verify_same_on_all_ranks(description: Sequence[Any], names: Sequence[str], group=None,
                              what: str = "parameter", bucket_layout: Any = None,
-                             bucket_layout_hint: str = "", remedy: str = "") -> None:
-    """Raise on every rank unless all ranks hold the same ``description`` and ``bucket_layout``.
+                             bucket_layout_hint: str = "", remedy: str = "",
+                             options: Sequence[Tuple[str, Any]] = ()) -> None:
+    """Raise on every rank unless all ranks hold the same ``options``,
+    ``description`` and ``bucket_layout``.
 
-    ``description`` has one entry per tensor (``names[i]`` names entry ``i`` in
-    the error); ``bucket_layout`` (``BucketPlan.layout()``) is compared after
-    it, so a differing tensor is always reported as such, not as a layout
-    change; ``remedy`` ends the error (default: every rank must pass the same
-    ``what``s in the same order). Costs one all-reduce of two int64s when the ranks agree; only on a
-    mismatch are the descriptions gathered, to name the first entry that differs.
+    ``options`` are ``(name, value)`` pairs of single arguments (a broadcast's
+    source, say), compared first: a differing one is named as such, whatever
+    the tensors. ``description`` has one entry per tensor (``names[i]`` names
+    entry ``i`` in the error); ``bucket_layout`` (``BucketPlan.layout()``) is
+    compared after it, so a differing tensor is always reported as such, not
+    as a layout change; ``remedy`` ends a tensor's error (default: every rank
+    must pass the same ``what``s in the same order). Costs one all-reduce of
+    two int64s when the ranks agree; only on a mismatch are the descriptions
+    gathered, to name the first entry that differs.
 
     Raises:
-        RuntimeError: the ranks disagree; names the first differing ``what``
-            (``names[i]``) and what each rank has there, or, when every entry
-            agrees, says the bucket layouts differ (with ``bucket_layout_hint``);
-            or called during CUDA graph capture (the check reads its
-            all-reduce on the host).
+        RuntimeError: the ranks disagree; names the first differing option,
+            or the first differing ``what`` (``names[i]``), and what each rank
+            has there, or, when every entry agrees, says the bucket layouts
+            differ (with ``bucket_layout_hint``); or called during CUDA graph
+            capture (the check reads its all-reduce on the host).
     """
     refuse_in_capture(comm_device(group),
                       f"checking that every rank passes the same {what}s (the check's "
                       f"all-reduce is read on the host)", ONE_SHOT_REMEDY)
     mine = (list(description), bucket_layout)
-    digest = hashlib.sha256(pickle.dumps(mine)).digest()
+    options = [tuple(option) for option in options]
+    digest = hashlib.sha256(pickle.dumps((options, mine))).digest()
     value = int.from_bytes(digest[:7], "little")  # 56 bits: exact in int64 arithmetic
     extremes = torch.tensor([value, -value], dtype=torch.int64, device=comm_device(group))
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
     if int(extremes[0]) == -int(extremes[1]):
         return
     everyone: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (mine, list(names)), group=group)
+    dist.all_gather_object(everyone, (mine, list(names), options), group=group)
+    for i, (name, _) in enumerate(options):
+        values = [theirs[i][1] if i < len(theirs) else "<missing>"
+                  for _, _, theirs in everyone]
+        if any(v != values[0] for v in values):
+            per_rank = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise RuntimeError(f"ranks disagree on {name}: {per_rank}. Every rank must pass "
+                               f"the same {name}")
+    everyone = [(d, n) for d, n, _ in everyone]
     longest = max(len(d) for (d, _), _ in everyone)
     for i in range(longest):
         entries = [d[i] if i < len(d) else "<missing>" for (d, _), _ in everyone]

@@ -242,17 +242,34 @@ def _mismatched_modules(rank, world_size):
         seen["different bucket caps"] = None
     except RuntimeError as exc:
         seen["different bucket caps"] = (str(exc), True)
+    # each rank naming itself the source: each would send and wait for the
+    # others; named as such whether or not the tensor lists agree too
+    for name, extra in (("different source ranks", False),
+                        ("different source ranks and tensor counts", True)):
+        module = modules["an extra layer on rank 1"](rank) if extra else \
+            nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+        before = [p.detach().clone() for p in module.parameters()]
+        try:
+            parameter_broadcast(module, src=rank)
+            seen[name] = None
+        except RuntimeError as exc:
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+            seen[name] = (str(exc), unchanged)
     return seen
 
 
 def test_mismatched_modules_are_a_runtime_error_naming_the_parameter_on_every_rank():
-    # without the check the broadcasts would have different sizes: gloo aborts
+    # without the check (before it compared src, too: each rank naming itself
+    # the source timed out in gloo's send) the broadcasts would have different sizes: gloo aborts
     # a process or, worse, the ranks copy garbage into each other's weights
     results = run_ranks(_mismatched_modules, 2, timeout=TIMEOUT)
     for rank, seen in enumerate(results):
         for name, fragment in {"a differently shaped 1.weight": "1.weight",
                                "an extra layer on rank 1": "2.weight",
-                               "different bucket caps": "bucket_cap_mb"}.items():
+                               "different bucket caps": "bucket_cap_mb",
+                               "different source ranks": "disagree on src: rank 0: 0; rank 1: 1",
+                               "different source ranks and tensor counts":
+                                   "disagree on src: rank 0: 0; rank 1: 1"}.items():
             assert seen[name] is not None, f"rank {rank}: {name} did not raise"
             message, unchanged = seen[name]
             assert fragment in message, f"rank {rank}: {name}: {message}"
@@ -342,3 +359,31 @@ def test_broadcast_optimizer_state_gives_every_rank_the_sources_state_and_hyperp
             # same parameters, same state, same gradients: the same next step
             for a, b in zip(params, results[src][name][2]):
                 assert torch.equal(a, b), f"{name}: rank {rank}'s next step differs"
+
+
+def _optimizer_state_from_different_sources(rank, world_size):
+    net = _net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    _train_locally(net, optimizer, 1, seed=rank)
+    before = _state_bits(optimizer)
+    try:
+        broadcast_optimizer_state(optimizer, src=rank)
+        return None
+    except ValueError as exc:
+        (tensors, others, groups), (was_tensors, was_others, was_groups) = \
+            _state_bits(optimizer), before
+        unchanged = tensors.keys() == was_tensors.keys() and all(
+            torch.equal(tensors[k], was_tensors[k]) for k in tensors) and \
+            others == was_others and groups == was_groups
+        return str(exc), unchanged
+
+
+def test_optimizer_state_from_sources_that_differ_by_rank_is_a_value_error_on_every_rank():
+    # each rank naming itself the source would wait in a broadcast the others
+    # never join
+    for rank, seen in enumerate(run_ranks(_optimizer_state_from_different_sources, 2,
+                                          timeout=TIMEOUT)):
+        assert seen is not None, f"rank {rank} did not raise"
+        message, unchanged = seen
+        assert "different src ranks (by rank: [0, 1])" in message, message
+        assert unchanged, f"rank {rank}: the state changed before the error"

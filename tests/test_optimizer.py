@@ -516,7 +516,7 @@ def test_a_bcast_period_that_differs_by_rank_raises_at_construction_instead_of_h
         for name, period in (("never", -1), ("every_3_steps", 3)):
             assert seen[name] is not None, (rank, name)
             message, kept, local = seen[name]
-            assert f"option 0 (bcast_period): rank 0: {period}; rank 1: 0" in message, message
+            assert f"disagree on bcast_period: rank 0: {period}; rank 1: 0" in message, message
             assert "same bcast_period" in message
             assert kept and local, (rank, name)
 

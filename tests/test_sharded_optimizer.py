@@ -688,10 +688,29 @@ def _another_models_state(rank, world_size):
             "custom": type(custom).__name__}
 
 
+def _differing_to(rank, world_size):
+    """``state_dict(to=...)`` that differs by rank: each case's error (None:
+    none) per rank."""
+    model = _model()
+    optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True,
+                                     param_pack_thd=300)
+    _loss(model, rank, 0).backward()
+    optimizer.step()
+    seen = {}
+    for name, to in (("each its own rank", rank), ("None on rank 0", None if rank == 0 else 0)):
+        try:
+            optimizer.state_dict(to=to)
+            seen[name] = None
+        except RuntimeError as exc:
+            seen[name] = str(exc)
+    return seen
+
+
 def _judged(rank, world_size):
     seen, collectives = _bad_arguments(rank, world_size)
     return {"bad": (seen, list(collectives)),
-            "another_model": _another_models_state(rank, world_size)}
+            "another_model": _another_models_state(rank, world_size),
+            "differing_to": _differing_to(rank, world_size)}
 
 
 # ------------------------------------------------------------------- tests
@@ -978,6 +997,12 @@ def test_bad_arguments_are_refused_before_any_collective():
         assert "another model" in r["another_model"]["error"]
         assert r["another_model"]["unchanged"]
         assert r["another_model"]["custom"].endswith("Mine")
+        # an all-gather meeting a gather, or gathers to different ranks, would
+        # wait until the collective timeout
+        assert "disagree on state_dict's to: rank 0: 0; rank 1: 1" in \
+            r["differing_to"]["each its own rank"]
+        assert "disagree on state_dict's to: rank 0: None; rank 1: 0" in \
+            r["differing_to"]["None on rank 0"]
 
 
 def _main_for_debug():
