@@ -31,7 +31,9 @@ Each method gets its own model, warms up five steps, then the methods are
 timed round-robin (each step synchronised, ``perf_counter``); the table gives
 the median step in ms, DDP's median over the method's, and the host's
 median time per step in µs (from the call until it returns, before the
-synchronisation: the time the host spends issuing the step).
+synchronisation: the time the host spends issuing the step), and how many
+buckets the method's fusedreduce reducer holds (issue 26's aim for a
+replayed step is 20 µs of host time per bucket at most).
 
 Then ``COUNTED_STEPS`` more steps of each method, untimed, count what the
 fused kernels' kept launches did per step (``kernels/_prepared.py``): calls
@@ -53,7 +55,7 @@ import contextlib
 import json
 import statistics
 import time
-from typing import Callable, Dict, Iterator
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -79,11 +81,14 @@ COUNTED_STEPS = 5
 LAUNCH_OUTCOMES = ("calls", "same", "switched", "re-pointed", "prepared", "direct", "via_jit")
 
 
-def _step(method: str, config: dict, device: torch.device, batch, labels) -> Callable[[], None]:
+def _step(method: str, config: dict, device: torch.device, batch,
+          labels) -> Tuple[Callable[[], None], Optional[int]]:
+    """The method's training step, and how many buckets its fusedreduce
+    reducer holds (None: none of ours)."""
     torch.manual_seed(0)  # every method starts from the same weights
     model = resnet50_for_size(config["size"]).to(device)
     params = list(model.parameters())
-    net, optimizer = model, None
+    net, optimizer, hooked = model, None, None
     ddp_args = dict(bucket_cap_mb=BUCKET_CAP_MB,
                     device_ids=[device.index] if device.type == "cuda" else None)
     if method in ("ddp", "ddp_bucket_view", "ddp_allreduce_hook"):
@@ -92,7 +97,7 @@ def _step(method: str, config: dict, device: torch.device, batch, labels) -> Cal
         if method == "ddp_allreduce_hook":
             net.register_comm_hook(None, hooks.allreduce_hook)
     elif method in ("reducer_hooks", "reducer_hooks_bucket_view"):
-        DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB).register_hooks(
+        hooked = DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB).register_hooks(
             gradient_as_bucket_view=method == "reducer_hooks_bucket_view")
     elif method in ("distributed_optimizer", "distributed_optimizer_graph"):
         # DDP's bucket size, as every other row (param_pack_thd's default,
@@ -106,6 +111,8 @@ def _step(method: str, config: dict, device: torch.device, batch, labels) -> Cal
         if method == "reducer_call" else None
 
     captured = method == "distributed_optimizer_graph"
+    held = reducer if reducer is not None else getattr(optimizer, "reducer", hooked)
+    buckets = len(held.plan.buckets) if held is not None else None
 
     def step():
         # a capture keeps the gradients where the warm-up prepared them
@@ -116,8 +123,8 @@ def _step(method: str, config: dict, device: torch.device, batch, labels) -> Cal
                 p.grad = g
         optimizer.step()
     if captured:
-        return _captured(step, device)
-    return step
+        return _captured(step, device), buckets
+    return step, buckets
 
 
 def _captured(step: Callable[[], None], device: torch.device) -> Callable[[], None]:
@@ -191,8 +198,11 @@ def rank_body(rank: int, world_size: int, config: dict) -> dict:
     labels = torch.randint(0, reference.num_classes, (config["batch"],), generator=gen).to(device)
     methods = methods_on(device)
     steps: Dict[str, Callable[[], None]] = {}
+    buckets: Dict[str, int] = {}
     for method in methods:
-        steps[method] = _step(method, config, device, batch, labels)
+        steps[method], n = _step(method, config, device, batch, labels)
+        if n is not None:
+            buckets[method] = n
         for _ in range(WARMUP):
             steps[method]()
     samples: Dict[str, list] = {method: [] for method in methods}
@@ -217,7 +227,8 @@ def rank_body(rank: int, world_size: int, config: dict) -> dict:
         if counts["calls"]:
             launches[method] = {k: v / COUNTED_STEPS for k, v in counts.items()}
     return {"device": str(device), "parameters": sum(p.numel() for p in reference.parameters()),
-            "samples": samples, "host_us": host, "launches_per_step": launches}
+            "samples": samples, "host_us": host, "launches_per_step": launches,
+            "buckets": buckets}
 
 
 def methods_on(device: torch.device):
@@ -249,10 +260,12 @@ def main(argv=None) -> int:
     print(f"# one rank ({config['backend']}) on {record['device']}: ResNet-50 with "
           f"{record['parameters']:,} parameters, batch {args.batch}x3x{args.image}x{args.image}, "
           f"fp32, median of {args.steps} steps")
-    print(f"{'method':28s} {'step ms':>9s} {'ddp / this':>11s} {'host us':>9s}")
+    print(f"{'method':28s} {'step ms':>9s} {'ddp / this':>11s} {'host us':>9s} "
+          f"{'buckets':>8s}")
+    buckets = record["buckets"]
     for method in medians:
         print(f"{method:28s} {medians[method]:9.2f} {medians[BASELINE] / medians[method]:11.3f} "
-              f"{host[method]:9.0f}")
+              f"{host[method]:9.0f} {buckets.get(method, '-'):>8}")
     if not on_gpu:
         print(f"({', '.join(CUDA_METHODS)}: CUDA only)")
     print(f"# the fused kernels' kept launches per step, over {COUNTED_STEPS} more steps "

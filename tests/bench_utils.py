@@ -114,3 +114,13 @@ def check_record(record: Optional[dict], benchmarks: Sequence[str]) -> List[dict
                 assert math.isclose(result["ratio"], baseline["time_ms"] / result["time_ms"])
         assert {"baseline", "ours"} <= {r["role"] for r in group}
     return results
+
+
+def gpu_session_summary(directory: Path) -> str:
+    """``.ci/gpu-session-summary directory``'s output: the issue's aims read
+    from the JSON a GPU session writes there (the tests hand it the same
+    commands' CPU-made files, so a field it reads cannot be misnamed)."""
+    process = subprocess.run([sys.executable, str(ROOT / ".ci" / "gpu-session-summary"),
+                              str(directory)], capture_output=True, text=True, timeout=60)
+    assert process.returncode == 0, process.stderr
+    return process.stdout

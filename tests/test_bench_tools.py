@@ -91,7 +91,7 @@ def test_the_device_timer_leaves_out_host_time_and_keeps_device_time():
 def test_one_gpu_step_times_every_api_on_one_rank(tmp_path):
     # on the CPU here (gloo, one rank); the same command on a GPU runs NCCL
     import json
-    path = tmp_path / "step.json"
+    path = tmp_path / "one_gpu_step.json"  # the name a GPU session gives it
     process = subprocess.run(
         [sys.executable, "-m", "fusedreduce.bench.one_gpu_step", "--size", "60K", "--batch", "2",
          "--image", "32", "--steps", "2", "--device", "cpu", "--json", str(path)],
@@ -109,6 +109,15 @@ def test_one_gpu_step_times_every_api_on_one_rank(tmp_path):
         assert all(h <= 1e3 * t for h, t in zip(record["record"]["host_us"][method],
                                                 record["record"]["samples"][method]))
     assert "distributed_optimizer_graph: CUDA only" in process.stdout
+    # the buckets of each method's reducer: DDP's rows hold none of ours
+    buckets = record["record"]["buckets"]
+    assert set(buckets) == {"reducer_hooks", "reducer_hooks_bucket_view", "reducer_call",
+                            "distributed_optimizer"}
+    assert all(type(n) is int and n >= 1 for n in buckets.values()), buckets
+    # .ci/gpu-session-summary reads the replayed step's row, absent on the CPU
+    from bench_utils import gpu_session_summary
+    assert "replayed step's host time: not measured (no graph row: not on a GPU)" in \
+        gpu_session_summary(tmp_path)
     # what the kept launches did: the DistributedOptimizer flattens and writes
     # back every step through them, each call one of the outcomes
     counts = record["record"]["launches_per_step"]["distributed_optimizer"]
@@ -130,7 +139,7 @@ def test_norm_share_times_the_norm_whole_and_as_one_ranks_share(tmp_path, device
     import json
 
     from fusedreduce.bench.norm_share import AIM_OF_WRITE_BACK, REFERENCE
-    path = tmp_path / "share.json"
+    path = tmp_path / "norm_share.json"  # the name a GPU session gives it
     process = subprocess.run(
         [sys.executable, "-m", "fusedreduce.bench.norm_share", "--sizes", "40K,100K",
          "--shares", "2,8", "--dtype", "float16,float64", "--models", "resnet50",
@@ -159,6 +168,12 @@ def test_norm_share_times_the_norm_whole_and_as_one_ranks_share(tmp_path, device
     for line in ("fused_norm_share_8", "float16 gradients, float32 buffers",
                  "float64 gradients, float64 buffers"):
         assert line in process.stdout
+    # what .ci/gpu-session-summary makes of it: each share's span at the largest size
+    from bench_utils import gpu_session_summary
+    summary = gpu_session_summary(tmp_path)
+    assert f"clipping norm over the write-back at 100,000 elements (norm_share on " \
+           f"{device.type}" in summary, summary
+    assert "; W=2 " in summary and "; W=8 " in summary and "aim <= 0.1: " in summary
 
 
 def test_norm_share_refuses_to_time_a_wrong_norm():
@@ -211,14 +226,14 @@ def test_every_step_of_the_gpu_session_script_names_what_exists():
     assert listed.returncode == 0, listed.stderr
     steps = dict(line.split(": ", 1) for line in listed.stdout.splitlines())
     assert list(steps)[:2] == ["capture", "clipping_properties"]
-    assert {"norm_share", "one_gpu_step", "clip", "gpu_check"} <= set(steps)
+    assert {"norm_share", "one_gpu_step", "clip", "gpu_check", "cuda_suite"} <= set(steps)
     modules = {}
     for name, command in steps.items():
         words = shlex.split(command)
         assert words[:2] == ["python3", "-m"], (name, command)
         if words[2] == "pytest":
-            paths = [w for w in words if w.startswith("tests/")]
-            assert paths and all((ROOT / p).is_file() for p in paths), (name, paths)
+            paths = [w for w in words if w == "tests" or w.startswith("tests/")]
+            assert paths and all((ROOT / p).exists() for p in paths), (name, paths)
             assert "--device" in words and words[words.index("--device") + 1] == "cuda"
             continue
         modules[name] = words[2:]

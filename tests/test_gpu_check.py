@@ -214,7 +214,7 @@ def test_without_a_gpu_the_command_says_so_and_exits_zero(tmp_path, capsys):
 
 def test_the_cpu_dry_run_runs_the_checks_and_the_benchmark_end_to_end(tmp_path):
     # a fresh process without the interpreter: the torch backend alone, quickly
-    path = tmp_path / "dry.json"
+    path = tmp_path / "gpu_check.json"  # the name a GPU session gives it
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
         [sys.executable, "-m", "fusedreduce.bench", "gpu-check", "--device", "cpu",
@@ -228,6 +228,14 @@ def test_the_cpu_dry_run_runs_the_checks_and_the_benchmark_end_to_end(tmp_path):
     bench = [r for r in record["results"] if r["benchmark"] == "kernels"]
     methods = {r["method"] for r in bench}
     assert {"copy", "fusedreduce", "torch_foreach", "torch_cat", "torch_chunk_cat"} <= methods
+    # what .ci/gpu-session-summary reads of it: the host µs at 161 tensors
+    from bench_utils import gpu_session_summary
+    summary = gpu_session_summary(tmp_path)
+    assert "eager host per fused call, ResNet-50's 161 tensors (gpu-check on cpu" in summary
+    assert "same tensors " in summary, summary
+    assert ("with the same tensors: met" in summary) != ("with the same tensors: missed"
+                                                        in summary), summary
+    assert "not measured (no one_gpu_step.json)" in summary
 
 
 def test_an_unusable_triton_backend_fails_its_rows_with_the_reason(monkeypatch):
