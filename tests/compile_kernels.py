@@ -16,6 +16,7 @@ subprocess for that reason).
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import os
@@ -26,12 +27,38 @@ from collections import Counter
 from typing import Optional
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-# Its own on-disk cache: the reports read the compiler's intermediates, and a
-# kernel JIT-compiled elsewhere under the same key (the recording driver's
-# launches in launch_fidelity.py) left Triton 3.2 a TTIR without value names
+
+
+def _reports_cache_key() -> str:
+    """This checkout's ``kernels/``: its path and every source file's bytes.
+
+    Triton 3.2's TTIR numbers its values, so the reports name them from the
+    source line each value's location points to: the path of whichever
+    checkout compiled the kernel first. A cache entry another checkout made
+    points to files that may be gone (a CI clone, deleted) or say something
+    else on that line (a later revision with the kernel moved), and its
+    cache key holds neither."""
+    kernels = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "kernels")
+    digest = hashlib.sha256(kernels.encode())
+    for directory, subdirectories, files in sorted(os.walk(kernels)):
+        subdirectories.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(directory, name)
+            digest.update(os.path.relpath(path, kernels).encode())
+            with open(path, "rb") as source:
+                digest.update(source.read())
+    return digest.hexdigest()[:16]
+
+
+# Its own on-disk cache, per checkout and kernel source (``_reports_cache_key``):
+# the reports read the compiler's intermediates, and a kernel JIT-compiled
+# elsewhere under the same key (the recording driver's launches in
+# launch_fidelity.py) left Triton 3.2 a TTIR without value names
 os.environ["TRITON_CACHE_DIR"] = os.path.join(
     os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton",
-                                                       "cache"), "ahead-of-time-reports")
+                                                       "cache"), "ahead-of-time-reports",
+    _reports_cache_key())
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
