@@ -125,9 +125,9 @@ def parameter_broadcast(
             iterable. Raised first, even without a process group.
         RuntimeError: torch.distributed is not initialised; the ranks' modules
             differ in their parameters' (or buffers') names order, shapes or
-            dtypes, or the source rank or ``bucket_cap_mb`` differs (raised on every rank, naming
-            the first mismatch, before anything is broadcast); called during
-            CUDA graph capture.
+            dtypes, or the source rank or ``bucket_cap_mb`` differs (raised on
+            every rank, naming the first mismatch, before anything is
+            broadcast); called during CUDA graph capture.
         ValueError: ``cur_rank`` is not this process's rank; ``initial_rank``
             or ``src`` is not a rank of ``group``; a ``layout`` name is not in
             ``module.named_parameters()``. Raised before any communication.
