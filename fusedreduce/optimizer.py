@@ -611,7 +611,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return self.sharded.assemble([pieces])
         # ranks passing different ``to`` would meet an all-gather with a
         # gather, or gathers to different ranks, and wait in them
-        verify_same_on_all_ranks([], [], self.group, options=[("state_dict's to", to)])
+        verify_same_on_all_ranks([], [], self.group, options=[("state_dict(to=...)", to)])
         if to is None:
             gathered = [None] * self.reducer.world_size
             dist.all_gather_object(gathered, pieces, group=self.group)

@@ -999,9 +999,9 @@ def test_bad_arguments_are_refused_before_any_collective():
         assert r["another_model"]["custom"].endswith("Mine")
         # an all-gather meeting a gather, or gathers to different ranks, would
         # wait until the collective timeout
-        assert "disagree on state_dict's to: rank 0: 0; rank 1: 1" in \
+        assert "disagree on state_dict(to=...): rank 0: 0; rank 1: 1" in \
             r["differing_to"]["each its own rank"]
-        assert "disagree on state_dict's to: rank 0: None; rank 1: 0" in \
+        assert "disagree on state_dict(to=...): rank 0: None; rank 1: 0" in \
             r["differing_to"]["None on rank 0"]
 
 
