@@ -1,4 +1,5 @@
 """The one-off measurement tools in bench/ run end to end (no timing asserted)."""
+import os
 import subprocess
 import sys
 
@@ -249,6 +250,12 @@ def test_every_step_of_the_gpu_session_script_names_what_exists():
             # whole: argparse would take an abbreviation, and a substring
             # would find it in the full name
             assert re.search(rf"(?<![\w-]){option}(?![\w-])", text), (name, option)
+    # a rerun of the steps a session names (the suite, cut off the first time)
+    only = subprocess.run(["bash", str(script), "run", "--dry-run"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "GPU_SESSION_ONLY": "clip cuda_suite"})
+    assert [line.split(": ", 1)[0] for line in only.stdout.splitlines()] == ["clip",
+                                                                             "cuda_suite"]
     # the older revisions the host rows compare with exist in this history
     # (a shallow clone holds none of it)
     shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT,
