@@ -100,6 +100,16 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def one_device(requested: str) -> torch.device:
+    """The device of a one-process command's ``--device auto|cuda|cpu``:
+    ``auto`` is CUDA when there is a GPU; ``cuda`` without one exits saying so."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available here")
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(requested)
+
+
 def machine_info(device: torch.device, kernel_backend: str,
                  dist_backend: Optional[str]) -> dict:
     """What a result depends on: hardware, library versions, and the backends used.

@@ -79,12 +79,11 @@ def reduced_buffers(grads: List[torch.Tensor],
     return plan, [plan.flatten(bucket, grads) for bucket in plan.buckets]
 
 
-def methods(grads: List[torch.Tensor], reduce_dtype: torch.dtype,
+def methods(grads: List[torch.Tensor], plan: BucketPlan, buffers: List[torch.Tensor],
             shares: Sequence[int]) -> Dict[str, Callable[[], object]]:
-    """The timed calls over the reducer's layout of ``grads`` (their buffers
-    filled, the outputs allocated once), by method name; the postscale is a
+    """The timed calls over ``reduced_buffers``' ``plan`` and ``buffers`` of
+    ``grads`` (the outputs allocated once), by method name; the postscale is a
     ``WORLD_SIZE`` ranks' mean's."""
-    plan, buffers = reduced_buffers(grads, reduce_dtype)
     outputs = [torch.empty_like(g) for g in grads]
     holders = [torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape).requires_grad_()
                for g in grads]
@@ -112,18 +111,15 @@ def methods(grads: List[torch.Tensor], reduce_dtype: torch.dtype,
     return fns
 
 
-def partials_bytes(grads: List[torch.Tensor], reduce_dtype: torch.dtype) -> int:
+def partials_bytes(buffers: List[torch.Tensor]) -> int:
     """The bytes of the row partials the split all-reduces (fp64, one per row)."""
-    _, buffers = reduced_buffers(grads, reduce_dtype)
     return backend_for("auto", buffers[0].device).norm_partials(buffers, NORM_TYPE).numel() * 8
 
 
-def check_norm(fns: Dict[str, Callable[[], object]], grads: List[torch.Tensor],
-               reduce_dtype: torch.dtype) -> None:
+def check_norm(fns: Dict[str, Callable[[], object]], buffers: List[torch.Tensor]) -> None:
     """Refuse to time a wrong norm: ``fused_norm``'s total against the float64
-    norm of the buffers it reads, times the postscale (the norm of what the
+    norm of the ``buffers`` it reads, times the postscale (the norm of what the
     write-back writes, before its rounding to the gradients' dtype)."""
-    _, buffers = reduced_buffers(grads, reduce_dtype)
     squares = sum(float(b.double().square().sum()) for b in buffers)
     reference = squares ** 0.5 / WORLD_SIZE
     ours = float(fns["fused_norm"]()[0])
@@ -139,10 +135,11 @@ def measure(model: str, size: int, dtype: torch.dtype, reduce_dtype: torch.dtype
             shares: Sequence[int], repeats: int, device: torch.device) -> List[dict]:
     """Time every method on one gradient list; one record each."""
     grads = gradients(model, size, dtype, device, seed=0)
-    fns = methods(grads, reduce_dtype, shares)
+    plan, buffers = reduced_buffers(grads, reduce_dtype)
+    fns = methods(grads, plan, buffers, shares)
     for fn in fns.values():  # the warm-up: launches prepared, kernels compiled
         fn()
-    check_norm(fns, grads, reduce_dtype)
+    check_norm(fns, buffers)
     timing.synchronize(device)
     if device.type == "cuda":
         samples = timing.time_on_device(fns, repeats, device)
@@ -153,11 +150,12 @@ def measure(model: str, size: int, dtype: torch.dtype, reduce_dtype: torch.dtype
     reference_ms = common.summary_ms(samples[REFERENCE])["time_ms"]
     case = (f"{model} {common.dtype_name(dtype)} gradients, "
             f"{common.dtype_name(communication_dtype(dtype, reduce_dtype))} buffers")
-    allreduce = partials_bytes(grads, reduce_dtype)
+    allreduce = partials_bytes(buffers)
+    ranks_of = {share_method(ranks): ranks for ranks in shares}
     records = []
     for name in fns:
         role = {REFERENCE: "reference", BASELINE: "baseline"}.get(name, "ours")
-        ranks = int(name.rsplit("_", 1)[1]) if name.startswith("fused_norm_share_") else 1
+        ranks = ranks_of.get(name, 1)
         record = common.result(NAME, case, size, name, role, BASELINE, ranks, len(grads),
                                n_elements, nbytes, samples, list=model,
                                dtype=common.dtype_name(dtype),
@@ -198,10 +196,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--json", metavar="PATH", help="write machine, config and results here")
     args = parser.parse_args(argv)
-    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if on_gpu and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: CUDA is not available here")
-    device = torch.device("cuda" if on_gpu else "cpu")
+    device = common.one_device(args.device)
+    on_gpu = device.type == "cuda"
     machine = common.machine_info(device, resolve_backend("auto", device), None)
     common.warn_if_busy(machine)
     records = []

@@ -88,7 +88,7 @@ def _step(method: str, config: dict, device: torch.device, batch,
     torch.manual_seed(0)  # every method starts from the same weights
     model = resnet50_for_size(config["size"]).to(device)
     params = list(model.parameters())
-    net, optimizer, hooked = model, None, None
+    net, optimizer, ours, reducer = model, None, None, None
     ddp_args = dict(bucket_cap_mb=BUCKET_CAP_MB,
                     device_ids=[device.index] if device.type == "cuda" else None)
     if method in ("ddp", "ddp_bucket_view", "ddp_allreduce_hook"):
@@ -97,7 +97,7 @@ def _step(method: str, config: dict, device: torch.device, batch,
         if method == "ddp_allreduce_hook":
             net.register_comm_hook(None, hooks.allreduce_hook)
     elif method in ("reducer_hooks", "reducer_hooks_bucket_view"):
-        hooked = DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB).register_hooks(
+        ours = DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB).register_hooks(
             gradient_as_bucket_view=method == "reducer_hooks_bucket_view")
     elif method in ("distributed_optimizer", "distributed_optimizer_graph"):
         # DDP's bucket size, as every other row (param_pack_thd's default,
@@ -105,14 +105,14 @@ def _step(method: str, config: dict, device: torch.device, batch,
         optimizer = DistributedOptimizer(torch.optim.SGD(params, lr=0.01),
                                          param_pack_thd=int(BUCKET_CAP_MB * 2 ** 20),
                                          find_unused_parameters=False)
+        ours = optimizer.reducer
+    elif method == "reducer_call":
+        reducer = ours = DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB)
     if optimizer is None:
         optimizer = torch.optim.SGD(params, lr=0.01)
-    reducer = DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB) \
-        if method == "reducer_call" else None
 
     captured = method == "distributed_optimizer_graph"
-    held = reducer if reducer is not None else getattr(optimizer, "reducer", hooked)
-    buckets = len(held.plan.buckets) if held is not None else None
+    buckets = len(ours.plan.buckets) if ours is not None else None
 
     def step():
         # a capture keeps the gradients where the warm-up prepared them
@@ -248,9 +248,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--json", metavar="PATH", help="write the configuration and figures")
     args = parser.parse_args(argv)
-    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if on_gpu and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: CUDA is not available here")
+    on_gpu = common.one_device(args.device).type == "cuda"
     config = {"size": args.size[0], "batch": args.batch, "image": args.image,
               "steps": args.steps, "backend": "nccl" if on_gpu else "gloo"}
     record = run_on_local_ranks(rank_body, 1, config, backend=config["backend"],

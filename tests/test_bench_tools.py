@@ -182,12 +182,13 @@ def test_norm_share_refuses_to_time_a_wrong_norm():
 
     from fusedreduce.bench import norm_share
     grads = [torch.randn(3000), torch.randn(7, 5).to(torch.bfloat16)]
-    fns = norm_share.methods(grads, torch.float32, [2])
-    norm_share.check_norm(fns, grads, torch.float32)  # the true norm passes
+    plan, buffers = norm_share.reduced_buffers(grads, torch.float32)
+    fns = norm_share.methods(grads, plan, buffers, [2])
+    norm_share.check_norm(fns, buffers)  # the true norm passes
     right = fns["fused_norm"]
     fns["fused_norm"] = lambda: (right()[0] * (1 + 2 * norm_share.NORM_RTOL),)
     with pytest.raises(RuntimeError, match="fused_norm gave"):
-        norm_share.check_norm(fns, grads, torch.float32)
+        norm_share.check_norm(fns, buffers)
 
 
 #: run by the test below: each {name: [module, *args]} as ``python -m module
