@@ -120,33 +120,33 @@ def verify_same_on_all_ranks(description: Sequence[Any], names: Sequence[str], g
     refuse_in_capture(comm_device(group),
                       f"checking that every rank passes the same {what}s (the check's "
                       f"all-reduce is read on the host)", ONE_SHOT_REMEDY)
-    mine = (list(description), bucket_layout)
     options = [tuple(option) for option in options]
-    digest = hashlib.sha256(pickle.dumps((options, mine))).digest()
+    mine = (options, list(description), bucket_layout)
+    digest = hashlib.sha256(pickle.dumps(mine)).digest()
     value = int.from_bytes(digest[:7], "little")  # 56 bits: exact in int64 arithmetic
     extremes = torch.tensor([value, -value], dtype=torch.int64, device=comm_device(group))
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
     if int(extremes[0]) == -int(extremes[1]):
         return
     everyone: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (mine, list(names), options), group=group)
+    # (options, description, bucket layout, names) of every rank
+    dist.all_gather_object(everyone, (*mine, list(names)), group=group)
     for i, (name, _) in enumerate(options):
         values = [theirs[i][1] if i < len(theirs) else "<missing>"
-                  for _, _, theirs in everyone]
+                  for theirs, _, _, _ in everyone]
         if any(v != values[0] for v in values):
             per_rank = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             raise RuntimeError(f"ranks disagree on {name}: {per_rank}. Every rank must pass "
                                f"the same {name}")
-    everyone = [(d, n) for d, n, _ in everyone]
-    longest = max(len(d) for (d, _), _ in everyone)
+    longest = max(len(d) for _, d, _, _ in everyone)
     for i in range(longest):
-        entries = [d[i] if i < len(d) else "<missing>" for (d, _), _ in everyone]
+        entries = [d[i] if i < len(d) else "<missing>" for _, d, _, _ in everyone]
         if any(e != entries[0] for e in entries):
-            name = next(n[i] for (d, _), n in everyone if i < len(n))
+            name = next(n[i] for _, d, _, n in everyone if i < len(n))
             per_rank = "; ".join(f"rank {r}: {e}" for r, e in enumerate(entries))
             remedy = remedy or f"Every rank must pass the same {what}s in the same order"
             raise RuntimeError(f"ranks disagree on {what} {i} ({name}): {per_rank}. {remedy}")
-    per_rank = "; ".join(f"rank {r}: {lay}" for r, ((_, lay), _) in enumerate(everyone))
+    per_rank = "; ".join(f"rank {r}: {lay}" for r, (_, _, lay, _) in enumerate(everyone))
     hint = f" ({bucket_layout_hint})" if bucket_layout_hint else ""
     raise RuntimeError(f"ranks agree on every {what} but not on the bucket layout{hint}: "
                        f"{per_rank}")
