@@ -226,31 +226,21 @@ def _mismatched_modules(rank, world_size):
         "an extra layer on rank 1": lambda r: nn.Sequential(
             nn.Linear(3, 2), nn.Linear(2, 2), *([nn.Linear(2, 1)] if r == 1 else [])),
     }
-    for name, make in modules.items():
+    same = lambda r: nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))  # noqa: E731
+    cases = {name: (make, {"buffers": False}) for name, make in modules.items()}
+    # the same modules but different bucket caps: the buckets would not match
+    cases["different bucket caps"] = (
+        same, {"bucket_cap_mb": 25.0 if rank == 0 else ONE_BYTE_MB})
+    # each rank naming itself the source: each would send and wait for the
+    # others; named as such whether or not the tensor lists agree too
+    cases["different source ranks"] = (same, {"src": rank})
+    cases["different source ranks and tensor counts"] = (
+        modules["an extra layer on rank 1"], {"src": rank})
+    for name, (make, kwargs) in cases.items():
         module = make(rank)
         before = [p.detach().clone() for p in module.parameters()]
         try:
-            parameter_broadcast(module, buffers=False)
-            seen[name] = None
-        except RuntimeError as exc:
-            unchanged = all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
-            seen[name] = (str(exc), unchanged)
-    # the same modules but different bucket caps: the buckets would not match
-    module = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
-    try:
-        parameter_broadcast(module, bucket_cap_mb=25.0 if rank == 0 else ONE_BYTE_MB)
-        seen["different bucket caps"] = None
-    except RuntimeError as exc:
-        seen["different bucket caps"] = (str(exc), True)
-    # each rank naming itself the source: each would send and wait for the
-    # others; named as such whether or not the tensor lists agree too
-    for name, extra in (("different source ranks", False),
-                        ("different source ranks and tensor counts", True)):
-        module = modules["an extra layer on rank 1"](rank) if extra else \
-            nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
-        before = [p.detach().clone() for p in module.parameters()]
-        try:
-            parameter_broadcast(module, src=rank)
+            parameter_broadcast(module, **kwargs)
             seen[name] = None
         except RuntimeError as exc:
             unchanged = all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
