@@ -36,9 +36,13 @@ holds after a step (a DTensor's local shard), the largest over the ranks:
 ``state_bytes`` (the optimizer's ``state``; ``ZeroRedundancyOptimizer``'s
 local optimizer's), ``master_bytes`` (``fused_sharded_adamw``'s
 ``opt.sharded.masters``; no other method keeps any), ``grad_bytes`` (the
-``.grad`` tensors) and ``param_bytes``; ``state_master_bytes`` is the largest
-per-rank sum of the first two. Communication buffers and activations are not
-counted. For ``fused_sharded_adamw``, ``full_state_bytes`` is the tensors of
+``.grad`` tensors), ``param_bytes`` and ``buffer_bytes`` (the communication
+buffers the method keeps from one step to the next: ``held_buffer_bytes``;
+None for FSDP2, which makes its buffers within each step); ``state_master_bytes``
+is the largest per-rank sum of the first two, and ``held_bytes`` the largest
+per-rank sum of all five (None without a buffer count), ``held_vs_ddp`` that
+over ``ddp_adamw``'s. Activations and what lives only within a step (FSDP2's
+unsharded parameters and buffers, the buckets in flight) are not counted. For ``fused_sharded_adamw``, ``full_state_bytes`` is the tensors of
 its (collective) ``state_dict()``: the whole state with the fp32 master
 weights, what one rank would hold unsharded with the same numerics; for
 float32 it equals ``fused_adamw``'s state. The memory aim holds when the
@@ -52,6 +56,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -93,8 +98,9 @@ BATCH = 2
 SHAPES = {"image": 32, "tokens": 64}
 QUICK_SHAPES = {"image": 16, "tokens": 16}
 TIMER = "perf_counter after a barrier, the slowest rank's, round-robin"
-COUNTING = ("bytes of the tensors held after a step (DTensor: the local shard), the largest "
-            "rank's; communication buffers and activations not counted")
+COUNTING = ("bytes of the tensors held after a step (DTensor: the local shard) and of the "
+            "communication buffers kept between steps, the largest rank's; activations and "
+            "what lives only within a step not counted")
 
 
 class DecoderBlock(nn.Module):
@@ -200,9 +206,24 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
             if isinstance(v, torch.Tensor)]
 
 
-def count_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
+def held_buffer_bytes(net: nn.Module, optimizer: torch.optim.Optimizer) -> Optional[int]:
+    """The bytes of the communication buffers a method keeps between steps:
+    ``DistributedOptimizer.buffer_bytes``; DDP's gradient buckets (one buffer
+    per bucket, in the gradients' dtype, from DDP's logging data); None for
+    FSDP2, whose buffers are made and released within each step."""
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer.buffer_bytes
+    if isinstance(net, DistributedDataParallel):
+        sizes = str(net._get_ddp_logging_data().get("bucket_sizes", ""))
+        return sum(int(size) for size in re.findall(r"\d+", sizes))
+    return None
+
+
+def count_memory(model: nn.Module, net: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> Dict[str, Optional[int]]:
     """This rank's bytes: optimizer state (0-d tensors also apart), master weights,
-    gradients, parameters."""
+    gradients, parameters, communication buffers kept between steps (None:
+    not held)."""
     state = _state_tensors(optimizer)
     sharded = getattr(optimizer, "sharded", None)
     params = list(model.parameters())
@@ -210,7 +231,8 @@ def count_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str
             "state_scalars": _nbytes(t for t in state if _local(t).dim() == 0),
             "master": _nbytes(s.tensor for s in sharded.masters) if sharded else 0,
             "grads": _nbytes(p.grad for p in params if p.grad is not None),
-            "params": _nbytes(params)}
+            "params": _nbytes(params),
+            "buffers": held_buffer_bytes(net, optimizer)}
 
 
 def _full_state(optimizer: DistributedOptimizer) -> Dict[str, int]:
@@ -271,13 +293,13 @@ def rank_measure(rank: int, world_size: int, case: dict, config: dict) -> dict:
                 step()
                 getattr(optimizer, "finish_param_gather", lambda: None)()
 
-            fns[method], built[method] = two_steps, (model, optimizer)
+            fns[method], built[method] = two_steps, (model, net, optimizer)
         else:
             not_run[method] = error
     samples = timing.time_across_ranks(fns, config["repeats"], device) if fns else {}
     samples = {method: [ms / 2 for ms in times] for method, times in samples.items()}
     memory = {method: count_memory(*built[method]) for method in built}
-    full = _full_state(built[SHARDED][1]) if SHARDED in built else None
+    full = _full_state(built[SHARDED][2]) if SHARDED in built else None
     shapes = TENSOR_LISTS[name](case["size"])
     return {"samples": samples, "memory": memory, "full": full, "not_run": not_run,
             "n_tensors": len(shapes), "n_elements": n_elements(shapes),
@@ -300,7 +322,8 @@ def _rank_body(rank: int, world_size: int, config: dict) -> List[dict]:
 
 #: what every record holds beyond ``common.result``'s keys (None where it does not apply)
 EXTRA_KEYS = ("model", "dtype", "time_vs_unsharded", "state_bytes", "master_bytes",
-              "grad_bytes", "param_bytes", "state_master_bytes", "state_master_vs_unsharded",
+              "grad_bytes", "param_bytes", "buffer_bytes", "held_bytes", "held_vs_ddp",
+              "state_master_bytes", "state_master_vs_unsharded",
               "memory_per_rank", "full_state_bytes", "full_state_scalar_bytes",
               "padding_elements", "n_buckets", "state_master_vs_full_per_rank",
               "state_master_bound_bytes", "memory_aim_met", "time_aim_met", "not_run")
@@ -320,6 +343,14 @@ def records(outcome: Dict[int, dict], case: dict) -> List[dict]:
     def state_master(method: str) -> int:
         memory = per_rank(method)
         return max(s + m for s, m in zip(memory["state"], memory["master"]))
+
+    def held(method: str) -> Optional[int]:
+        memory = per_rank(method)
+        if any(b is None for b in memory["buffers"]):
+            return None
+        return max(sum(parts) for parts in zip(memory["state"], memory["master"],
+                                                memory["grads"], memory["params"],
+                                                memory["buffers"]))
 
     def median(method: str) -> Optional[float]:
         return timing.summary_ms(samples[method])["time_ms"] if method in samples else None
@@ -346,7 +377,12 @@ def records(outcome: Dict[int, dict], case: dict) -> List[dict]:
         memory = per_rank(method)
         record.update(state_bytes=max(memory["state"]), master_bytes=max(memory["master"]),
                       grad_bytes=max(memory["grads"]), param_bytes=max(memory["params"]),
-                      state_master_bytes=state_master(method), memory_per_rank=memory)
+                      state_master_bytes=state_master(method), memory_per_rank=memory,
+                      buffer_bytes=None if None in memory["buffers"] else max(memory["buffers"]),
+                      held_bytes=held(method))
+        if record["held_bytes"] is not None and BASELINE not in first["not_run"] \
+                and held(BASELINE):
+            record["held_vs_ddp"] = record["held_bytes"] / held(BASELINE)
         if method in (SHARDED, SHARDED_OVERLAP) and first["full"] is not None:
             record.update(first["full"])  # the same state either way
             record.update(_aims(record, world_size))
@@ -398,7 +434,9 @@ COLUMNS: List[common.Column] = [
     ("min ms", "time_ms_min", _ms), ("x ddp", "ratio", ".2f"),
     ("t/t unsh", "time_vs_unsharded", ".3f"), ("state MB", "state_bytes", _mb),
     ("master MB", "master_bytes", _mb), ("grads MB", "grad_bytes", _mb),
-    ("params MB", "param_bytes", _mb), ("st+mst MB", "state_master_bytes", _mb),
+    ("params MB", "param_bytes", _mb), ("bufs MB", "buffer_bytes", _mb),
+    ("held MB", "held_bytes", _mb), ("held x ddp", "held_vs_ddp", ".3f"),
+    ("st+mst MB", "state_master_bytes", _mb),
     ("x unsh", "state_master_vs_unsharded", ".3f"),
     ("x full/ws", "state_master_vs_full_per_rank", ".4f"),
     ("bound MB", "state_master_bound_bytes", _mb), ("mem aim", "memory_aim_met", _yes),
@@ -410,7 +448,9 @@ NOTES = (
     "ddp_adamw's time over the method's (above 1: faster); t/t unsh: the method's time over "
     f"fused_adamw's (time aim: sharded <= {TIME_AIM:.2f}).\n"
     "MB (1e6 bytes) per rank, the largest rank's: optimizer state, master weights, .grad, "
-    "parameters; st+mst: state + master; x unsh: st+mst over fused_adamw's; x full/ws: "
+    "parameters, communication buffers kept between steps (bufs; '-': FSDP2 makes them within "
+    "each step); held: the five together; held x ddp: held over ddp_adamw's; st+mst: state + "
+    "master; x unsh: st+mst over fused_adamw's; x full/ws: "
     "st+mst over 1/world_size of the sharded optimizer's whole state_dict() (fp32 masters "
     "included; 1.0 = an exact share); bound: (whole state + padding) / world_size + the 0-d "
     "step counts (mem aim: st+mst <= bound).")

@@ -76,6 +76,24 @@ class Bucket:
         return [(o, o + n) for o, n in zip(self.offsets, self.numels)]
 
 
+def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the memory under ``tensors``, each storage counted once (a
+    view or a reinterpretation of another tensor's memory adds nothing).
+
+    Examples:
+        >>> flat = torch.zeros(1000)
+        >>> storage_bytes([flat, flat[10:20], flat.view(torch.bfloat16)])
+        4000
+        >>> storage_bytes([flat, torch.zeros(10, dtype=torch.float16)])
+        4020
+    """
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

@@ -26,6 +26,7 @@ from .kernels._checks import refuse_in_capture
 from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
                      check_local_size)
 from .broadcast import broadcast_tensors
+from .buckets import storage_bytes
 from .clipping import (check_clipping, check_error_if_nonfinite, check_limit,
                        check_norm_type, check_split_norm)
 from .process_group import require_process_group, verify_same_on_all_ranks
@@ -278,6 +279,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         device, the same bits on every rank, as ``clip_grad_norm_`` returns
         it); None before the first one, or without clipping."""
         return self.reducer.grad_norm
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the flat buffers fusedreduce keeps for this optimizer from
+        one step to the next, each piece of memory counted once (what a
+        memory plan adds to the parameters, ``.grad`` and the optimizer
+        state): one buffer per bucket in its communication dtype
+        (``DistributedGradReducer.buffer_bytes``), 4 bytes per parameter
+        element for 16-bit and fp32 parameters alike by default. With
+        ``shard=True`` they are made at construction and kept whole; this
+        rank's part of each and the all-gather live in them (both
+        collectives run in place), so sharding adds nothing here
+        (docs/guides/sharded.md, "Memory per rank").
+
+        Examples:
+            >>> opt = DistributedOptimizer(torch.optim.AdamW(model.parameters()),  # doctest: +SKIP
+            ...                            shard=True)
+            >>> opt.buffer_bytes / sum(p.numel() for p in model.parameters())  # doctest: +SKIP
+            4.0   # fp32 buckets (their padding aside)
+        """
+        held = self.reducer._held_buffers()
+        if self.sharded is not None:
+            held += self.sharded.held_buffers()
+        return storage_bytes(held)
 
     @property
     def loss_scale(self):

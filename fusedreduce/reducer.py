@@ -24,7 +24,7 @@ from ._checks import check_distinct, check_int, check_prescale, tensor_list
 from .allreduce import (PendingBucket, finish_bucket, start_all_reduce, start_bucket_all_reduce,
                         wait_for)
 from .bucket_views import BucketViews
-from .buckets import BucketPlan
+from .buckets import BucketPlan, storage_bytes
 from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers, clip_scales,
                        norm_split_for, raise_if_nonfinite)
 from .overlap import BackwardOverlap
@@ -586,6 +586,34 @@ class DistributedGradReducer:
     def syncing(self) -> bool:
         """False inside ``no_sync()``."""
         return self._overlap.sync_enabled
+
+    def _held_buffers(self) -> List[torch.Tensor]:
+        """What this reducer keeps between calls for its own use."""
+        held = [*(self._buffers or ()), *(self._call_buffers or ())]
+        if self._views is not None:
+            held += self._views.grad_buffers.values()
+        return held
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the flat buffers this reducer keeps from one reduction to
+        the next, each piece of memory counted once: one buffer per bucket in
+        the bucket's communication dtype (fp32 for 16-bit gradients by
+        default), made at the first reduction (0 before it; the call path and
+        the hooks' path keep one set each). With ``gradient_as_bucket_view``
+        they are made when the hooks are registered, and the gradients live
+        in them (and in one buffer per other gradient dtype of a bucket,
+        counted too), so the gradients take no memory of their own.
+
+        Examples:
+            >>> reducer = DistributedGradReducer([torch.zeros(1000, 10)])  # doctest: +SKIP
+            >>> reducer.buffer_bytes                                       # doctest: +SKIP
+            0
+            >>> _ = reducer([torch.ones(1000, 10)])                        # doctest: +SKIP
+            >>> reducer.buffer_bytes   # one fp32 bucket of 10,000 elements  # doctest: +SKIP
+            40000
+        """
+        return storage_bytes(self._held_buffers())
 
     def mark_reduced(self) -> None:
         """Declare ``.grad`` reduced (it was, by another reducer)."""

@@ -138,8 +138,6 @@ class ShardedGradReducer(DistributedGradReducer):
         self.unused_grads_to_none = True
         self.before_communicating = None  # called before a backward's first collective
         self._buffers = [self.plan.new_buffer(b) for b in self.plan.buckets]
-        self.parts = [torch.empty(b.part_size, dtype=b.dtype, device=b.device)
-                      for b in self.plan.buckets]
         # AdaSum stops its tree after the halving: each rank owns the slice it
         # holds then (unequal, chunk-aligned), and the parameters come back
         # through the tree's reverse swaps
@@ -152,6 +150,10 @@ class ShardedGradReducer(DistributedGradReducer):
         else:
             self.owned = [(self.rank * b.part_size, (self.rank + 1) * b.part_size)
                           for b in self.plan.buckets]
+        # each rank's part is its own slot of the bucket's buffer: the
+        # reduce-scatter runs in place (NCCL's in-place form, which Megatron's
+        # distributed optimizer uses too), so a part takes no memory of its own
+        self.parts = [buffer[lo:hi] for buffer, (lo, hi) in zip(self._buffers, self.owned)]
         self._zeros: Dict[int, torch.Tensor] = {}
         # torch's gloo backend reduce-scatters by all-reducing the whole input
         # and copying the part out (measured slower than the all-reduce alone:
@@ -178,6 +180,11 @@ class ShardedGradReducer(DistributedGradReducer):
         """The flat buffers (scratch between the collectives: the all-gather
         reuses their memory)."""
         return self._buffers
+
+    def _held_buffers(self) -> List[torch.Tensor]:
+        # the flat buffers (every bucket, whole; the parts are slots of them)
+        # and the zeros that stand in for frozen parameters' gradients
+        return [*self._buffers, *self._zeros.values()]
 
     def _sites_not_owned(self) -> List[Tuple[int, tuple]]:
         """(parameter index, element index) of one element per tensor that this
@@ -268,7 +275,7 @@ class ShardedGradReducer(DistributedGradReducer):
                 flat = p.flat  # the part is the whole bucket
             else:
                 flat = self._buffers[bucket.index]
-                if p.flat is not flat:
+                if p.flat is not flat and p.flat.data_ptr() != flat[lo:hi].data_ptr():
                     flat[lo:hi].copy_(p.flat)
                 flat[:lo].zero_()
                 flat[hi:].zero_()
@@ -374,16 +381,16 @@ class ShardedParameters:
             if flat is None:
                 flat = torch.empty(bucket.size, dtype=dtype, device=bucket.device)
             self._gather_flat.append(flat)
-            if reducer.tree_shares is not None:
-                # the tree's swaps gather in place: this rank's slice of the flat buffer
-                lo, hi = reducer.owned[bucket.index]
-                self._send.append(flat[lo:hi])
-                continue
-            send = _reinterpret(reducer.parts[bucket.index], dtype, bucket.part_size)
-            self._send.append(send if send is not None else
-                              torch.empty(bucket.part_size, dtype=dtype, device=bucket.device))
+            # the all-gather (or the AdaSum tree's swaps) runs in place: this
+            # rank sends its own slot of the flat buffer
+            lo, hi = reducer.owned[bucket.index]
+            self._send.append(flat[lo:hi])
         self._send_slices = [[self._send[b][s.range.offset:s.range.offset + s.range.numel]
                               for s in shards] for b, shards in enumerate(self.per_bucket)]
+
+    def held_buffers(self) -> List[torch.Tensor]:
+        """The all-gather's buffers (most reuse the reducer's memory)."""
+        return [*self._gather_flat, *self._send]
 
     def _gather_dtype(self, bucket: Bucket) -> torch.dtype:
         """The widest dtype of the bucket's parameters: it carries each exactly

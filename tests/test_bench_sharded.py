@@ -3,8 +3,8 @@
 One ``sharded --quick`` run on 2 gloo ranks (tiny models, both dtypes) is
 shared by the tests. No timing is asserted beyond positive, finite figures;
 the byte counts are checked against what AdamW must hold: the exact totals
-over the ranks, and each rank's share of the sharded state within the bound
-the plan's padding allows.
+over the ranks, each rank's share of the sharded state within the bound
+the plan's padding allows, and the communication buffers each method keeps.
 """
 import importlib.util
 import math
@@ -145,6 +145,36 @@ def test_fused_sharded_state_and_masters_per_rank_are_a_world_size_share(quick_r
         assert 0.99 < sharded["state_master_vs_full_per_rank"] < 1.05
 
 
+def test_communication_buffers_kept_between_steps_are_counted(quick_run):
+    _, record, _ = quick_run
+    for (_, dtype), methods in _by_case(record).items():
+        n, nbytes = methods["ddp_adamw"]["n_elements"], methods["ddp_adamw"]["bytes"]
+        # DDP (and ZeroRedundancyOptimizer on it): a bucket buffer per bucket in
+        # the gradients' dtype, every gradient once
+        for method in ("ddp_adamw", "ddp_zero_adamw"):
+            assert methods[method]["memory_per_rank"]["buffers"] == [nbytes] * WORLD_SIZE
+        # FSDP2 keeps none between steps: not counted, and no total
+        fsdp2 = methods["fsdp2_adamw"]
+        assert fsdp2["memory_per_rank"]["buffers"] == [None] * WORLD_SIZE
+        assert fsdp2["buffer_bytes"] is fsdp2["held_bytes"] is fsdp2["held_vs_ddp"] is None
+        # ours: fp32 buckets whatever the parameters' dtype (4 bytes per element
+        # and the tensors' alignment); sharded, the parts and the all-gather
+        # live in them (in place) and add nothing
+        assert methods["fused_adamw"]["buffer_bytes"] >= 4 * n
+        sharded = methods["fused_sharded_adamw"]
+        whole = 4 * (n + sharded["padding_elements"])
+        assert sharded["memory_per_rank"]["buffers"] == [whole] * WORLD_SIZE
+        ddp_held = methods["ddp_adamw"]["held_bytes"]
+        for method, result in methods.items():
+            if method == "fsdp2_adamw":
+                continue
+            memory = result["memory_per_rank"]
+            assert result["held_bytes"] == max(
+                sum(parts) for parts in zip(memory["state"], memory["master"], memory["grads"],
+                                            memory["params"], memory["buffers"])), method
+            assert math.isclose(result["held_vs_ddp"], result["held_bytes"] / ddp_held)
+
+
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib (the bench extra) is not installed")
 def test_quick_sharded_writes_a_png(quick_run):
     process, _, png = quick_run
@@ -155,7 +185,8 @@ def test_quick_sharded_writes_a_png(quick_run):
 def _rank_output(n_tensors=4, n_elements=100, not_run=()):
     """One rank's ``rank_measure`` output for ``records``: fp32, 10 ms per step, whole state."""
     methods = [m for m in sharded_bench.METHODS if m not in not_run]
-    memory = {"state": 816, "state_scalars": 16, "master": 0, "grads": 400, "params": 400}
+    memory = {"state": 816, "state_scalars": 16, "master": 0, "grads": 400, "params": 400,
+              "buffers": 400}
     return {"samples": {m: [10.0, 12.0, 11.0] for m in methods},
             "memory": {m: dict(memory) for m in methods},
             "full": {"full_state_bytes": 816, "full_state_scalar_bytes": 16,

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fusedreduce import DistributedGradReducer, DistributedOptimizer
+from fusedreduce.buckets import storage_bytes
 from harness import (assert_raised_before_any_collective, outcomes_and_collectives,
                      ranks_once_getter, record_collectives, run_ranks)
 
@@ -619,7 +620,33 @@ def on_rank(rank, world_size):
         results["structure"] = [_structure_changes(rank, world_size, shard)
                                 for shard in (True, False)]
     results["checkpoints"] = _checkpoints(rank, world_size)
+    results["buffer_bytes"] = _buffer_bytes(rank, world_size)
     return results
+
+
+def _buffer_bytes(rank, world_size):
+    """``buffer_bytes`` of an unsharded, a bucket-view and a sharded optimizer
+    before and after a step, with what the plans say they hold."""
+    seen = {}
+    for mode in ("unsharded", "bucket_views", "sharded"):
+        model = _model()
+        optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=mode == "sharded",
+                                         gradient_as_bucket_view=mode == "bucket_views",
+                                         param_pack_thd=300)
+        before = optimizer.buffer_bytes
+        _loss(model, rank, 0).backward()
+        optimizer.step()
+        buckets = optimizer.reducer.plan.buckets
+        grads = [p.grad for p in model.parameters()]
+        seen[mode] = {
+            "before": before, "after": optimizer.buffer_bytes,
+            "n_buckets": len(buckets),
+            "bucket_bytes": sum(b.size * b.dtype.itemsize for b in buckets),
+            "part_bytes": sum(getattr(b, "part_size", 0) * b.dtype.itemsize for b in buckets),
+            "elements": sum(p.numel() for p in model.parameters()),
+            "grads_in_buffers": storage_bytes(optimizer.reducer._held_buffers() + grads)
+            == optimizer.buffer_bytes}
+    return seen
 
 
 def _compiled(rank, world_size):
@@ -847,6 +874,31 @@ def test_sharded_adasum_stops_the_tree_at_the_halving(ranks_once, world_size, na
         allowed = seen["sent_unsharded"] + 1.1 * pieces + 3 * seen["padding_bytes"]
         assert seen["sent_sharded"] <= allowed, \
             f"rank {rank}: {seen['sent_sharded']} bytes, unsharded {seen['sent_unsharded']}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_buffer_bytes_counts_the_buckets_and_the_sharded_parts(ranks_once, world_size):
+    for rank, seen in enumerate(r["buffer_bytes"] for r in ranks_once(world_size)):
+        unsharded, views, sharded = seen["unsharded"], seen["bucket_views"], seen["sharded"]
+        # made at the first reduction: one fp32 buffer per bucket (every
+        # dtype here is reduced in fp32, its tensors aligned within it), at
+        # most two spare elements each (the non-finite and missing-gradient
+        # counts)
+        assert unsharded["bucket_bytes"] >= 4 * unsharded["elements"]
+        assert unsharded["before"] == 0
+        assert unsharded["bucket_bytes"] <= unsharded["after"] \
+            <= unsharded["bucket_bytes"] + 8 * unsharded["n_buckets"], f"rank {rank}"
+        # bucket views: the buffers are made with the views, before any
+        # reduction; the fp32 gradients live in the buffers, the 16-bit ones
+        # in a buffer per dtype, counted too: each .grad adds no memory of its own
+        assert views["grads_in_buffers"], f"rank {rank}"
+        assert views["before"] == views["after"] > unsharded["after"]
+        # sharded: every bucket whole (padded to a multiple of the world size),
+        # from construction on; this rank's part is its slot of it (the
+        # reduce-scatter and the all-gather run in place) and adds nothing
+        assert sharded["part_bytes"] == sharded["bucket_bytes"] // world_size
+        assert sharded["before"] == sharded["after"] == sharded["bucket_bytes"], f"rank {rank}"
+        assert sharded["bucket_bytes"] >= 4 * sharded["elements"]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
