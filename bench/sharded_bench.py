@@ -38,13 +38,15 @@ local optimizer's), ``master_bytes`` (``fused_sharded_adamw``'s
 ``opt.sharded.masters``; no other method keeps any), ``grad_bytes`` (the
 ``.grad`` tensors), ``param_bytes`` and ``buffer_bytes`` (the communication
 buffers the method keeps from one step to the next: ``held_buffer_bytes``;
-None for FSDP2, which makes its buffers within each step); ``state_master_bytes``
-is the largest per-rank sum of the first two, and ``held_bytes`` the largest
-per-rank sum of all five (None without a buffer count), ``held_vs_ddp`` that
-over ``ddp_adamw``'s. Activations and what lives only within a step (FSDP2's
-unsharded parameters and buffers, the buckets in flight) are not counted. For ``fused_sharded_adamw``, ``full_state_bytes`` is the tensors of
-its (collective) ``state_dict()``: the whole state with the fp32 master
-weights, what one rank would hold unsharded with the same numerics; for
+None for FSDP2, which makes its buffers within each step);
+``state_master_bytes`` is the largest per-rank sum of the first two, and
+``held_bytes`` the largest per-rank sum of all five (None without a buffer
+count), ``held_vs_ddp`` that over ``ddp_adamw``'s. Activations and what
+lives only within a step (FSDP2's unsharded parameters and buffers, the
+buckets in flight) are not counted. For ``fused_sharded_adamw``,
+``full_state_bytes`` is the tensors of its (collective) ``state_dict()``:
+the whole state with the fp32 master weights, what one rank would hold
+unsharded with the same numerics; for
 float32 it equals ``fused_adamw``'s state. The memory aim holds when the
 sharded rank holds at most ``(full_state_bytes + padding) / world_size`` plus
 every 0-d state tensor (AdamW's step counts, one per parameter slice a rank
