@@ -43,7 +43,10 @@ None for FSDP2, which makes its buffers within each step);
 ``held_bytes`` the largest per-rank sum of all five (None without a buffer
 count), ``held_vs_ddp`` that over ``ddp_adamw``'s. Activations and what
 lives only within a step (FSDP2's unsharded parameters and buffers, the
-buckets in flight) are not counted. For ``fused_sharded_adamw``,
+buckets in flight) are not counted; they are in ``peak_bytes``, measured:
+the most the rank's CPU allocator held during one more step, from torch's
+profiler (``peak_bytes``), the largest rank's, and ``peak_vs_ddp`` that over
+``ddp_adamw``'s. For ``fused_sharded_adamw``,
 ``full_state_bytes`` is the tensors of its (collective) ``state_dict()``:
 the whole state with the fp32 master weights, what one rank would hold
 unsharded with the same numerics; for
@@ -56,9 +59,11 @@ of the full state. The time aim: within 10% of ``fused_adamw``'s step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
+import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -221,6 +226,73 @@ def held_buffer_bytes(net: nn.Module, optimizer: torch.optim.Optimizer) -> Optio
     return None
 
 
+#: the profiler range around the step whose peak ``peak_bytes`` reads
+PEAK_RANGE = "fusedreduce_bench_measured_step"
+
+
+def _persistent(memory: Dict[str, Optional[int]]) -> int:
+    """What a rank holds through a step (``count_memory``'s entries less ``.grad``,
+    which ``zero_grad()`` frees as the step starts)."""
+    return memory["state"] + memory["master"] + memory["params"] + (memory["buffers"] or 0)
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """File descriptor 2 pointed at /dev/null (native code writes there
+    directly, not through ``sys.stderr``), restored on leaving."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def peak_bytes(step: Callable[[], None], persistent: int) -> Optional[int]:
+    """The most this rank's CPU allocator held during one ``step()``:
+    ``persistent`` (counted: allocated before and held throughout) plus the
+    peak of what the step allocated on top, from torch's profiler
+    (``profile_memory``). The step runs twice under the profiler and the
+    second is read, so each block it frees was allocated, and seen, within
+    the profile. Gloo's own scratch is not the allocator's and is not in it.
+    None where the profiler gives no such events."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    # the profiler's native start and stop lines, and its warning about the
+    # blocks the first step frees (allocated before the profile), would
+    # otherwise fill stderr on every rank for every method
+    with _native_stderr_silenced():
+        prof.start()
+        step()
+    try:
+        with record_function(PEAK_RANGE):
+            step()
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
+    try:
+        events = list(prof.profiler.kineto_results.events())
+    except AttributeError:
+        return None
+    window = next((e for e in events if e.name() == PEAK_RANGE), None)
+    changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    if window is None or not changes:
+        return None
+    alive, top = 0, None
+    for at, nbytes in changes:
+        if at > window.end_ns():
+            break
+        if at >= window.start_ns() and top is None:
+            top = alive  # what the step starts with
+        alive += nbytes
+        if top is not None:
+            top = max(top, alive)
+    return persistent + (alive if top is None else top)
+
+
 def count_memory(model: nn.Module, net: nn.Module,
                  optimizer: torch.optim.Optimizer) -> Dict[str, Optional[int]]:
     """This rank's bytes: optimizer state (0-d tensors also apart), master weights,
@@ -270,6 +342,7 @@ def rank_measure(rank: int, world_size: int, case: dict, config: dict) -> dict:
     name, dtype = case["model"], common.DTYPES[case["dtype"]]
     device = torch.device("cpu")
     fns: Dict[str, Callable[[], None]] = {}
+    steps: Dict[str, Callable[[], None]] = {}
     built, not_run = {}, {}
     for method in METHODS:
         error = None
@@ -295,12 +368,19 @@ def rank_measure(rank: int, world_size: int, case: dict, config: dict) -> dict:
                 step()
                 getattr(optimizer, "finish_param_gather", lambda: None)()
 
+            def finished_step(step=step, optimizer=optimizer):
+                step()
+                getattr(optimizer, "finish_param_gather", lambda: None)()
+
             fns[method], built[method] = two_steps, (model, net, optimizer)
+            steps[method] = finished_step
         else:
             not_run[method] = error
     samples = timing.time_across_ranks(fns, config["repeats"], device) if fns else {}
     samples = {method: [ms / 2 for ms in times] for method, times in samples.items()}
     memory = {method: count_memory(*built[method]) for method in built}
+    for method in built:  # after the counts: the profiled steps leave the same tensors
+        memory[method]["peak"] = peak_bytes(steps[method], _persistent(memory[method]))
     full = _full_state(built[SHARDED][2]) if SHARDED in built else None
     shapes = TENSOR_LISTS[name](case["size"])
     return {"samples": samples, "memory": memory, "full": full, "not_run": not_run,
@@ -325,6 +405,7 @@ def _rank_body(rank: int, world_size: int, config: dict) -> List[dict]:
 #: what every record holds beyond ``common.result``'s keys (None where it does not apply)
 EXTRA_KEYS = ("model", "dtype", "time_vs_unsharded", "state_bytes", "master_bytes",
               "grad_bytes", "param_bytes", "buffer_bytes", "held_bytes", "held_vs_ddp",
+              "peak_bytes", "peak_vs_ddp",
               "state_master_bytes", "state_master_vs_unsharded",
               "memory_per_rank", "full_state_bytes", "full_state_scalar_bytes",
               "padding_elements", "n_buckets", "state_master_vs_full_per_rank",
@@ -385,6 +466,10 @@ def records(outcome: Dict[int, dict], case: dict) -> List[dict]:
         if record["held_bytes"] is not None and BASELINE not in first["not_run"] \
                 and held(BASELINE):
             record["held_vs_ddp"] = record["held_bytes"] / held(BASELINE)
+        if None not in memory["peak"]:
+            record["peak_bytes"] = max(memory["peak"])
+            if BASELINE not in first["not_run"] and None not in per_rank(BASELINE)["peak"]:
+                record["peak_vs_ddp"] = record["peak_bytes"] / max(per_rank(BASELINE)["peak"])
         if method in (SHARDED, SHARDED_OVERLAP) and first["full"] is not None:
             record.update(first["full"])  # the same state either way
             record.update(_aims(record, world_size))
@@ -438,6 +523,7 @@ COLUMNS: List[common.Column] = [
     ("master MB", "master_bytes", _mb), ("grads MB", "grad_bytes", _mb),
     ("params MB", "param_bytes", _mb), ("bufs MB", "buffer_bytes", _mb),
     ("held MB", "held_bytes", _mb), ("held x ddp", "held_vs_ddp", ".3f"),
+    ("peak MB", "peak_bytes", _mb), ("peak x ddp", "peak_vs_ddp", ".3f"),
     ("st+mst MB", "state_master_bytes", _mb),
     ("x unsh", "state_master_vs_unsharded", ".3f"),
     ("x full/ws", "state_master_vs_full_per_rank", ".4f"),
@@ -451,8 +537,10 @@ NOTES = (
     f"fused_adamw's (time aim: sharded <= {TIME_AIM:.2f}).\n"
     "MB (1e6 bytes) per rank, the largest rank's: optimizer state, master weights, .grad, "
     "parameters, communication buffers kept between steps (bufs; '-': FSDP2 makes them within "
-    "each step); held: the five together; held x ddp: held over ddp_adamw's; st+mst: state + "
-    "master; x unsh: st+mst over fused_adamw's; x full/ws: "
+    "each step); held: the five together; held x ddp: held over ddp_adamw's; peak: the most "
+    "the rank's CPU allocator held during a step (torch's profiler; activations and what lives "
+    "only within the step included, gloo's own scratch not), peak x ddp over ddp_adamw's; "
+    "st+mst: state + master; x unsh: st+mst over fused_adamw's; x full/ws: "
     "st+mst over 1/world_size of the sharded optimizer's whole state_dict() (fp32 masters "
     "included; 1.0 = an exact share); bound: (whole state + padding) / world_size + the 0-d "
     "step counts (mem aim: st+mst <= bound).")

@@ -175,6 +175,23 @@ def test_communication_buffers_kept_between_steps_are_counted(quick_run):
             assert math.isclose(result["held_vs_ddp"], result["held_bytes"] / ddp_held)
 
 
+def test_the_measured_peak_holds_at_least_what_a_step_keeps_alive_at_once(quick_run):
+    _, record, _ = quick_run
+    for methods in _by_case(record).values():
+        ddp_peak = methods["ddp_adamw"]["peak_bytes"]
+        for method, result in methods.items():
+            memory = result["memory_per_rank"]
+            for rank in range(WORLD_SIZE):
+                # when backward ends, every gradient is alive beside the
+                # parameters, the state and the buffers: the profiler's peak
+                # (what the allocator held on top of those) cannot be lower
+                held = sum(memory[key][rank] or 0
+                           for key in ("state", "master", "grads", "params", "buffers"))
+                assert memory["peak"][rank] >= held, (method, rank)
+            assert result["peak_bytes"] == max(memory["peak"])
+            assert math.isclose(result["peak_vs_ddp"], result["peak_bytes"] / ddp_peak)
+
+
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib (the bench extra) is not installed")
 def test_quick_sharded_writes_a_png(quick_run):
     process, _, png = quick_run
@@ -186,7 +203,7 @@ def _rank_output(n_tensors=4, n_elements=100, not_run=()):
     """One rank's ``rank_measure`` output for ``records``: fp32, 10 ms per step, whole state."""
     methods = [m for m in sharded_bench.METHODS if m not in not_run]
     memory = {"state": 816, "state_scalars": 16, "master": 0, "grads": 400, "params": 400,
-              "buffers": 400}
+              "buffers": 400, "peak": 3000}
     return {"samples": {m: [10.0, 12.0, 11.0] for m in methods},
             "memory": {m: dict(memory) for m in methods},
             "full": {"full_state_bytes": 816, "full_state_scalar_bytes": 16,
