@@ -38,7 +38,8 @@ from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
 from .buckets import Bucket, BucketPlan
 from .clipping import max_over_ranks, norm_powers
 from .reducer import DistributedGradReducer
-from .sharded import PartRange, _all_gather, ranges_between, start_bucket_reduce_scatter
+from .sharded import (PartRange, _all_gather, broadcast_slots, ranges_between,
+                      start_bucket_reduce_scatter)
 
 #: optimizers whose step updates every element from that element's gradient
 #: and state alone (and per-parameter scalars such as a step count), so a
@@ -375,6 +376,10 @@ class ShardedParameters:
         self._hook = None
         self._gather_flat: List[torch.Tensor] = []
         self._send: List[torch.Tensor] = []
+        # gloo's all-gather copies through a temporary of the whole buffer and
+        # was slower than one broadcast per rank (see broadcast_slots)
+        self._gather_by_broadcasts = self.world_size > 1 and \
+            dist.get_backend(group) == dist.Backend.GLOO
         for bucket in self.plan.buckets:
             dtype = self._gather_dtype(bucket)
             flat = _reinterpret(reducer.buffers[bucket.index], dtype, bucket.size)
@@ -496,8 +501,11 @@ class ShardedParameters:
                 pending = PendingBucket(bucket, flat, None)
             elif bucket.size:
                 flat = self._gather_flat[bucket.index]
-                pending = PendingBucket(bucket, flat,
-                                        _all_gather(flat, self._send[bucket.index], self.group))
+                if self._gather_by_broadcasts:
+                    work = broadcast_slots(flat, self.group, self.world_size)
+                else:
+                    work = _all_gather(flat, self._send[bucket.index], self.group)
+                pending = PendingBucket(bucket, flat, work)
             else:
                 continue
             self._pending[bucket.index] = pending

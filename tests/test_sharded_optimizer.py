@@ -103,8 +103,9 @@ def _step_reference(model, masters, plain, grads):
 def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1,
                  reduce_method="mean", param_pack=True, reduce_scatter=False, **options):
     """Sharded vs the all-reduce reference, ``STEPS`` steps. ``reduce_scatter``:
-    the reduce-scatter path even on gloo (where the reducer all-reduces, as
-    gloo's reduce-scatter does inside)."""
+    NCCL's path (a reduce-scatter and an all-gather per bucket) even on gloo,
+    where the reducer all-reduces, as gloo's reduce-scatter does inside, and
+    the parameters come back by one broadcast per rank."""
     kwargs = {} if dtypes is None else {"dtypes": dtypes}
     model, reference = _model(**kwargs), _model(**kwargs)
     optimizer = DistributedOptimizer(make(model.parameters()), reduce_method=reduce_method,
@@ -112,7 +113,9 @@ def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1
                                      backward_passes_per_step=passes, shard=True, **options)
     events = []
     if reduce_scatter:
+        # NCCL's path: a reduce-scatter and an all-gather per bucket, both in place
         optimizer.reducer._all_reduce_instead = False
+        optimizer.sharded._gather_by_broadcasts = False
         record_collectives(events)
     reducer = DistributedGradReducer(list(reference.parameters()),
                                      mean=reduce_method == "mean")
@@ -134,6 +137,7 @@ def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1
         seen["params"].append(_snapshot(model))
         seen["reference"].append(_snapshot(reference))
     seen["reduce_scatters"] = sum(e.startswith("reduce_scatter") for e in events)
+    seen["all_gathers"] = sum(e.startswith("all_gather") for e in events)
     seen["state"] = _state_elements(optimizer)
     seen["param_numel"] = sum(p.numel() for p in model.parameters())
     seen["padding"] = sum(b.size - sum(b.numels) for b in optimizer.reducer.plan.buckets)
@@ -775,6 +779,7 @@ def test_sharded_steps_are_the_all_reduce_steps(ranks_once, world_size, name):
     if name == "adamw_reduce_scatter":
         # one per bucket and step (a world of one rank communicates nothing)
         assert first["reduce_scatters"] == (STEPS * first["buckets"] if world_size > 1 else 0)
+        assert first["all_gathers"] == first["reduce_scatters"]
     for rank, seen in enumerate(results):
         for step in range(STEPS):
             for i, (got, want) in enumerate(zip(seen["params"][step], seen["reference"][step])):

@@ -11,6 +11,7 @@ source, and (c) reduce within the group only, as plain torch does it with
 
 Rank functions never assert: they return what they saw and the test judges.
 """
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -61,14 +62,15 @@ def _train(model, optimizer, rank, group, reduce):
         optimizer.zero_grad()
 
 
-def _optimizer_in_subgroups(rank, world_size):
+def _optimizer_in_subgroups(rank, world_size, shard):
     group, index = _my_group(rank)
     seen = {"group": index}
     # every rank starts from its own weights: bcast_period=0 makes them the
-    # group's rank 0's, which is global rank 1 for {1, 3}
+    # group's rank 0's, which is global rank 1 for {1, 3}; sharded, each
+    # group rank's part comes back from that rank (a broadcast on gloo)
     model = _model(seed=rank)
     optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                     group=group)
+                                     group=group, shard=shard)
     seen["after_wrap"] = _flat(model)
     _train(model, optimizer, rank, group, reduce=False)
     seen["trained"] = _flat(model)
@@ -87,8 +89,9 @@ def _optimizer_in_subgroups(rank, world_size):
     return seen
 
 
-def test_distributed_optimizer_broadcasts_and_reduces_within_a_group_without_global_rank_0():
-    seen = run_ranks(_optimizer_in_subgroups, WORLD)
+@pytest.mark.parametrize("shard", [False, True])
+def test_distributed_optimizer_broadcasts_and_reduces_within_a_group_without_global_rank_0(shard):
+    seen = run_ranks(_optimizer_in_subgroups, WORLD, shard)
     for index, ranks in enumerate(GROUPS):
         source = ranks[0]
         for rank in ranks:
