@@ -275,9 +275,9 @@ class ShardedGradReducer(DistributedGradReducer):
             if self.world_size == 1 and self.adasum_local_size is None:
                 flat = p.flat  # the part is the whole bucket
             else:
+                # the collective left this rank's part in its slot of the
+                # buffer (the whole buffer all-reduced, or the part in place)
                 flat = self._buffers[bucket.index]
-                if p.flat is not flat and p.flat.data_ptr() != flat[lo:hi].data_ptr():
-                    flat[lo:hi].copy_(p.flat)
                 flat[:lo].zero_()
                 flat[hi:].zero_()
             flats.append(flat)
@@ -394,8 +394,9 @@ class ShardedParameters:
                               for s in shards] for b, shards in enumerate(self.per_bucket)]
 
     def held_buffers(self) -> List[torch.Tensor]:
-        """The all-gather's buffers (most reuse the reducer's memory)."""
-        return [*self._gather_flat, *self._send]
+        """The all-gather's buffers (most reuse the reducer's memory; what
+        each rank sends is its slot of them)."""
+        return list(self._gather_flat)
 
     def _gather_dtype(self, bucket: Bucket) -> torch.dtype:
         """The widest dtype of the bucket's parameters: it carries each exactly
