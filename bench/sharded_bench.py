@@ -4,7 +4,7 @@ One training step (``zero_grad()``, forward, backward, ``step()``) of AdamW
 on the same gloo CPU ranks, for a ResNet-50 (``models.ResNet50``) and a
 GPT-2-style decoder (``Decoder``, the parameter list of
 ``models.transformer_shapes``), each scaled to the ``--sizes`` entry, with
-float32 or bfloat16 parameters, under five methods:
+float32 or bfloat16 parameters, under seven methods:
 
 - ``ddp_adamw`` (baseline): ``DistributedDataParallel(model)`` and
   ``torch.optim.AdamW``; every ``ratio`` is its time over the method's.
@@ -22,6 +22,9 @@ float32 or bfloat16 parameters, under five methods:
 - ``fused_sharded_overlap_adamw`` (ours): the same with
   ``overlap_param_gather=True``: ``step()`` leaves the all-gathers in flight
   and each bucket is written when the next forward reaches its layers.
+- ``fused_sharded_grads_adamw`` (ours): ``shard=True, shard_gradients=True``
+  (ZeRO-2): as ``fused_sharded_adamw``, and each bucket's ``.grad`` tensors
+  are released once it has read them; only this rank's share keeps one.
 
 Each library keeps its default buckets (DDP 25 MiB, ``DistributedOptimizer``
 10 MiB). Every method has its own model with the same initial weights and
@@ -85,14 +88,15 @@ from .models import (TENSOR_LISTS, Bottleneck, n_elements, resnet50_for_size,
 
 NAME = "sharded"
 METHODS = ("ddp_adamw", "ddp_zero_adamw", "fsdp2_adamw", "fused_adamw", "fused_sharded_adamw",
-           "fused_sharded_overlap_adamw")
+           "fused_sharded_overlap_adamw", "fused_sharded_grads_adamw")
 ROLES = {"ddp_adamw": "baseline", "ddp_zero_adamw": "baseline", "fsdp2_adamw": "baseline",
          "fused_adamw": "ours", "fused_sharded_adamw": "ours",
-         "fused_sharded_overlap_adamw": "ours"}
+         "fused_sharded_overlap_adamw": "ours", "fused_sharded_grads_adamw": "ours"}
 BASELINE = "ddp_adamw"
 UNSHARDED = "fused_adamw"
 SHARDED = "fused_sharded_adamw"
 SHARDED_OVERLAP = "fused_sharded_overlap_adamw"
+SHARDED_GRADS = "fused_sharded_grads_adamw"
 MODELS = ("resnet50", "transformer")
 DTYPES = ("float32", "bfloat16")
 DEFAULT_WORLD_SIZES, QUICK_WORLD_SIZES = [2, 3, 4], [2]
@@ -192,8 +196,8 @@ def _build(method: str, name: str, size: int, dtype: torch.dtype):
         fully_shard(model, reshard_after_forward=False)
         return model, model, adamw(model.parameters())
     return model, model, DistributedOptimizer(
-        adamw(model.parameters()), shard=method in (SHARDED, SHARDED_OVERLAP),
-        overlap_param_gather=method == SHARDED_OVERLAP)
+        adamw(model.parameters()), shard=method in (SHARDED, SHARDED_OVERLAP, SHARDED_GRADS),
+        overlap_param_gather=method == SHARDED_OVERLAP, shard_gradients=method == SHARDED_GRADS)
 
 
 # ------------------------------------------------------------------ counting
@@ -470,7 +474,7 @@ def records(outcome: Dict[int, dict], case: dict) -> List[dict]:
             record["peak_bytes"] = max(memory["peak"])
             if BASELINE not in first["not_run"] and None not in per_rank(BASELINE)["peak"]:
                 record["peak_vs_ddp"] = record["peak_bytes"] / max(per_rank(BASELINE)["peak"])
-        if method in (SHARDED, SHARDED_OVERLAP) and first["full"] is not None:
+        if method in (SHARDED, SHARDED_OVERLAP, SHARDED_GRADS) and first["full"] is not None:
             record.update(first["full"])  # the same state either way
             record.update(_aims(record, world_size))
         out.append(record)

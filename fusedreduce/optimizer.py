@@ -89,6 +89,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     state. Only optimizers whose step is elementwise can be sharded (see
     ``assume_elementwise``). On gloo the reduce-scatter is an all-reduce whose
     part is kept (gloo's own reduce-scatter all-reduces inside, slower).
+    ``shard_gradients=True`` shards the gradients too (ZeRO-2): each
+    bucket's ``.grad`` tensors are released as soon as the bucket has read
+    them, during backward, and afterwards only the parameters this rank
+    owns elements of have a ``.grad`` (the others keep ``None``).
 
     Args:
         optimizer: any ``torch.optim.Optimizer``.
@@ -116,6 +120,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             (see above); AdaSum stops its tree after the halving, each rank
             steps the slice it holds there, and the tree's reverse swaps
             gather the parameters.
+        shard_gradients: with ``shard=True``, keep only this rank's share of
+            the reduced gradients (ZeRO-2): ``.grad`` of a parameter this rank
+            owns wholly is its reduced gradient, of one a part boundary cuts
+            the reduced gradient on the owned elements and zeros elsewhere, of
+            any other ``None`` (a rank whose share has no gradient keeps a
+            zero ``.grad`` on one parameter for ``GradScaler``). The steps
+            are bitwise those of ``shard_gradients=False``; between the
+            backward passes of ``backward_passes_per_step`` the gradients
+            accumulate full-size, as without it.
         master_dtype: with ``shard=True``, the dtype 16-bit parameters are
             stepped in (their optimizer state is kept in it too); wider
             parameters are stepped in their own dtype.
@@ -158,10 +171,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             world size; a 16-bit ``reduce_dtype`` with AdaSum; ``shard=True``
             with an optimizer not known to be elementwise (LBFGS, ...) unless
             ``assume_elementwise``, or with ``gradient_as_bucket_view``;
-            ``overlap_param_gather`` without ``shard``.
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; ``shard``
-            or ``find_unused_parameters`` is not a bool; ``master_dtype`` is
-            not a floating dtype.
+            ``overlap_param_gather`` or ``shard_gradients`` without ``shard``.
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``;
+            ``shard``, ``shard_gradients`` or ``find_unused_parameters`` is
+            not a bool; ``master_dtype`` is not a floating dtype.
         RuntimeError: torch.distributed is not initialised; the ranks of
             ``group`` pass different ``bcast_period`` values (raised on every
             rank, before any broadcast; the other options are compared at the
@@ -172,6 +185,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # doctest: +SKIP
         >>> loss.backward(); opt.step(); opt.zero_grad()          # doctest: +SKIP
         >>> zero = DistributedOptimizer(torch.optim.AdamW(model.parameters()), shard=True)  # doctest: +SKIP
+        >>> zero2 = DistributedOptimizer(torch.optim.AdamW(model.parameters()), shard=True,
+        ...                              shard_gradients=True)  # doctest: +SKIP
     """
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args, **kwargs):
@@ -191,6 +206,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         gradient_as_bucket_view: bool = False,
         local_size: int = 1,
         shard: bool = False,
+        shard_gradients: bool = False,
         master_dtype: torch.dtype = torch.float32,
         assume_elementwise: bool = False,
         overlap_param_gather: bool = False,
@@ -202,6 +218,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         if not isinstance(shard, bool):
             raise TypeError(f"shard must be True or False, got {shard!r}")
+        if not isinstance(shard_gradients, bool):
+            raise TypeError(f"shard_gradients must be True or False, got {shard_gradients!r}")
         if not isinstance(find_unused_parameters, bool):
             raise TypeError(f"find_unused_parameters must be True or False, got "
                             f"{find_unused_parameters!r}")
@@ -215,6 +233,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "each .grad receives this rank's share in one write-back launch already")
         elif overlap_param_gather:
             raise ValueError("overlap_param_gather=True applies to shard=True only")
+        elif shard_gradients:
+            raise ValueError("shard_gradients=True applies to shard=True only (the gradients "
+                             "are sharded along the optimizer state)")
         if reduce_method not in ("sum", "mean", "adasum"):
             raise ValueError(f"reduce_method must be 'sum', 'mean' or 'adasum', got "
                              f"{reduce_method!r}")
@@ -250,6 +271,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._gradient_as_bucket_view = gradient_as_bucket_view
         self.find_unused_parameters = find_unused_parameters
         self.shard = shard
+        self.shard_gradients = shard_gradients
         self.master_dtype = master_dtype
         self.overlap_param_gather = bool(overlap_param_gather)
         self._trainable = self._trainable_now()
@@ -332,7 +354,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         local_size = args.pop("local_size", None)
         args["split_norm"] = False  # the sharded norm reads each rank's part already
         reducer = ShardedGradReducer(self._all_params(), mean=mean,
-                                     adasum_local_size=local_size, **args)
+                                     adasum_local_size=local_size,
+                                     shard_gradients=self.shard_gradients, **args)
         self._follow_unused(reducer)
         return reducer.register_hooks(self.backward_passes_per_step)
 

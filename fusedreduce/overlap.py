@@ -75,6 +75,10 @@ class BackwardOverlap:
         self._hooked: set = set()  # slots with a hook (parameters that required grad then)
         self._unhooked: List[List[int]] = []
         self.missing: List[int] = []  # slots without a gradient when the last pass ended
+        # the reducer sets .grad to None once a started bucket has read it
+        # (shard_gradients): a slot whose hook fired had a gradient then
+        self.releases_grads = False
+        self._held_by = "gradient_as_bucket_view=True"
         self._next_launch = 0
         self._pending: List[PendingBucket] = []
         self.reduced = False
@@ -101,16 +105,19 @@ class BackwardOverlap:
     def attached(self) -> bool:
         return bool(self._handles)
 
-    def attach(self, passes_per_sync: int, hold_first_pass: bool = False) -> None:
+    def attach(self, passes_per_sync: int, hold_first_pass: bool = False,
+               held_by: str = "gradient_as_bucket_view=True") -> None:
         """Hook every parameter; communicate on every ``passes_per_sync``-th backward.
 
         ``hold_first_pass``: start no bucket before the end of the first
         communicating pass, which finds the parameters accumulated twice per
         pass; for buckets whose buffer is the gradients themselves (bucket
-        views), where a second accumulation into a started bucket could not
-        be repaired."""
+        views), or whose gradients are released once read (``held_by`` names
+        the option in the error), where a second accumulation into a started
+        bucket could not be repaired."""
         self._passes_per_sync = passes_per_sync
         self._hold_first_pass = hold_first_pass
+        self._held_by = held_by
         # a frozen parameter takes no hook (torch refuses one); it is followed
         # at each pass instead (see _begin_backward)
         self._hooked = {slot for slot, p in enumerate(self.parameters) if p.requires_grad}
@@ -269,8 +276,13 @@ class BackwardOverlap:
             self._passes_since_sync += 1
             return
         grads = []  # what each bucket sends and receives, plan order
-        self.missing = [slot for slot, p in enumerate(self.parameters) if p.grad is None]
-        for p in self.parameters:
+        released = self._fired if self.releases_grads else [False] * len(self.parameters)
+        self.missing = [slot for slot, p in enumerate(self.parameters)
+                        if p.grad is None and not released[slot]]
+        for slot, p in enumerate(self.parameters):
+            if p.grad is None and released[slot]:
+                grads.append(None)  # read by its started bucket, and released
+                continue
             if p.grad is None:
                 if not p.requires_grad:
                     # frozen since the hooks were set: it contributes zeros and
@@ -301,7 +313,7 @@ class BackwardOverlap:
                 f"the gradients of the parameters of shapes {shapes} were accumulated twice "
                 f"in one backward pass after their buckets had started (a parameter used inside "
                 f"and outside a reentrant activation checkpoint, first seen after the first "
-                f"step); with gradient_as_bucket_view=True this pass cannot be reduced exactly. "
+                f"step); with {self._held_by} this pass cannot be reduced exactly. "
                 f"Later passes hold those buckets until backward ends")
         for i, pending in enumerate(self._pending):
             if pending.bucket.index in self._restart:

@@ -173,6 +173,9 @@ class DistributedGradReducer:
         self.unused_grads_to_none = False
         # with the rule off, whether a pass that misses a gradient warns (once)
         self.warn_missing = False
+        # plan slots of the parameters no rank had a gradient for in the last
+        # reducing pass (``unused_grads_to_none``)
+        self.unused_slots: List[int] = []
         self._warned_missing = False
         # with the rule on and a summing collective: the spare element, after
         # each bucket's, where a rank missing one of the bucket's gradients
@@ -399,6 +402,7 @@ class DistributedGradReducer:
         contributes zeros and keeps its zero ``.grad``; the first time, a
         ``warn_missing`` reducer says so (the check and its host read are what
         ``find_unused_parameters=False`` saves)."""
+        self.unused_slots = []
         if not self.unused_grads_to_none and self.warn_missing and self._overlap.missing \
                 and not self._warned_missing:
             self._warned_missing = True
@@ -420,7 +424,8 @@ class DistributedGradReducer:
                           "pass find_unused_parameters=False when every parameter has a "
                           "gradient in every step")
         if extra is None and self.world_size == 1:
-            for slot in self._overlap.missing:  # this rank is every rank
+            self.unused_slots = list(self._overlap.missing)  # this rank is every rank
+            for slot in self.unused_slots:
                 self.parameters[self._order[slot]].grad = None
             return None
         if extra is None and self._missing_spare is not None and pending and \
@@ -438,7 +443,7 @@ class DistributedGradReducer:
         if self.world_size > 1:
             dist.all_reduce(counts, group=self.group)
         if slots:
-            unused = (counts[:-1] == 0).nonzero().flatten().tolist()
+            unused = self.unused_slots = (counts[:-1] == 0).nonzero().flatten().tolist()
             for slot in unused:
                 self.parameters[self._order[slot]].grad = None
         return counts[-1]

@@ -122,15 +122,29 @@ class ShardedGradReducer(DistributedGradReducer):
     does not own (so ``GradScaler`` skips the step everywhere, and no rank's
     step reads that element). ``found_nonfinite`` says the same as a 0-d
     bool tensor.
+
+    ``shard_gradients`` (ZeRO-2): each bucket's ``.grad`` tensors are
+    released (set to None) as soon as the bucket has read them into its
+    buffer, during backward; when backward ends only the parameters this
+    rank owns elements of get a ``.grad`` (the whole reduced gradient for
+    one it owns wholly; zeros outside its elements for one a part boundary
+    cuts), written from the rank's part in one launch per bucket. Others
+    keep ``None``, except: a rank left with no ``.grad`` at all keeps a zero
+    one on its smallest used parameter (``GradScaler`` needs one to record
+    its check), and the NaN that signals another rank's non-finite gradient
+    goes into an element this rank does not own, in a zero ``.grad`` made
+    for it if need be.
     """
 
     def __init__(self, parameters: Sequence[torch.Tensor], *, group, mean: bool,
                  bucket_cap_mb: float, reduce_dtype: torch.dtype,
                  adasum_local_size: Optional[int] = None, backend: str = "auto",
-                 **clipping) -> None:
+                 shard_gradients: bool = False, **clipping) -> None:
         super().__init__(parameters, mean=mean and adasum_local_size is None, group=group,
                          bucket_cap_mb=bucket_cap_mb, reduce_dtype=reduce_dtype,
                          backend=backend, **clipping)
+        self.shard_gradients = shard_gradients
+        self._overlap.releases_grads = shard_gradients
         self.adasum_local_size = adasum_local_size
         if adasum_local_size is not None:
             # AdaSum's flatten prescales by 1/local_size, as adasum_allreduce does
@@ -155,6 +169,10 @@ class ShardedGradReducer(DistributedGradReducer):
         # reduce-scatter runs in place (NCCL's in-place form, which Megatron's
         # distributed optimizer uses too), so a part takes no memory of its own
         self.parts = [buffer[lo:hi] for buffer, (lo, hi) in zip(self._buffers, self.owned)]
+        # with shard_gradients, the tensor elements each part holds and where
+        # they start in it: what the part's write-back launch fills
+        self._owned_ranges = [ranges_between(b, *self.owned[b.index]) for b in self.plan.buckets]
+        self._owned_offsets = [tuple(r.offset for r in ranges) for ranges in self._owned_ranges]
         self._zeros: Dict[int, torch.Tensor] = {}
         # torch's gloo backend reduce-scatters by all-reducing the whole input
         # and copying the part out (measured slower than the all-reduce alone:
@@ -210,14 +228,21 @@ class ShardedGradReducer(DistributedGradReducer):
             raise ValueError("gradient_as_bucket_view does not apply with shard=True")
         if self._overlap.attached:
             raise ValueError("hooks are already registered on this reducer")
-        self._overlap.attach(passes_per_sync)
+        self._attach(passes_per_sync)
         return self
+
+    def _attach(self, passes_per_sync: int) -> None:
+        # released gradients cannot be read again: a bucket is held to the end
+        # of backward while it is not known whether one of its gradients is
+        # accumulated twice per pass (found in the first pass, as with bucket views)
+        self._overlap.attach(passes_per_sync, hold_first_pass=self.shard_gradients,
+                             held_by="shard_gradients=True")
 
     def rehook(self) -> None:
         """Hook exactly the parameters that require grad now."""
         passes = self._overlap._passes_per_sync
         self._overlap.detach()
-        self._overlap.attach(passes)
+        self._attach(passes)
 
     def _zeros_for(self, slot: int) -> torch.Tensor:
         zeros = self._zeros.get(slot)
@@ -242,15 +267,24 @@ class ShardedGradReducer(DistributedGradReducer):
             if self.world_size > 1:
                 adasum_halve(buffer, adasum_bucket_boundaries(bucket), self.group,
                              self.adasum_local_size, self.backend, prescaled=True)
-            return PendingBucket(bucket, buffer, None)
-        if self._all_reduce_instead:
-            return start_bucket_all_reduce(self.plan, bucket, tensors, buffer, group=self.group,
-                                           world_size=self.world_size, prescale=prescale,
-                                           backend=self.backend)
-        return start_bucket_reduce_scatter(self.plan, bucket, tensors, buffer,
-                                           self.parts[index], group=self.group,
-                                           world_size=self.world_size, prescale=prescale,
-                                           backend=self.backend)
+            pending = PendingBucket(bucket, buffer, None)
+        elif self._all_reduce_instead:
+            pending = start_bucket_all_reduce(self.plan, bucket, tensors, buffer,
+                                              group=self.group, world_size=self.world_size,
+                                              prescale=prescale, backend=self.backend)
+        else:
+            pending = start_bucket_reduce_scatter(self.plan, bucket, tensors, buffer,
+                                                  self.parts[index], group=self.group,
+                                                  world_size=self.world_size,
+                                                  prescale=prescale, backend=self.backend)
+        if self.shard_gradients:
+            # the buffer holds them now (the launch that read them is queued
+            # before anything that can reuse their memory)
+            for slot in bucket.tensor_indices:
+                param = self.parameters[self._order[slot]]
+                if param.requires_grad:
+                    param.grad = None
+        return pending
 
     def _clipped_part_postscales(self, pending: Sequence[PendingBucket],
                                  flats: Sequence[torch.Tensor]) -> list:
@@ -278,8 +312,9 @@ class ShardedGradReducer(DistributedGradReducer):
                 # the collective left this rank's part in its slot of the
                 # buffer (the whole buffer all-reduced, or the part in place)
                 flat = self._buffers[bucket.index]
-                flat[:lo].zero_()
-                flat[hi:].zero_()
+                if not self.shard_gradients:  # written whole, as zeros outside the part
+                    flat[:lo].zero_()
+                    flat[hi:].zero_()
             flats.append(flat)
         if self.max_grad_norm is not None and pending:
             scales = self._clipped_part_postscales(pending, flats)
@@ -289,7 +324,8 @@ class ShardedGradReducer(DistributedGradReducer):
         for p, flat, postscale in zip(pending, flats, scales):
             bucket = p.bucket
             lo, hi = self.owned[bucket.index]
-            self.plan.unflatten(bucket, flat, outputs, scale=postscale, backend=self.backend)
+            if not self.shard_gradients:
+                self.plan.unflatten(bucket, flat, outputs, scale=postscale, backend=self.backend)
             if hi > lo:
                 # what GradScaler will read: the part's extremes as written
                 # (postscaled; a finite sum can still overflow a 16-bit .grad)
@@ -311,14 +347,65 @@ class ShardedGradReducer(DistributedGradReducer):
                               "the host, so that GradScaler skips the step on every rank)",
                               "capture an unsharded step; shard=True runs eagerly")
         ranks = self._settle_unused(nonfinite)
+        if self.shard_gradients:
+            self._write_owned(pending, scales)
         found = bool(ranks > 0)
         self.found_nonfinite = torch.tensor(found)
         if found:
-            for index, element in self._plant_sites:
-                grad = self.parameters[index].grad
-                if grad is not None:
-                    grad[element] = float("nan")
-                    break
+            self._plant_nan()
+
+    def _plant_nan(self) -> None:
+        """A NaN in one element of a ``.grad`` that this rank does not own: it
+        tells GradScaler of another rank's non-finite gradient without
+        changing this rank's step."""
+        for index, element in self._plant_sites:
+            grad = self.parameters[index].grad
+            if grad is not None:
+                grad[element] = float("nan")
+                return
+        if self.shard_gradients and self._plant_sites:
+            # the parameters this rank does not own keep no .grad: make a zero one
+            index, element = min(self._plant_sites,
+                                 key=lambda site: self.parameters[site[0]].numel())
+            grad = self.parameters[index].grad = torch.zeros_like(self.parameters[index])
+            grad[element] = float("nan")
+
+    def _write_owned(self, pending: Sequence[PendingBucket], scales: Sequence) -> None:
+        """``shard_gradients``: a ``.grad`` for each used parameter this rank
+        owns elements of, from its part (one launch per bucket)."""
+        unused = {self._order[slot] for slot in self.unused_slots}
+        written = 0
+        for p, postscale in zip(pending, scales):
+            index = p.bucket.index
+            destinations, offsets = [], []
+            for r, offset in zip(self._owned_ranges[index], self._owned_offsets[index]):
+                param_index = self._order[r.tensor]
+                param = self.parameters[param_index]
+                if param_index in unused or not param.requires_grad:
+                    continue  # no gradient on any rank, or frozen: .grad stays None
+                whole = r.start == 0 and r.end == param.numel()
+                grad = (torch.empty if whole else torch.zeros)(
+                    param.shape, dtype=param.dtype, device=param.device)
+                param.grad = grad
+                destinations.append(grad.view(-1)[r.start:r.end])
+                offsets.append(offset)
+            if destinations:
+                kernels.unflatten_cast_scale(
+                    self.parts[index], destinations, scale=postscale, backend=self.backend,
+                    offsets=self._owned_offsets[index] if len(offsets) == len(
+                        self._owned_offsets[index]) else tuple(offsets))
+                written += len(destinations)
+        if written or self.world_size == 1:
+            return
+        if any(param.grad is not None for param in self.parameters):
+            return
+        used = [i for i, param in enumerate(self.parameters)
+                if param.requires_grad and i not in unused]
+        if used:
+            # GradScaler records its check from the .grad it finds; with none
+            # this rank would refuse to step while the others step
+            keeper = min(used, key=lambda i: self.parameters[i].numel())
+            self.parameters[keeper].grad = torch.zeros_like(self.parameters[keeper])
 
 
 @dataclass

@@ -145,6 +145,22 @@ def test_fused_sharded_state_and_masters_per_rank_are_a_world_size_share(quick_r
         assert 0.99 < sharded["state_master_vs_full_per_rank"] < 1.05
 
 
+def test_sharded_gradients_hold_a_share_of_the_gradients_and_the_same_state(quick_run):
+    _, record, _ = quick_run
+    for methods in _by_case(record).values():
+        zero1, zero2 = methods["fused_sharded_adamw"], methods["fused_sharded_grads_adamw"]
+        one, two = zero1["memory_per_rank"], zero2["memory_per_rank"]
+        for key in ("state", "master", "params", "buffers"):
+            assert two[key] == one[key], key
+        # every .grad element is held by the one rank that owns it, plus the
+        # rest of the (few) parameters a part boundary cuts: together a little
+        # more than one whole gradient, each rank well under it
+        assert zero1["memory_per_rank"]["grads"] == [zero1["bytes"]] * WORLD_SIZE
+        assert zero2["bytes"] <= sum(two["grads"]) < 1.5 * zero2["bytes"]
+        assert max(two["grads"]) < 0.75 * zero2["bytes"]
+        assert zero2["held_bytes"] < zero1["held_bytes"]
+
+
 def test_communication_buffers_kept_between_steps_are_counted(quick_run):
     _, record, _ = quick_run
     for (_, dtype), methods in _by_case(record).items():

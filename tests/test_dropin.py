@@ -405,3 +405,52 @@ def test_a_gradient_accumulated_twice_only_from_a_later_step_on(bucket_view):
             assert error1 is None and all(same1) and count1 == 6 + 2, steps[1]
         # from then on those buckets wait for the end of backward
         assert error2 is None and all(same2) and count2 == 6, steps[2]
+
+
+def _sharded_gradients_under_checkpoints(rank, world_size):
+    """DistributedOptimizer(shard=True, shard_gradients=True) against
+    shard=True alone under each checkpointing variant (3 steps, bitwise), and
+    a gradient accumulated twice only from the second step on."""
+    from harness import outcomes
+    from fusedreduce import DistributedOptimizer
+
+    def optimizer(model, shard_gradients):
+        return DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), shard=True,
+                                    shard_gradients=shard_gradients, param_pack_thd=64)
+    seen = {}
+    for variant in ("plain", "reentrant", "reentrant_last", "reentrant_shared", "later_shared"):
+        first = "reentrant" if variant == "later_shared" else variant
+        models = [_Blocks(first), _Blocks(first)]
+        optimizers = [optimizer(m, sharded) for m, sharded in zip(models, (False, True))]
+        steps = []
+        for step in range(3):
+            if variant == "later_shared" and step > 0:
+                for m in models:
+                    m.variant = "reentrant_shared"
+            x, y = _batch(rank, step)
+            raised = {}
+            for i, (m, opt) in enumerate(zip(models, optimizers)):
+                raised[i] = outcomes({"backward": lambda m=m: ((m(x) - y) ** 2).sum().backward()})
+                if raised[i]["backward"] is None:
+                    opt.step()
+                opt.zero_grad()
+            steps.append((raised[1]["backward"],
+                          all(torch.equal(a, b) for a, b in zip(models[0].parameters(),
+                                                                models[1].parameters()))))
+        seen[variant] = steps
+    return seen
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_sharded_gradients_under_activation_checkpointing():
+    for seen in run_ranks(_sharded_gradients_under_checkpoints, 2):
+        for variant in ("plain", "reentrant", "reentrant_last", "reentrant_shared"):
+            # a gradient accumulated twice from the first pass on is found by
+            # that pass, which holds every bucket to its end
+            assert seen[variant] == [(None, True)] * 3, (variant, seen[variant])
+        (error0, same0), (error1, _), (error2, same2) = seen["later_shared"]
+        assert error0 is None and same0
+        # released gradients cannot be read again: refused, saying why
+        assert error1 is not None and error1[0] == "RuntimeError", error1
+        assert "accumulated twice" in error1[1] and "shard_gradients=True" in error1[1]
+        assert error2 is None

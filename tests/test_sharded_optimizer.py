@@ -252,7 +252,8 @@ class _Branchy(nn.Module):
         return h.square().mean()
 
 
-def _unused_against_ddp(rank, world_size, shard, views=False, find_unused=True):
+def _unused_against_ddp(rank, world_size, shard, views=False, find_unused=True,
+                        shard_gradients=False):
     """fusedreduce against DDP(find_unused_parameters=True) + AdamW with weight
     decay: bitwise equal at 2 ranks (a mean of two is exact either way). With
     ``find_unused=False``, every gradient DDP leaves None is made zeros before
@@ -260,7 +261,8 @@ def _unused_against_ddp(rank, world_size, shard, views=False, find_unused=True):
     ours, theirs = _Branchy(), _Branchy()
     optimizer = DistributedOptimizer(_adamw(ours.parameters()), shard=shard, param_pack_thd=200,
                                      gradient_as_bucket_view=views,
-                                     find_unused_parameters=find_unused)
+                                     find_unused_parameters=find_unused,
+                                     shard_gradients=shard_gradients)
     ddp = nn.parallel.DistributedDataParallel(theirs, find_unused_parameters=True)
     plain = _adamw(theirs.parameters())
     seen = []
@@ -428,10 +430,11 @@ def _masters_follow_parameters(rank, world_size):
     return seen
 
 
-def _grad_scaler(rank, world_size):
+def _grad_scaler(rank, world_size, **options):
     """An inf in one element of one rank's gradient in step 1."""
     model = _model(dtypes=(torch.float32,) * 3)
-    optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True, param_pack_thd=300)
+    optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True, param_pack_thd=300,
+                                     **options)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     target = list(model.parameters())[2]  # the second layer's weight
 
@@ -614,11 +617,20 @@ def on_rank(rank, world_size):
         "deferred": _deferred_gathers(rank, world_size),
         "clipping": _clipping(rank, world_size),
         "scaler": _grad_scaler(rank, world_size),
+        "scaler_grads_sharded": _grad_scaler(rank, world_size, shard_gradients=True),
+        "adamw_grads_sharded": _equivalence(rank, world_size, _adamw, shard_gradients=True),
+        "accumulation_grads_sharded": _equivalence(
+            rank, world_size, _adamw, passes=2, shard_gradients=True,
+            dtypes=(torch.float64, torch.float32, torch.float32)),
+        "grads_sharded": _grads_sharded(rank, world_size),
+        "grads_sharded_tiny": _grads_sharded_tiny(rank, world_size),
     }
     if world_size == 2:
         results["unused_sharded"] = _unused_against_ddp(rank, world_size, True)
         results["unused_unsharded"] = _unused_against_ddp(rank, world_size, False)
         results["unused_bucket_views"] = _unused_against_ddp(rank, world_size, False, views=True)
+        results["unused_grads_sharded"] = _unused_against_ddp(rank, world_size, True,
+                                                              shard_gradients=True)
         results["unfound_sharded"] = _unused_not_found(rank, world_size, True)
         results["unfound_unsharded"] = _unused_not_found(rank, world_size, False)
         results["structure"] = [_structure_changes(rank, world_size, shard)
@@ -626,6 +638,115 @@ def on_rank(rank, world_size):
     results["checkpoints"] = _checkpoints(rank, world_size)
     results["buffer_bytes"] = _buffer_bytes(rank, world_size)
     return results
+
+
+#: the options ``_grads_sharded`` runs with and without shard_gradients
+GRADS_SHARDED_OPTIONS = {
+    "mean": {},
+    "sum_unpacked": {"reduce_method": "sum", "param_pack": False},
+    "clipped": {"max_grad_norm": 0.5},
+    "clipped_inf": {"max_grad_norm": 0.5, "norm_type": math.inf},
+    "adasum": {"reduce_method": "adasum"},
+    "accumulation": {"backward_passes_per_step": 2},
+    "bf16_masters": {"master_dtype": torch.bfloat16},
+    "reduce_scatter": {},  # NCCL's collectives, forced on gloo
+}
+
+
+def _grads_sharded(rank, world_size):
+    """shard_gradients=True against shard=True alone, from the same start with
+    the same batches, for each of ``GRADS_SHARDED_OPTIONS``: the parameters
+    after each step and the owned elements of each ``.grad``; which
+    parameters keep a ``.grad`` and its bytes; whether the gradients of the
+    last layer were released before backward reached the first layer."""
+    seen = {}
+    for name, options in GRADS_SHARDED_OPTIONS.items():
+        options = dict(options)
+        passes = options.get("backward_passes_per_step", 1)
+        models = [_model(), _model()]
+        optimizers = [DistributedOptimizer(_adamw(m.parameters()), shard=True,
+                                           param_pack_thd=300, shard_gradients=sharded,
+                                           **options)
+                      for m, sharded in zip(models, (False, True))]
+        if name == "reduce_scatter":
+            for optimizer in optimizers:
+                optimizer.reducer._all_reduce_instead = False
+                optimizer.sharded._gather_by_broadcasts = False
+        released_early = []
+
+        def note_release(grad, model=models[1]):
+            released_early.append(all(p.grad is None for p in model[4].parameters()))
+            return grad
+        record = {"params_equal": [], "owned_equal": [], "held": [], "owns": [],
+                  "grad_bytes": [], "full_grad_bytes": []}
+        for step in range(STEPS):
+            for k in range(passes):
+                for i, model in enumerate(models):
+                    if i == 1 and k == passes - 1:
+                        # the first layer's output: its gradient comes after
+                        # the last layers' parameters' gradients
+                        handle = model[0].register_forward_hook(
+                            lambda mod, args, out: out.register_hook(note_release) and None)
+                        _loss(model, rank, step, k).backward()
+                        handle.remove()
+                    else:
+                        _loss(model, rank, step, k).backward()
+            zero1, zero2 = models
+            owned_equal = True
+            for a, b in zip(zero1.parameters(), zero2.parameters()):
+                s = optimizers[1].sharded.by_param.get(b)
+                if s is not None and b.grad is not None:
+                    owned_equal &= torch.equal(
+                        a.grad.reshape(-1)[s.range.start:s.range.end],
+                        b.grad.reshape(-1)[s.range.start:s.range.end])
+                    # zeros outside the owned elements of a parameter a boundary cuts
+                    rest = torch.cat([b.grad.reshape(-1)[:s.range.start],
+                                      b.grad.reshape(-1)[s.range.end:]])
+                    owned_equal &= bool((rest == 0).all())
+            record["owned_equal"].append(owned_equal)
+            record["held"].append([p.grad is not None for p in zero2.parameters()])
+            record["owns"].append([p in optimizers[1].sharded.by_param
+                                   for p in zero2.parameters()])
+            record["grad_bytes"].append(storage_bytes(
+                [p.grad for p in zero2.parameters() if p.grad is not None]))
+            record["full_grad_bytes"].append(storage_bytes(
+                [p.grad for p in zero1.parameters() if p.grad is not None]))
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+            record["params_equal"].append(all(torch.equal(a, b) for a, b in
+                                              zip(zero1.parameters(), zero2.parameters())))
+        record["released_early"] = released_early
+        record["params"] = _snapshot(models[1])
+        seen[name] = record
+    return seen
+
+
+def _grads_sharded_tiny(rank, world_size):
+    """A model smaller than the ranks' parts (some rank owns nothing) with a
+    GradScaler and an inf on the last rank in step 1: every rank steps, or
+    skips, alike, as shard=True alone."""
+    out = []
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(2, 1)
+        optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True,
+                                         shard_gradients=sharded)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        held, params = [], []
+        for step in range(3):
+            x = torch.randn(3, 2, generator=torch.Generator().manual_seed(rank + 10 * step))
+            if rank == world_size - 1 and step == 1:
+                x[0, 0] = float("inf")
+            scaler.scale(model(x).square().mean()).backward()
+            held.append(sum(p.grad is not None for p in model.parameters()))
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            params.append(_snapshot(model))
+        out.append({"held": held, "params": params, "scale": float(scaler.get_scale()),
+                    "owned": sum(s.range.numel for s in optimizer.sharded.by_param.values())})
+    return out
 
 
 def _buffer_bytes(rank, world_size):
@@ -693,6 +814,9 @@ def _bad_arguments(rank, world_size):
             torch.optim.AdamW(nn.Linear(3, 2).parameters()), overlap_param_gather=True),
         "shard not a bool": lambda: DistributedOptimizer(
             torch.optim.AdamW(nn.Linear(3, 2).parameters()), shard="yes"),
+        "shard_gradients without shard": lambda: DistributedOptimizer(
+            torch.optim.AdamW(nn.Linear(3, 2).parameters()), shard_gradients=True),
+        "shard_gradients not a bool": wrap(shard_gradients=1),
     })
 
 
@@ -763,10 +887,12 @@ def ranks_once(request, tmp_path_factory):
 
 WORLD_SIZES = [1, 2, 3, 4]
 EQUIVALENCE = ["adamw", "adamw_reduce_scatter", "adamw_fused", "sgd_unpacked_sum",
-               "accumulation_fp64", "bf16_without_masters"]
+               "accumulation_fp64", "bf16_without_masters", "adamw_grads_sharded",
+               "accumulation_grads_sharded"]
 #: per-element state tensors each parameter has: AdamW's two moments, SGD's momentum
 STATE_TENSORS = {"adamw": 2, "adamw_reduce_scatter": 2, "adamw_fused": 2,
-                 "sgd_unpacked_sum": 1, "accumulation_fp64": 2, "bf16_without_masters": 2}
+                 "sgd_unpacked_sum": 1, "accumulation_fp64": 2, "bf16_without_masters": 2,
+                 "adamw_grads_sharded": 2, "accumulation_grads_sharded": 2}
 
 
 @pytest.mark.parametrize("name", EQUIVALENCE)
@@ -962,9 +1088,11 @@ def test_master_weights_follow_parameters_changed_between_steps(ranks_once, worl
         assert 0 < seen["stepped_from_there"] < 2 * LR
 
 
+@pytest.mark.parametrize("name", ["scaler", "scaler_grads_sharded"])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_grad_scaler_skips_the_step_on_every_rank_for_an_inf_on_one(ranks_once, world_size):
-    results = [r["scaler"] for r in ranks_once(world_size)]
+def test_grad_scaler_skips_the_step_on_every_rank_for_an_inf_on_one(ranks_once, world_size,
+                                                                     name):
+    results = [r[name] for r in ranks_once(world_size)]
     for rank, seen in enumerate(results):
         assert [s["changed"] for s in seen] == [True, False, True], f"rank {rank}"
         assert [s["scale"] for s in seen] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9], f"rank {rank}"
@@ -973,7 +1101,51 @@ def test_grad_scaler_skips_the_step_on_every_rank_for_an_inf_on_one(ranks_once, 
                                                          results[0][step]["params"]))
 
 
-@pytest.mark.parametrize("mode", ["unused_sharded", "unused_unsharded", "unused_bucket_views"])
+@pytest.mark.parametrize("name", list(GRADS_SHARDED_OPTIONS))
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_sharded_gradients_step_bitwise_as_full_gradients(ranks_once, world_size, name):
+    """shard_gradients=True changes what each rank keeps, not what it steps:
+    the parameters and the owned elements of .grad are shard=True's bit for
+    bit (which the tests above hold to the all-reduce reference)."""
+    results = [r["grads_sharded"][name] for r in ranks_once(world_size)]
+    for rank, seen in enumerate(results):
+        assert all(seen["params_equal"]), f"rank {rank}"
+        assert all(seen["owned_equal"]), f"rank {rank}"
+        for held, owns, nbytes, full in zip(seen["held"], seen["owns"], seen["grad_bytes"],
+                                            seen["full_grad_bytes"]):
+            if any(owns):
+                # a .grad exactly where this rank owns elements
+                assert held == owns, f"rank {rank}"
+            else:
+                # none owned: one zero .grad for GradScaler to record its check on
+                assert sum(held) == 1, f"rank {rank}"
+            assert nbytes <= full
+            if world_size > 1 and not all(owns):
+                assert nbytes < full, f"rank {rank}: {nbytes} of {full} bytes"
+        # released during backward from the second step on (the first holds
+        # every bucket to its end, to find gradients accumulated twice)
+        assert seen["released_early"][0] is False
+        assert all(seen["released_early"][1:]), seen["released_early"]
+        assert all(torch.equal(a, b) for a, b in zip(seen["params"], results[0]["params"]))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_a_rank_that_owns_nothing_still_steps_with_a_grad_scaler(ranks_once, world_size):
+    results = [r["grads_sharded_tiny"] for r in ranks_once(world_size)]
+    if world_size == 4:
+        assert min(r[1]["owned"] for r in results) == 0  # the case this test is for
+    for rank, (full, sharded) in enumerate(results):
+        for step in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(full["params"][step],
+                                                         sharded["params"][step]))
+            assert all(torch.equal(a, b) for a, b in zip(sharded["params"][step],
+                                                         results[0][1]["params"][step]))
+        assert min(sharded["held"]) >= 1, f"rank {rank}"
+        assert full["scale"] == sharded["scale"] == 2.0 ** 9
+
+
+@pytest.mark.parametrize("mode", ["unused_sharded", "unused_unsharded", "unused_bucket_views",
+                                  "unused_grads_sharded"])
 def test_parameters_without_gradients_are_skipped_as_ddp_skips_them(ranks_once, mode):
     results = [r[mode] for r in ranks_once(2)]
     names = ["trunk.weight", "trunk.bias", "sometimes.weight", "sometimes.bias",
@@ -983,7 +1155,11 @@ def test_parameters_without_gradients_are_skipped_as_ddp_skips_them(ranks_once, 
             for name, equal in zip(names, s["equal"]):
                 assert equal, f"rank {rank}, step {step}: {name} differs from DDP's"
             # no rank used "sometimes" in odd steps: no gradient, no step
-            assert s["sometimes_grad_none"] == (step % 2 == 1)
+            if mode == "unused_grads_sharded":
+                # and in even steps only the ranks that own some of it hold one
+                assert s["sometimes_grad_none"] or step % 2 == 0
+            else:
+                assert s["sometimes_grad_none"] == (step % 2 == 1)
             counts = dict(zip(names, s["step_counts"]))
             assert counts["sometimes.weight"] == step // 2 + 1
             assert counts["trunk.weight"] == counts["rank0.weight"] == step + 1
@@ -1049,6 +1225,8 @@ def test_bad_arguments_are_refused_before_any_collective():
         "bucket views": ("ValueError", "gradient_as_bucket_view"),
         "overlap without shard": ("ValueError", "overlap_param_gather"),
         "shard not a bool": ("TypeError", "shard"),
+        "shard_gradients without shard": ("ValueError", "shard_gradients=True applies"),
+        "shard_gradients not a bool": ("TypeError", "shard_gradients must be"),
     })
     for r in results:
         assert "another model" in r["another_model"]["error"]
