@@ -240,6 +240,36 @@ def optimizer_job(rank, world_size, kind):
             "device": model.layers[0].weight.device.type}
 
 
+def sharded_job(rank, world_size, kind):
+    """DistributedOptimizer(AdamW) unsharded, with shard=True and with
+    shard_gradients=True too, from the same weights, ``STEPS`` steps each:
+    the weights after every step, and per step of the last mode which
+    parameters kept a ``.grad`` and which this rank owns elements of. An
+    fp32 model (sharded AdamW on slices steps as AdamW on the whole) and the
+    mixed one (16-bit layers through fp32 masters), small buckets so that
+    part boundaries cut parameters."""
+    device = rank_device(kind)
+    out = {}
+    for model_name, spec in (("fp32", SMALL), ("mixed", MIXED)):
+        for mode, options in (("unsharded", {}), ("sharded", {"shard": True}),
+                              ("grads_sharded", {"shard": True, "shard_gradients": True})):
+            model = Net(**spec, seed=0).to(device)
+            optimizer = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR),
+                                             param_pack_thd=512, **options)
+            params, held = [], []
+            for step in range(STEPS):
+                loss_of(model, rank, step, spec["widths"], device).backward()
+                if optimizer.sharded is not None:
+                    held.append({"held": [p.grad is not None for p in model.parameters()],
+                                 "owns": [p in optimizer.sharded.by_param
+                                          for p in model.parameters()]})
+                optimizer.step()
+                optimizer.zero_grad()
+                params.append([p.detach().clone() for p in model.parameters()])
+            out[f"{model_name}_{mode}"] = {"params": params, "held": held}
+    return out
+
+
 def broadcast_values(rank, device):
     """Rank ``rank``'s tensors for the broadcast: every float dtype (one
     non-contiguous), an empty one, integer and bool buffers."""
@@ -356,7 +386,7 @@ def one_rank_jobs():
     identity times its scale."""
     return {"reducer": (reducer_job, ()), "optimizer": (optimizer_job, ()),
             "broadcast": (broadcast_job, ()), "hooks": (train, (hook_runs(1),)),
-            "adasum": (adasum_job, (1,))}
+            "adasum": (adasum_job, (1,)), "sharded": (sharded_job, ())}
 
 
 def two_rank_jobs():
@@ -367,7 +397,7 @@ def two_rank_jobs():
     # refusal there may leave gloo's connections unusable for what follows
     return {"reducer": (reducer_job, ()), "broadcast": (broadcast_job, ()),
             "adasum": (adasum_job, (2,)), "optimizer": (optimizer_job, ()),
-            "hooks": (train, (hook_runs(2),))}
+            "sharded": (sharded_job, ()), "hooks": (train, (hook_runs(2),))}
 
 
 def tree_jobs():

@@ -893,6 +893,34 @@ def test_the_distributed_optimizer_broadcasts_and_steps_on_the_float64_mean(rank
 
 
 @pytest.mark.parametrize("run", RUNS)
+def test_the_sharded_optimizer_steps_as_the_unsharded_one(rank_results, device, run):
+    """shard=True (gloo: all-reduce and one broadcast per rank; NCCL: a
+    reduce-scatter and an all-gather, in place) and shard_gradients=True on
+    the device: fp32 weights bitwise the unsharded AdamW's (elementwise on
+    slices; at 1 and 2 ranks the reduced gradient is the same sum), and
+    shard_gradients bitwise shard=True for the mixed-dtype model too, with a
+    .grad exactly on the parameters each rank owns elements of."""
+    per_rank = job_results(rank_results, run, "sharded")
+    assert_same_on_every_rank(per_rank, "sharded")
+    for rank, result in enumerate(per_rank):
+        for step in range(len(result["fp32_unsharded"]["params"])):
+            for i, (a, b, c) in enumerate(zip(result["fp32_unsharded"]["params"][step],
+                                              result["fp32_sharded"]["params"][step],
+                                              result["fp32_grads_sharded"]["params"][step])):
+                assert_same_bits(b, a, f"rank {rank} step {step} fp32 weights[{i}] sharded")
+                assert_same_bits(c, a, f"rank {rank} step {step} fp32 weights[{i}] "
+                                       f"grads sharded")
+            for i, (b, c) in enumerate(zip(result["mixed_sharded"]["params"][step],
+                                           result["mixed_grads_sharded"]["params"][step])):
+                assert_same_bits(c, b, f"rank {rank} step {step} mixed weights[{i}]")
+        for name in ("fp32_grads_sharded", "mixed_grads_sharded"):
+            for seen in result[name]["held"]:
+                assert seen["held"] == seen["owns"], (rank, name, seen)
+        if len(per_rank) > 1:
+            assert not all(result["fp32_grads_sharded"]["held"][0]["held"])
+
+
+@pytest.mark.parametrize("run", RUNS)
 def test_broadcast_tensors_copies_the_source_bitwise(rank_results, run):
     check_broadcast(rank_results, run)
 
