@@ -49,13 +49,16 @@ The conventions the docs are written to (tests/docs_blocks.py reads them):
   package index); ``bash .ci/X`` (exists); ``mkdocs
   build|serve`` (mkdocs.yml exists); ``python -m pytest`` (each ``--option``
   is in ``pytest --help``, with the suite's conftest; each ``tests[/...]``
-  path exists). Every ``--help`` runs once per session. Other commands
+  path exists). Every ``--help`` runs once per session, all of them in one
+  process (``help_batch.py``; one that fails there runs again alone, which
+  decides). Other commands
   (``torchrun train.py``, ``git``, ``pip install torch``) are not checked.
 """
 from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
 import re
 import socket
@@ -262,21 +265,50 @@ def run_block(block: Block, directory: Path) -> None:
                     f"(line numbers are the file's):{tails}", pytrace=False)
 
 
+def _help_argvs() -> List[Tuple[str, ...]]:
+    """Every ``Help`` command line the documentation quotes, once each."""
+    argvs = {need.argv for _, needs in COMMANDS.values() for need in needs
+             if isinstance(need, Help)
+             and not (need.argv[0].endswith(".py") and not (ROOT / need.argv[0]).exists())}
+    return sorted(argvs)
+
+
+def _run_alone(argv: Tuple[str, ...]) -> Tuple[object, str]:
+    try:
+        process = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {RUN_TIMEOUT} s"
+    return process.returncode, process.stdout + process.stderr
+
+
 @pytest.fixture(scope="session")
 def help_output(tmp_path_factory):
     """``help_output(argv)``: ``(exit status, output)`` of ``python *argv`` in
-    the checkout; each distinct argv runs once per session, shared by every
-    pytest-xdist worker."""
+    the checkout. Every command line the documentation quotes runs once per
+    session, all in one process (``help_batch.py``: importing torch once
+    instead of once per command), shared by every pytest-xdist worker; one
+    that fails there runs again alone, in its own process, which decides."""
+    def batch(_directory):
+        argvs = _help_argvs()
+        try:
+            process = subprocess.run(
+                [sys.executable, str(Path(__file__).with_name("help_batch.py"))], cwd=ROOT,
+                input=json.dumps([list(a) for a in argvs]), capture_output=True, text=True,
+                timeout=RUN_TIMEOUT * 2)
+            results = json.loads(process.stdout)
+        except (subprocess.TimeoutExpired, ValueError):
+            return {}
+        return {argv: tuple(result) for argv, result in zip(argvs, results)}
+
+    by_argv = once_per_session(tmp_path_factory, "docs-help-batch", batch)
+
     def run(argv: Tuple[str, ...]) -> Tuple[object, str]:
-        def compute(_directory):
-            try:
-                process = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True,
-                                         text=True, timeout=RUN_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                return None, f"timed out after {RUN_TIMEOUT} s"
-            return process.returncode, process.stdout + process.stderr
+        found = by_argv.get(tuple(argv))
+        if found is not None and found[0] == 0:
+            return found
         name = "docs-help-" + hashlib.sha1("\0".join(argv).encode()).hexdigest()[:16]
-        return once_per_session(tmp_path_factory, name, compute)
+        return once_per_session(tmp_path_factory, name, lambda _directory: _run_alone(argv))
     return run
 
 
