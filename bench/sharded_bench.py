@@ -97,6 +97,8 @@ UNSHARDED = "fused_adamw"
 SHARDED = "fused_sharded_adamw"
 SHARDED_OVERLAP = "fused_sharded_overlap_adamw"
 SHARDED_GRADS = "fused_sharded_grads_adamw"
+#: the methods with shard=True
+SHARDED_METHODS = (SHARDED, SHARDED_OVERLAP, SHARDED_GRADS)
 MODELS = ("resnet50", "transformer")
 DTYPES = ("float32", "bfloat16")
 DEFAULT_WORLD_SIZES, QUICK_WORLD_SIZES = [2, 3, 4], [2]
@@ -196,7 +198,7 @@ def _build(method: str, name: str, size: int, dtype: torch.dtype):
         fully_shard(model, reshard_after_forward=False)
         return model, model, adamw(model.parameters())
     return model, model, DistributedOptimizer(
-        adamw(model.parameters()), shard=method in (SHARDED, SHARDED_OVERLAP, SHARDED_GRADS),
+        adamw(model.parameters()), shard=method in SHARDED_METHODS,
         overlap_param_gather=method == SHARDED_OVERLAP, shard_gradients=method == SHARDED_GRADS)
 
 
@@ -474,7 +476,7 @@ def records(outcome: Dict[int, dict], case: dict) -> List[dict]:
             record["peak_bytes"] = max(memory["peak"])
             if BASELINE not in first["not_run"] and None not in per_rank(BASELINE)["peak"]:
                 record["peak_vs_ddp"] = record["peak_bytes"] / max(per_rank(BASELINE)["peak"])
-        if method in (SHARDED, SHARDED_OVERLAP, SHARDED_GRADS) and first["full"] is not None:
+        if method in SHARDED_METHODS and first["full"] is not None:
             record.update(first["full"])  # the same state either way
             record.update(_aims(record, world_size))
         out.append(record)

@@ -378,7 +378,7 @@ class ShardedGradReducer(DistributedGradReducer):
         for p, postscale in zip(pending, scales):
             index = p.bucket.index
             destinations, offsets = [], []
-            for r, offset in zip(self._owned_ranges[index], self._owned_offsets[index]):
+            for r in self._owned_ranges[index]:
                 param_index = self._order[r.tensor]
                 param = self.parameters[param_index]
                 if param_index in unused or not param.requires_grad:
@@ -388,12 +388,14 @@ class ShardedGradReducer(DistributedGradReducer):
                     param.shape, dtype=param.dtype, device=param.device)
                 param.grad = grad
                 destinations.append(grad.view(-1)[r.start:r.end])
-                offsets.append(offset)
+                offsets.append(r.offset)
             if destinations:
+                # the kept tuple when every range is written: the kept launch
+                # then knows its offsets unchanged without comparing them
+                kept = self._owned_offsets[index]
                 kernels.unflatten_cast_scale(
                     self.parts[index], destinations, scale=postscale, backend=self.backend,
-                    offsets=self._owned_offsets[index] if len(offsets) == len(
-                        self._owned_offsets[index]) else tuple(offsets))
+                    offsets=kept if len(offsets) == len(kept) else tuple(offsets))
                 written += len(destinations)
         if written or self.world_size == 1:
             return
