@@ -27,6 +27,7 @@ from .optimizer import AdaSumByDeltaWeight, DistributedOptimizer
 from .precision import communication_dtype
 from .reducer import DistributedGradReducer
 from .sharded import PartRange, all_gather_plan, part_ranges, reduce_scatter_plan
+from .sharded_checkpoint import consolidate_sharded_state_dict
 
 __all__ = [
     "AdaSumByDeltaWeight",
@@ -43,6 +44,7 @@ __all__ = [
     "broadcast_optimizer_state",
     "broadcast_tensors",
     "communication_dtype",
+    "consolidate_sharded_state_dict",
     "hooks",
     "kernels",
     "parameter_broadcast",

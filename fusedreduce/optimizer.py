@@ -15,8 +15,9 @@ the original.
 """
 from __future__ import annotations
 
+import copy
 import operator
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,8 @@ from .clipping import (check_clipping, check_error_if_nonfinite, check_limit,
                        check_norm_type, check_split_norm)
 from .process_group import require_process_group, verify_same_on_all_ranks
 from .reducer import DistributedGradReducer
+from .sharded_checkpoint import (ShardSource, check_shapes, make_piece, pieces_by_index,
+                                 read_shards, sharded_state, state_over, whole_state_dict)
 from .sharded_optimizer import (ShardedGradReducer, ShardedParameters, check_master_dtype,
                                 check_shardable, master_dtype_of)
 
@@ -86,7 +89,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``optimizer.state`` holds this rank's part: whole tensors for the
     parameters it owns wholly, 1-D slices for those a part boundary cuts.
     ``state_dict()`` is then collective and returns the whole, unsharded
-    state. Only optimizers whose step is elementwise can be sharded (see
+    state; ``sharded_state_dict()`` gives this rank's part alone, for one
+    checkpoint file per rank that loads at any world size. Only optimizers whose step is elementwise can be sharded (see
     ``assume_elementwise``). On gloo the reduce-scatter is an all-reduce whose
     part is kept (gloo's own reduce-scatter all-reduces inside, slower).
     ``shard_gradients=True`` shards the gradients too (ZeRO-2): each
@@ -723,6 +727,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         self._check_loadable(state_dict)
         self.finish_param_gather()
+        self._load_checked(state_dict)
+
+    def _load_checked(self, state_dict: dict) -> None:
+        """``load_state_dict`` of a dict matched to the parameters (with
+        ``shard=True`` it may hold only this rank's parameters, a cut one's
+        per-element values as the 1-D slice this rank owns)."""
         if not self.shard:
             super().load_state_dict(_without_master_weights(state_dict))
             return
@@ -749,6 +759,96 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     g["params"] = original
         full = {back[id(s)]: entry for s, entry in self.state.items()}
         self.state = self.sharded.take_state(full)
+
+    def sharded_state_dict(self) -> dict:
+        """The state this rank holds, for a checkpoint saved one file per
+        rank: not collective, and nothing is gathered, so no rank holds more
+        than its own part. With ``shard=True`` it is this rank's part of the
+        state (and of the 16-bit parameters' masters); without sharding, the
+        state of every ``world_size``-th parameter from this rank's group
+        rank on (the state is whole on every rank then). Per-element state is
+        kept as ranges of each parameter's elements, so the save loads at any
+        world size, sharded or not (``load_sharded_state_dict``), and
+        ``fusedreduce.consolidate_sharded_state_dict`` turns all ranks'
+        dicts into the whole ``state_dict()`` form in one process.
+
+        The tensors are fresh copies on the host (never the live state,
+        which later steps update in place); save the dict with
+        ``torch.save``.
+
+        Returns:
+            ``{"format", "version", "rank", "world_size", "shapes",
+            "param_groups", "state"}``: ``param_groups`` as in
+            ``state_dict()``, ``state`` per parameter index a piece
+            ``{"start", "end", "slices", "values"}``.
+
+        Examples:
+            >>> torch.save(opt.sharded_state_dict(), f"ckpt/optim.{dist.get_rank()}.pt")  # doctest: +SKIP
+            >>> opt.load_sharded_state_dict([f"ckpt/optim.{r}.pt" for r in range(8)])  # doctest: +SKIP
+        """
+        self.finish_param_gather()
+        params = self._all_params()
+        world_size = self.reducer.world_size
+        rank = dist.get_rank(self.group) if world_size > 1 else 0
+        if self.shard:
+            pieces = self.sharded.checkpoint_pieces(self.state)
+        else:
+            pieces = {i: make_piece(p, 0, p.numel(), self.state[p])
+                      for i, p in enumerate(params)
+                      if i % world_size == rank and self.state.get(p)}
+        return sharded_state(rank, world_size, [p.shape for p in params],
+                             self._param_groups_only(), pieces)
+
+    def _param_groups_only(self) -> list:
+        """``state_dict()["param_groups"]``, without gathering any state."""
+        local, self.state = self.state, {}
+        try:
+            return super().state_dict()["param_groups"]
+        finally:
+            self.state = local
+
+    def load_sharded_state_dict(self, shards: Sequence[ShardSource]) -> None:
+        """Load a checkpoint that every rank saved with ``sharded_state_dict()``,
+        at this world size (the same or another), sharded or not. Each rank
+        reads only the elements it holds now: with files, opened with
+        ``mmap=True``, the rest is not read from disk. Not collective; every
+        rank passes the whole save. The loaded hyperparameters win over the
+        constructor's, as in ``load_state_dict``.
+
+        Args:
+            shards: every saved rank's dict, or the path of the file each was
+                saved to, in any order.
+
+        Raises:
+            TypeError: ``shards`` is not a list or tuple, or an item is
+                neither a dict nor a path.
+            ValueError: the items are not one complete save of this
+                optimizer's parameters (a rank missing or twice, shards of
+                different saves, another model's shapes or groups); nothing
+                is changed.
+
+        Examples:
+            >>> opt.load_sharded_state_dict([f"ckpt/optim.{r}.pt" for r in range(8)])  # doctest: +SKIP
+        """
+        loaded = read_shards(shards)
+        check_shapes(loaded, [p.shape for p in self._all_params()],
+                     [len(g["params"]) for g in self.param_groups])
+        by_index = pieces_by_index(loaded)
+        self.finish_param_gather()
+        if not self.shard:
+            self._load_checked(whole_state_dict(loaded))
+            return
+        # only the elements this rank owns are put together: a cut
+        # parameter's state as the 1-D slice that take_state keeps
+        groups = copy.deepcopy(loaded[0]["param_groups"])
+        ids = [i for g in groups for i in g["params"]]
+        state = {}
+        for p, s in self.sharded.by_param.items():
+            pieces = by_index.get(s.index)
+            if pieces:
+                state[ids[s.index]] = state_over(pieces, s.range.start, s.range.end,
+                                                 p.shape if s.whole else None)
+        self._load_checked({"state": state, "param_groups": groups})
 
     def _check_loadable(self, state_dict: dict) -> None:
         """Match ``state_dict`` to the parameters before anything changes."""

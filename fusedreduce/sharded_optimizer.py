@@ -40,6 +40,7 @@ from .clipping import max_over_ranks, norm_powers
 from .reducer import DistributedGradReducer
 from .sharded import (PartRange, _all_gather, broadcast_slots, ranges_between,
                       start_bucket_reduce_scatter)
+from .sharded_checkpoint import make_piece
 
 #: optimizers whose step updates every element from that element's gradient
 #: and state alone (and per-parameter scalars such as a step count), so a
@@ -677,9 +678,12 @@ class ShardedParameters:
                 continue
             master = entry.get("master_weight")
             if s.master:
-                source = master if master is not None else p.detach()
+                if master is not None and not s.whole and master.shape != p.shape:
+                    piece = master  # already this rank's elements (a sharded checkpoint)
+                else:
+                    piece = _slice_of(master if master is not None else p.detach(), s)
                 with torch.no_grad():
-                    s.tensor.copy_(_slice_of(source, s))
+                    s.tensor.copy_(piece)
             part = {}
             for key, value in entry.items():
                 if key == "master_weight":
@@ -690,6 +694,13 @@ class ShardedParameters:
             if part:
                 kept[p] = part
         return kept
+
+    def checkpoint_pieces(self, state: Dict[torch.Tensor, dict]) -> Dict[int, dict]:
+        """This rank's part of ``state`` as ``sharded_state_dict()`` pieces,
+        per parameter index (with its master copy, as ``local_pieces``)."""
+        return {s.index: make_piece(p, s.range.start, s.range.end, state[p],
+                                    s.tensor if s.master else None)
+                for p, s in self.by_param.items() if state.get(p)}
 
     def local_pieces(self, state: Dict[torch.Tensor, dict]) -> Dict[int, tuple]:
         """This rank's state, ready to send: per parameter index, the range it

@@ -20,6 +20,7 @@ import copy
 import traceback
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -267,7 +268,31 @@ def sharded_job(rank, world_size, kind):
                 optimizer.zero_grad()
                 params.append([p.detach().clone() for p in model.parameters()])
             out[f"{model_name}_{mode}"] = {"params": params, "held": held}
+            if mode == "sharded":
+                out[f"{model_name}_checkpoint"] = sharded_checkpoint(optimizer, spec, device)
     return out
+
+
+def sharded_checkpoint(optimizer, spec, device):
+    """Every rank's sharded_state_dict() (host copies) loaded into a sharded
+    optimizer with another bucket cap, on the device: whether its whole
+    state equals the saved optimizer's, and whether the loaded state sits
+    on the device."""
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, optimizer.sharded_state_dict())
+    whole = optimizer.state_dict()
+    loaded = DistributedOptimizer(torch.optim.AdamW(Net(**spec, seed=1).to(device).parameters(),
+                                                    lr=LR), param_pack_thd=300, shard=True)
+    loaded.load_sharded_state_dict(shards)
+    again = loaded.state_dict()
+    equal = again["param_groups"] == whole["param_groups"] and all(
+        torch.equal(value, again["state"][index][key]) if isinstance(value, torch.Tensor)
+        else value == again["state"][index][key]
+        for index, entry in whole["state"].items() for key, value in entry.items())
+    on_device = all(value.device.type == torch.device(device).type
+                    for entry in loaded.state.values() for key, value in entry.items()
+                    if isinstance(value, torch.Tensor) and key != "step")
+    return {"equal": equal, "on_device": on_device}
 
 
 def broadcast_values(rank, device):

@@ -899,7 +899,8 @@ def test_the_sharded_optimizer_steps_as_the_unsharded_one(rank_results, device, 
     the device: fp32 weights bitwise the unsharded AdamW's (elementwise on
     slices; at 1 and 2 ranks the reduced gradient is the same sum), and
     shard_gradients bitwise shard=True for the mixed-dtype model too, with a
-    .grad exactly on the parameters each rank owns elements of."""
+    .grad exactly on the parameters each rank owns elements of; one-file-per-rank
+    checkpoints load back on the device, equal to the whole state."""
     per_rank = job_results(rank_results, run, "sharded")
     assert_same_on_every_rank(per_rank, "sharded")
     for rank, result in enumerate(per_rank):
@@ -918,6 +919,9 @@ def test_the_sharded_optimizer_steps_as_the_unsharded_one(rank_results, device, 
                 assert seen["held"] == seen["owns"], (rank, name, seen)
         if len(per_rank) > 1:
             assert not all(result["fp32_grads_sharded"]["held"][0]["held"])
+        # one file per rank: host copies loaded back into another layout on the device
+        for name in ("fp32_checkpoint", "mixed_checkpoint"):
+            assert result[name] == {"equal": True, "on_device": True}, (rank, name)
 
 
 @pytest.mark.parametrize("run", RUNS)

@@ -23,7 +23,11 @@ ranks (one spawn per world size runs every scenario; the tests judge):
 - checkpoints: state_dict() is the unsharded form (equal to the unsharded
   optimizer's), it loads at another world size (a subgroup), into an
   unsharded optimizer and into plain torch, and resuming is the uninterrupted
-  run; ``to=`` materialises it on one rank;
+  run; ``to=`` materialises it on one rank; sharded_state_dict() saves each
+  element once, by the rank that holds it, and its files (or dicts, in any
+  order) resume the run bitwise and load at smaller world sizes, another
+  bucket cap, AdaSum's layout and into and from an unsharded optimizer, equal
+  to the whole state dict; a bad save is refused and changes nothing;
 - bad input is refused before any collective, and a state dict of another
   model changes nothing.
 
@@ -31,13 +35,16 @@ Rank functions never assert: they return what they saw.
 """
 import copy
 import math
+import os
+import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedreduce import DistributedGradReducer, DistributedOptimizer
+from fusedreduce import (DistributedGradReducer, DistributedOptimizer,
+                         consolidate_sharded_state_dict)
 from fusedreduce.buckets import storage_bytes
 from harness import (assert_raised_before_any_collective, outcomes_and_collectives,
                      ranks_once_getter, record_collectives, run_ranks)
@@ -538,6 +545,140 @@ def _checkpoints(rank, world_size):
     return out
 
 
+def _sharded_checkpoints(rank, world_size):
+    """sharded_state_dict(): each rank's own elements, saved per rank (as
+    dicts and as files read with mmap), put together, resumed from, loaded
+    at other world sizes and bucket caps, into and from an unsharded
+    optimizer; bad saves refused before anything changes."""
+    out = {}
+    model, twin = _model(), _model()
+    optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True, param_pack_thd=300)
+    unsharded = DistributedOptimizer(_adamw(twin.parameters()), param_pack_thd=300)
+    for step in range(2):
+        for m, o in ((model, optimizer), (twin, unsharded)):
+            _loss(m, rank, step).backward()
+            o.step()
+            o.zero_grad()
+    whole, plain_form = optimizer.state_dict(), unsharded.state_dict()
+    own = optimizer.sharded_state_dict()
+    out["own"] = own  # put together by the test process, which has no process group
+    out["whole"] = whole
+    shards = [None] * world_size
+    dist.all_gather_object(shards, own)
+    kept = copy.deepcopy(shards)
+    out["consolidated"] = _dicts_equal(consolidate_sharded_state_dict(shards), whole)
+    directory = [tempfile.mkdtemp(prefix="sharded-ckpt-") if rank == 0 else None]
+    dist.broadcast_object_list(directory)
+    torch.save(own, os.path.join(directory[0], f"optim.{rank}.pt"))
+    dist.barrier()
+    # in any order
+    files = [os.path.join(directory[0], f"optim.{r}.pt") for r in reversed(range(world_size))]
+    model_state = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in range(2, 4):
+        _loss(model, rank, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    out["uninterrupted"] = _snapshot(model)
+    resumed = _model(seed=5)
+    resumed.load_state_dict(model_state)
+    again = DistributedOptimizer(torch.optim.AdamW(resumed.parameters(), lr=1.0), shard=True,
+                                 param_pack_thd=300)
+    again.load_sharded_state_dict(files)
+    out["lr_loaded"] = again.param_groups[0]["lr"]
+    for step in range(2, 4):
+        _loss(resumed, rank, step).backward()
+        again.step()
+        again.zero_grad()
+    out["resumed"] = _snapshot(resumed)
+    # another bucket cap; the loaded state is the optimizer's own: stepping
+    # it leaves the save alone
+    other_model = _model()
+    other = DistributedOptimizer(_adamw(other_model.parameters()), shard=True,
+                                 param_pack_thd=100)
+    other.load_sharded_state_dict(shards)
+    out["other_cap"] = _dicts_equal(other.state_dict(), whole)
+    _loss(other_model, rank, 9).backward()
+    other.step()
+    out["save_untouched"] = all(_pieces_equal(a, b) for a, b in zip(shards, kept))
+    # the first k ranks: another world size, another bucket cap
+    for k in range(1, world_size):
+        group = dist.new_group(list(range(k)))
+        if rank < k:
+            smaller = DistributedOptimizer(_adamw(_model().parameters()), group=group,
+                                           shard=True, param_pack_thd=200, bcast_period=-1)
+            smaller.load_sharded_state_dict(files)
+            out[f"round_trip_{k}"] = _dicts_equal(smaller.state_dict(), whole)
+    # AdaSum's layout: each rank owns the slice its tree's halving leaves it
+    adasum = DistributedOptimizer(_adamw(_model().parameters()), shard=True,
+                                  reduce_method="adasum", param_pack_thd=300)
+    adasum.load_sharded_state_dict(shards)
+    out["into_adasum"] = _dicts_equal(adasum.state_dict(), whole)
+    adasum_shards = [None] * world_size
+    dist.all_gather_object(adasum_shards, adasum.sharded_state_dict())
+    out["adasum_consolidated"] = _dicts_equal(consolidate_sharded_state_dict(adasum_shards),
+                                              whole)
+    # into an unsharded optimizer: what loading the whole dict gives
+    into_unsharded = DistributedOptimizer(_adamw(_model().parameters()), param_pack_thd=300)
+    into_unsharded.load_sharded_state_dict(shards)
+    by_whole = DistributedOptimizer(_adamw(_model().parameters()), param_pack_thd=300)
+    by_whole.load_state_dict(copy.deepcopy(whole))
+    out["into_unsharded"] = _dicts_equal(into_unsharded.state_dict(), by_whole.state_dict())
+    # an unsharded save: each rank writes a share of the parameters
+    unsharded_own = unsharded.sharded_state_dict()
+    out["unsharded_own"] = unsharded_own
+    out["unsharded_own_whole"] = plain_form
+    unsharded_shards = [None] * world_size
+    dist.all_gather_object(unsharded_shards, unsharded_own)
+    out["unsharded_consolidated"] = _dicts_equal(
+        consolidate_sharded_state_dict(unsharded_shards), plain_form)
+    from_unsharded = DistributedOptimizer(_adamw(_model().parameters()), shard=True,
+                                          param_pack_thd=300)
+    from_unsharded.load_sharded_state_dict(unsharded_shards)
+    out["from_unsharded"] = _dicts_equal(from_unsharded.state_dict(), plain_form,
+                                         skip=("master_weight",))
+    # bad saves: refused with the error, and nothing changed
+    before = again.state_dict()
+    moved = copy.deepcopy(shards)
+    first = next(iter(moved[0]["state"]), None)
+    if first is not None:
+        moved[0]["state"][first]["start"] += 1
+    bad = {
+        "one_dict": own,
+        "empty": [],
+        "rank_twice": shards + [shards[0]],
+        "whole_dict": [whole],
+        "not_a_dict": [1],
+        "another_model": [{**s, "shapes": [[99]] + s["shapes"][1:]} for s in shards],
+        "piece_moved": moved,
+    }
+    if world_size > 1:
+        bad["rank_missing"] = shards[1:]
+    out["bad"] = {}
+    for name, value in bad.items():
+        try:
+            again.load_sharded_state_dict(value)
+            out["bad"][name] = None
+        except (TypeError, ValueError) as e:
+            out["bad"][name] = (type(e).__name__, str(e))
+    out["unchanged_after_bad"] = _dicts_equal(again.state_dict(), before)
+    return out
+
+
+def _pieces_equal(a, b):
+    """Two sharded state dicts, equal bit for bit."""
+    if set(a["state"]) != set(b["state"]) or a["param_groups"] != b["param_groups"]:
+        return False
+    for index, piece in a["state"].items():
+        other = b["state"][index]
+        if (piece["start"], piece["end"]) != (other["start"], other["end"]):
+            return False
+        for kind in ("slices", "values"):
+            for key, value in piece[kind].items():
+                if not torch.equal(value, other[kind][key]):
+                    return False
+    return True
+
+
 def _dicts_equal(a, b, skip=()):
     if a["param_groups"] != b["param_groups"] or set(a["state"]) != set(b["state"]):
         return False
@@ -636,6 +777,7 @@ def on_rank(rank, world_size):
         results["structure"] = [_structure_changes(rank, world_size, shard)
                                 for shard in (True, False)]
     results["checkpoints"] = _checkpoints(rank, world_size)
+    results["sharded_checkpoints"] = _sharded_checkpoints(rank, world_size)
     results["buffer_bytes"] = _buffer_bytes(rank, world_size)
     return results
 
@@ -1213,6 +1355,57 @@ def test_checkpoints_are_unsharded_and_move_between_world_sizes(ranks_once, worl
         assert seen["unsharded_has_masters"] is False
         assert seen["plain_loaded"] == 6
         assert seen["from_unsharded"]
+
+
+def _saved_elements(own):
+    return sum(v.numel() for piece in own["state"].values() for v in piece["slices"].values())
+
+
+def _whole_elements(whole):
+    return sum(v.numel() for entry in whole["state"].values() for v in entry.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_sharded_checkpoints_save_each_rank_s_own_elements_and_load_anywhere(ranks_once,
+                                                                             world_size):
+    results = [r["sharded_checkpoints"] for r in ranks_once(world_size)]
+    whole = results[0]["whole"]
+    # every element of the state saved once, by the rank that holds it
+    for key in ("own", "unsharded_own"):
+        saved = [_saved_elements(r[key]) for r in results]
+        assert sum(saved) == _whole_elements(whole if key == "own" else
+                                             results[0]["unsharded_own_whole"]), key
+        if world_size > 1:
+            assert max(saved) < _whole_elements(whole), key
+    # put together in a process without a process group, from the dicts in any order
+    mixed = [r["own"] for r in reversed(results)]
+    assert _dicts_equal(consolidate_sharded_state_dict(mixed), whole)
+    for rank, seen in enumerate(results):
+        assert seen["own"]["rank"] == rank and seen["own"]["world_size"] == world_size
+        assert seen["consolidated"] and seen["unsharded_consolidated"]
+        assert seen["lr_loaded"] == LR  # the checkpoint's hyperparameters win
+        _assert_bitwise(seen["resumed"], seen["uninterrupted"],
+                        f"rank {rank}: resuming from the files is not the run")
+        assert seen["other_cap"] and seen["save_untouched"]
+        for k in range(1, world_size):
+            if rank < k:
+                assert seen[f"round_trip_{k}"], f"rank {rank}, {k} ranks"
+        assert seen["into_unsharded"] and seen["from_unsharded"]
+        assert seen["into_adasum"] and seen["adasum_consolidated"]
+        bad = seen["bad"]
+        assert bad["one_dict"][0] == "TypeError" and "list or tuple" in bad["one_dict"][1]
+        assert bad["not_a_dict"][0] == "TypeError" and "shards[0]" in bad["not_a_dict"][1]
+        assert bad["empty"][0] == "ValueError"
+        assert bad["rank_twice"][0] == "ValueError" and "each of the" in bad["rank_twice"][1]
+        assert bad["whole_dict"][0] == "ValueError" and "load_state_dict" in bad["whole_dict"][1]
+        assert bad["another_model"][0] == "ValueError" and \
+            "another model" in bad["another_model"][1]
+        assert bad["piece_moved"][0] == "ValueError" and \
+            "not each once" in bad["piece_moved"][1]
+        if world_size > 1:
+            assert bad["rank_missing"][0] == "ValueError"
+        assert seen["unchanged_after_bad"]
 
 
 def test_bad_arguments_are_refused_before_any_collective():

@@ -1,0 +1,240 @@
+"""Optimizer checkpoints saved one file per rank, loaded at any world size.
+
+``DistributedOptimizer.sharded_state_dict()`` gives the state this rank holds
+(with ``shard=True`` its part; without sharding, a share of the parameters):
+no collective, nothing gathered, so a rank never holds more than its own
+part on the host. Each parameter's state is kept as a range of its
+flattened elements, which does not depend on the world size or the buckets:
+``load_sharded_state_dict`` takes every saved rank's dict (or file) and each
+rank reads the elements it owns now, and ``consolidate_sharded_state_dict``
+puts the whole torch-form state dict together, for a plain optimizer.
+
+One piece is ``{"start": a, "end": b, "slices": {key: 1-D tensor of b - a},
+"values": {key: value}}``: per-element state (moments, master weights) as
+the slice of elements ``[a, b)``, everything else (``step``) as it is.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+
+#: the ``"format"`` entry of a sharded optimizer state dict
+FORMAT = "fusedreduce.sharded_optimizer_state"
+VERSION = 1
+
+ShardSource = Union[dict, str, "os.PathLike[str]"]
+
+
+def make_piece(param: torch.Tensor, start: int, end: int, entry: dict,
+               master: Optional[torch.Tensor] = None) -> dict:
+    """``entry`` (the state of ``param`` over its elements ``[start, end)``:
+    per-element values shaped like the parameter when the range is all of
+    it, 1-D slices otherwise) as a piece, on the host, copied (never the
+    live state, which later steps update in place)."""
+    whole = start == 0 and end == param.numel()
+    slices, values = {}, {}
+    for key, value in entry.items():
+        if _per_element(value, param, start, end, whole):
+            slices[key] = _host_copy(value.reshape(-1))
+        elif isinstance(value, torch.Tensor):
+            values[key] = _host_copy(value)
+        else:
+            values[key] = copy.deepcopy(value)
+    if master is not None:
+        slices["master_weight"] = _host_copy(master.reshape(-1))
+    return {"start": start, "end": end, "slices": slices, "values": values}
+
+
+def _per_element(value, param: torch.Tensor, start: int, end: int, whole: bool) -> bool:
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return False
+    return value.shape == param.shape if whole else tuple(value.shape) == (end - start,)
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+def sharded_state(rank: int, world_size: int, shapes: Sequence[torch.Size],
+                  param_groups: list, pieces: Dict[int, dict]) -> dict:
+    """The dict ``sharded_state_dict()`` returns: ``pieces`` per parameter
+    index (the optimizer's parameter order), and what a load checks them
+    against."""
+    return {"format": FORMAT, "version": VERSION, "rank": rank, "world_size": world_size,
+            "shapes": [list(shape) for shape in shapes], "param_groups": param_groups,
+            "state": pieces}
+
+
+# ------------------------------------------------------------------ loading
+def read_shards(shards: Sequence[ShardSource]) -> List[dict]:
+    """Every saved rank's dict, in rank order: each item of ``shards`` a dict
+    from ``sharded_state_dict()`` or the path of a file ``torch.save`` wrote
+    it to (read with ``mmap=True``: only the elements a rank takes are read
+    from disk).
+
+    Raises:
+        TypeError: ``shards`` is not a list or tuple, or an item is neither a
+            dict nor a path.
+        ValueError: an item is not a sharded optimizer state dict, or the
+            items are not one per saved rank (each rank once, all of the same
+            save: world size, parameter shapes and groups).
+    """
+    if not isinstance(shards, (list, tuple)):
+        raise TypeError(f"shards must be a list or tuple with every saved rank's "
+                        f"sharded_state_dict() (or its file), got {type(shards).__name__}")
+    if not shards:
+        raise ValueError("shards is empty: pass every saved rank's sharded_state_dict() "
+                         "(or its file)")
+    loaded = []
+    for i, item in enumerate(shards):
+        if isinstance(item, (str, os.PathLike)):
+            item = torch.load(os.fspath(item), map_location="cpu", mmap=True,
+                              weights_only=True)
+        elif not isinstance(item, dict):
+            raise TypeError(f"shards[{i}] must be a dict from sharded_state_dict() or the "
+                            f"path of a file it was saved to, got {type(item).__name__}")
+        if item.get("format") != FORMAT:
+            hint = (": a whole state dict, for load_state_dict()"
+                    if "state" in item and "param_groups" in item else "")
+            raise ValueError(f"shards[{i}] is not a sharded optimizer state dict (from "
+                             f"DistributedOptimizer.sharded_state_dict()){hint}")
+        if item.get("version") != VERSION:
+            raise ValueError(f"shards[{i}] has format version {item.get('version')!r}; "
+                             f"this fusedreduce reads version {VERSION}")
+        loaded.append(item)
+    world_size = loaded[0]["world_size"]
+    ranks = sorted(item["rank"] for item in loaded)
+    if len(loaded) != world_size or ranks != list(range(world_size)):
+        raise ValueError(f"shards must hold each of the {world_size} saved ranks once (the "
+                         f"save's world size), got ranks {ranks}")
+    first = loaded[0]
+    for i, item in enumerate(loaded):
+        if item["world_size"] != world_size or item["shapes"] != first["shapes"] or \
+                [g["params"] for g in item["param_groups"]] != \
+                [g["params"] for g in first["param_groups"]]:
+            raise ValueError(f"shards[{i}] (rank {item['rank']}) is not of the same save as "
+                             f"shards[0]: its world size, parameter shapes or groups differ")
+    return sorted(loaded, key=lambda item: item["rank"])
+
+
+def check_shapes(shards: Sequence[dict], shapes: Sequence[torch.Size],
+                 group_sizes: Sequence[int]) -> None:
+    """The save's parameters are the optimizer's, group for group.
+
+    Raises:
+        ValueError: they differ (a checkpoint of another model).
+    """
+    saved = shards[0]
+    sizes = [len(g["params"]) for g in saved["param_groups"]]
+    if sizes != list(group_sizes):
+        raise ValueError(f"the shards' parameter groups have {sizes} parameters, the "
+                         f"optimizer's {list(group_sizes)}")
+    for index, (got, want) in enumerate(zip(saved["shapes"], shapes)):
+        if list(got) != list(want):
+            raise ValueError(f"the shards' parameter {index} has shape {tuple(got)}, the "
+                             f"optimizer's {tuple(want)}: a checkpoint of another model")
+
+
+def pieces_by_index(shards: Sequence[dict]) -> Dict[int, List[dict]]:
+    """Each parameter's pieces from every rank, in element order, checked to
+    cover its elements exactly once with the same state keys.
+
+    Raises:
+        ValueError: they do not (shards of different saves, or edited).
+    """
+    shapes = shards[0]["shapes"]
+    by_index: Dict[int, List[dict]] = {}
+    for item in shards:
+        for index, piece in item["state"].items():
+            if not isinstance(index, int) or not 0 <= index < len(shapes):
+                raise ValueError(f"rank {item['rank']}'s shard has state for parameter "
+                                 f"{index!r}, which its groups do not list")
+            by_index.setdefault(index, []).append(piece)
+    for index, pieces in by_index.items():
+        pieces.sort(key=lambda piece: piece["start"])
+        numel = math.prod(shapes[index])
+        if not _tiles(pieces, numel):
+            covered = [(piece["start"], piece["end"]) for piece in pieces]
+            raise ValueError(f"the shards' pieces of parameter {index}'s state cover elements "
+                             f"{covered} of its {numel}, not each once: shards of different "
+                             f"saves")
+        for piece in pieces:
+            if set(piece["slices"]) != set(pieces[0]["slices"]) or \
+                    set(piece["values"]) != set(pieces[0]["values"]) or \
+                    any(tuple(v.shape) != (piece["end"] - piece["start"],)
+                        for v in piece["slices"].values()):
+                raise ValueError(f"the shards disagree on parameter {index}'s state: its "
+                                 f"pieces have different keys or lengths")
+    return by_index
+
+
+def _tiles(pieces: Sequence[dict], numel: int) -> bool:
+    """``pieces`` (sorted by start) cover ``[0, numel)``, each element once."""
+    at = 0
+    for piece in pieces:
+        if piece["start"] != at or piece["end"] < at:
+            return False
+        at = piece["end"]
+    return at == numel
+
+
+def state_over(pieces: Sequence[dict], start: int, end: int,
+               shape: Optional[Sequence[int]] = None) -> dict:
+    """One parameter's state over its elements ``[start, end)``, put together
+    from ``pieces`` (fresh tensors; per-element values 1-D, or ``shape``)."""
+    entry = {}
+    for key in pieces[0]["slices"]:
+        parts = [piece["slices"][key][max(start, piece["start"]) - piece["start"]:
+                                      min(end, piece["end"]) - piece["start"]]
+                 for piece in pieces if piece["start"] < end and piece["end"] > start]
+        value = torch.cat(parts) if parts else pieces[0]["slices"][key][:0].clone()
+        entry[key] = value.view(shape) if shape is not None else value
+    for key, value in pieces[0]["values"].items():
+        entry[key] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+    return entry
+
+
+def whole_state_dict(shards: Sequence[dict]) -> dict:
+    """The torch-form state dict (``state`` keyed by the groups' parameter
+    ids, per-element values shaped like their parameters)."""
+    by_index = pieces_by_index(shards)
+    shapes = shards[0]["shapes"]
+    groups = copy.deepcopy(shards[0]["param_groups"])
+    ids = [i for g in groups for i in g["params"]]
+    state = {ids[index]: state_over(pieces, 0, math.prod(shapes[index]), shapes[index])
+             for index, pieces in sorted(by_index.items())}
+    return {"state": state, "param_groups": groups}
+
+
+def consolidate_sharded_state_dict(shards: Sequence[ShardSource]) -> dict:
+    """Put every rank's ``sharded_state_dict()`` together into the whole
+    state dict that ``DistributedOptimizer.state_dict()`` returns, in one
+    process (no process group needed): for a plain torch optimizer, an
+    unsharded run, or a tool that reads torch's form.
+
+    Args:
+        shards: every saved rank's dict, or the paths of the files
+            ``torch.save`` wrote them to, in any order.
+
+    Returns:
+        ``{"state": ..., "param_groups": ...}`` with the keys and shapes of
+        the wrapped optimizer's own ``state_dict()`` (16-bit parameters'
+        fp32 masters under ``"master_weight"``, which torch optimizers keep
+        as an unused entry and ``DistributedOptimizer`` reads).
+
+    Raises:
+        TypeError: ``shards`` or one of its items has the wrong type.
+        ValueError: the items are not one complete save (a rank missing or
+            twice, different saves, not sharded state dicts).
+
+    Examples:
+        >>> import fusedreduce, torch                              # doctest: +SKIP
+        >>> files = [f"ckpt/optim.{r}.pt" for r in range(8)]      # doctest: +SKIP
+        >>> whole = fusedreduce.consolidate_sharded_state_dict(files)  # doctest: +SKIP
+        >>> torch.optim.AdamW(model.parameters()).load_state_dict(whole)  # doctest: +SKIP
+    """
+    return whole_state_dict(read_shards(shards))
