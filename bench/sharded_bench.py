@@ -58,6 +58,13 @@ sharded rank holds at most ``(full_state_bytes + padding) / world_size`` plus
 every 0-d state tensor (AdamW's step counts, one per parameter slice a rank
 owns), ``padding`` being the plan's padding elements at the per-element bytes
 of the full state. The time aim: within 10% of ``fused_adamw``'s step.
+
+Checkpoints, for ``fused_sharded_adamw``: ``checkpoint_own_bytes`` is the
+tensors of the largest rank's ``sharded_state_dict()`` (one file per rank),
+``checkpoint_own_vs_whole`` that over ``full_state_bytes`` (what the
+collective ``state_dict()`` gives every rank), and ``checkpoint_own_ms`` and
+``checkpoint_whole_ms`` the slowest rank's median time of each call
+(``--repeats`` calls, after a barrier).
 """
 from __future__ import annotations
 
@@ -327,6 +334,28 @@ def _full_state(optimizer: DistributedOptimizer) -> Dict[str, int]:
             "n_buckets": len(buckets)}
 
 
+def checkpoint_costs(optimizer: DistributedOptimizer, repeats: int) -> Dict[str, float]:
+    """This rank's cost of a checkpoint's optimizer state: the whole
+    ``state_dict()`` (collective; the same bytes on every rank) against its
+    own ``sharded_state_dict()``: the median ms of ``repeats`` calls each
+    (after a barrier), and the bytes of the tensors the latter returns."""
+    whole_ms, own_ms = [], []
+    for _ in range(repeats):
+        for method, times in ((optimizer.state_dict, whole_ms),
+                              (optimizer.sharded_state_dict, own_ms)):
+            dist.barrier()
+            start = time.perf_counter()
+            result = method()
+            times.append((time.perf_counter() - start) * 1e3)
+            del result
+    own = optimizer.sharded_state_dict()
+    own_bytes = _nbytes(v for piece in own["state"].values()
+                        for kind in ("slices", "values") for v in piece[kind].values()
+                        if isinstance(v, torch.Tensor))
+    return {"whole_ms": sorted(whole_ms)[len(whole_ms) // 2],
+            "own_ms": sorted(own_ms)[len(own_ms) // 2], "own_bytes": own_bytes}
+
+
 # ------------------------------------------------------------------ on the ranks
 
 def cases(config: dict) -> List[dict]:
@@ -388,8 +417,11 @@ def rank_measure(rank: int, world_size: int, case: dict, config: dict) -> dict:
     for method in built:  # after the counts: the profiled steps leave the same tensors
         memory[method]["peak"] = peak_bytes(steps[method], _persistent(memory[method]))
     full = _full_state(built[SHARDED][2]) if SHARDED in built else None
+    checkpoint = checkpoint_costs(built[SHARDED][2], config["repeats"]) \
+        if SHARDED in built else None
     shapes = TENSOR_LISTS[name](case["size"])
-    return {"samples": samples, "memory": memory, "full": full, "not_run": not_run,
+    return {"samples": samples, "memory": memory, "full": full, "checkpoint": checkpoint,
+            "not_run": not_run,
             "n_tensors": len(shapes), "n_elements": n_elements(shapes),
             "element_size": torch.empty((), dtype=dtype).element_size()}
 
@@ -415,7 +447,9 @@ EXTRA_KEYS = ("model", "dtype", "time_vs_unsharded", "state_bytes", "master_byte
               "state_master_bytes", "state_master_vs_unsharded",
               "memory_per_rank", "full_state_bytes", "full_state_scalar_bytes",
               "padding_elements", "n_buckets", "state_master_vs_full_per_rank",
-              "state_master_bound_bytes", "memory_aim_met", "time_aim_met", "not_run")
+              "state_master_bound_bytes", "memory_aim_met", "time_aim_met",
+              "checkpoint_own_bytes", "checkpoint_own_vs_whole", "checkpoint_own_ms",
+              "checkpoint_whole_ms", "not_run")
 
 
 def records(outcome: Dict[int, dict], case: dict) -> List[dict]:
@@ -479,6 +513,13 @@ def records(outcome: Dict[int, dict], case: dict) -> List[dict]:
         if method in SHARDED_METHODS and first["full"] is not None:
             record.update(first["full"])  # the same state either way
             record.update(_aims(record, world_size))
+        if method == SHARDED and first.get("checkpoint") is not None:
+            costs = [outcome[r]["checkpoint"] for r in sorted(outcome)]
+            record.update(checkpoint_own_bytes=max(c["own_bytes"] for c in costs),
+                          checkpoint_own_ms=max(c["own_ms"] for c in costs),
+                          checkpoint_whole_ms=max(c["whole_ms"] for c in costs))
+            record["checkpoint_own_vs_whole"] = \
+                record["checkpoint_own_bytes"] / record["full_state_bytes"]
         out.append(record)
     return out
 
@@ -534,7 +575,9 @@ COLUMNS: List[common.Column] = [
     ("x unsh", "state_master_vs_unsharded", ".3f"),
     ("x full/ws", "state_master_vs_full_per_rank", ".4f"),
     ("bound MB", "state_master_bound_bytes", _mb), ("mem aim", "memory_aim_met", _yes),
-    ("time aim", "time_aim_met", _yes)]
+    ("time aim", "time_aim_met", _yes), ("ckpt MB", "checkpoint_own_bytes", _mb),
+    ("ckpt x whole", "checkpoint_own_vs_whole", ".3f"), ("ckpt ms", "checkpoint_own_ms", _ms),
+    ("whole ms", "checkpoint_whole_ms", _ms)]
 NOTES = (
     "ms: median step (zero_grad, forward, backward, step; timed two in a row, halved, so that "
     "a deferred all-gather overlaps the second forward and the last one is waited for), the "
@@ -549,7 +592,11 @@ NOTES = (
     "st+mst: state + master; x unsh: st+mst over fused_adamw's; x full/ws: "
     "st+mst over 1/world_size of the sharded optimizer's whole state_dict() (fp32 masters "
     "included; 1.0 = an exact share); bound: (whole state + padding) / world_size + the 0-d "
-    "step counts (mem aim: st+mst <= bound).")
+    "step counts (mem aim: st+mst <= bound).\n"
+    "Checkpoints (fused_sharded_adamw): ckpt MB: the tensors of the largest rank's "
+    "sharded_state_dict() (its own part, on the host); ckpt x whole: that over the whole "
+    "state_dict(), which every rank holds while it is put together; ckpt ms and whole ms: the "
+    "slowest rank's median time of sharded_state_dict() and of the collective state_dict().")
 
 
 def print_report(results: Sequence[dict], machine: dict, config: dict, elapsed: float) -> None:

@@ -145,6 +145,22 @@ def test_fused_sharded_state_and_masters_per_rank_are_a_world_size_share(quick_r
         assert 0.99 < sharded["state_master_vs_full_per_rank"] < 1.05
 
 
+def test_a_rank_s_checkpoint_file_holds_its_state_and_masters_only(quick_run):
+    _, record, _ = quick_run
+    for methods in _by_case(record).values():
+        sharded = methods["fused_sharded_adamw"]
+        # the same elements the rank holds between steps, copied to the host:
+        # its share of the whole state_dict()
+        assert sharded["checkpoint_own_bytes"] == sharded["state_master_bytes"]
+        assert sharded["checkpoint_own_vs_whole"] == pytest.approx(
+            sharded["checkpoint_own_bytes"] / sharded["full_state_bytes"])
+        assert 1 / WORLD_SIZE <= sharded["checkpoint_own_vs_whole"] < 1.05 / WORLD_SIZE + 0.01
+        assert sharded["checkpoint_own_ms"] > 0 and sharded["checkpoint_whole_ms"] > 0
+        for method, row in methods.items():
+            if method != "fused_sharded_adamw":
+                assert row["checkpoint_own_bytes"] is None, method
+
+
 def test_sharded_gradients_hold_a_share_of_the_gradients_and_the_same_state(quick_run):
     _, record, _ = quick_run
     for methods in _by_case(record).values():
@@ -225,6 +241,8 @@ def _rank_output(n_tensors=4, n_elements=100, not_run=()):
             "full": {"full_state_bytes": 816, "full_state_scalar_bytes": 16,
                      "padding_elements": 0, "n_buckets": 1} if "fused_sharded_adamw" in methods
             else None,
+            "checkpoint": {"whole_ms": 5.0, "own_ms": 1.0, "own_bytes": 408}
+            if "fused_sharded_adamw" in methods else None,
             "not_run": {m: "RuntimeError: not on this backend" for m in not_run},
             "n_tensors": n_tensors, "n_elements": n_elements, "element_size": 4}
 
@@ -245,7 +263,8 @@ def test_a_method_that_cannot_run_is_reported_with_its_reason_and_no_figures(cap
     out = capsys.readouterr().out
     assert "# not run: fsdp2_adamw, resnet50 float32, 2 ranks: RuntimeError" in out
     row = next(line for line in out.splitlines() if " fused_sharded_adamw " in line)
-    assert row.split()[-2:] == ["NO", "yes"]  # the memory aim, the time aim
+    # the memory aim, the time aim; the checkpoint's MB, share of the whole, ms, whole's ms
+    assert row.split()[-6:] == ["NO", "yes", "0.000", "0.500", "1", "5"]
 
 
 def _machine():
