@@ -2,8 +2,8 @@
 
 For examples, tests and benchmarks on one machine, where ``torchrun`` is more
 than the job needs. Each rank is a fresh spawned interpreter (or, with
-``start_method="forkserver"``, a fork of a server that imported torch once:
-the same fresh state, without torch's import per rank) that joins a
+``start_method="forkserver"``, a fork of a server that imported torch and
+torch._dynamo once: the same fresh state, without those imports per rank) that joins a
 ``gloo`` (or ``nccl``, one GPU per rank) group through a file rendezvous,
 runs ``fn(rank, world_size, *args)`` and sends its result back pickled (tensor
 data is copied, so results outlive the rank). A rank that raises sends its
@@ -28,8 +28,12 @@ from typing import Any, Callable, Dict, List, Optional
 START_METHODS = ("spawn", "forkserver")
 #: the environment variable that picks the start method when the call does not
 START_METHOD_VARIABLE = "FUSEDREDUCE_START_METHOD"
-#: what the fork server imports before it forks any rank
-FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
+#: what the fork server imports before it forks any rank: torch._dynamo too,
+#: which the first optimizer a process builds imports (about 1.8 s of CPU per
+#: rank on a 2-core machine otherwise); importing it touches no GPU, and with
+#: no process group in the server torch.distributed.nn.functional's defaults
+#: bind None (see fusedreduce/__init__.py)
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 #: after one rank fails, how long the others get to report (they usually fail
 #: within milliseconds, when the failed rank's sockets close) before they are killed
 FAILURE_GRACE_S = 10.0
