@@ -466,6 +466,28 @@ def _grad_scaler(rank, world_size, **options):
     return seen
 
 
+def _two_more_steps(model, optimizer, rank):
+    """Steps 2 and 3 of the checkpoint scenarios' run; the parameters after them."""
+    for step in range(2, 4):
+        _loss(model, rank, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return _snapshot(model)
+
+
+def _resumed(model_state, rank, load):
+    """A fresh model given ``model_state`` and a fresh sharded optimizer
+    (lr 1.0, which the checkpoint's must replace) loaded by ``load(opt)``,
+    stepped as the run: the optimizer, its loaded lr, the parameters."""
+    resumed = _model(seed=5)
+    resumed.load_state_dict(model_state)
+    again = DistributedOptimizer(torch.optim.AdamW(resumed.parameters(), lr=1.0),
+                                 shard=True, param_pack_thd=300)
+    load(again)
+    lr = again.param_groups[0]["lr"]
+    return again, lr, _two_more_steps(resumed, again, rank)
+
+
 def _checkpoints(rank, world_size):
     """Save from the world; resume; load at other world sizes (subgroups),
     into an unsharded optimizer and into plain torch."""
@@ -498,25 +520,10 @@ def _checkpoints(rank, world_size):
     only_on_0 = optimizer.state_dict(to=0)
     out["to_0"] = only_on_0 is None if rank else _dicts_equal(only_on_0, saved)
     model_state = {k: v.clone() for k, v in model.state_dict().items()}
-    # the uninterrupted run
-    for step in range(2, 4):
-        _loss(model, rank, step).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    out["uninterrupted"] = _snapshot(model)
-    # resumed: a fresh model and optimizer from the checkpoint
-    resumed = _model(seed=5)
-    resumed.load_state_dict(model_state)
-    again = DistributedOptimizer(torch.optim.AdamW(resumed.parameters(), lr=1.0),
-                                 shard=True, param_pack_thd=300)
+    out["uninterrupted"] = _two_more_steps(model, optimizer, rank)
     # a copy: torch's load keeps the dict's step tensors, and steps count on in them
-    again.load_state_dict(copy.deepcopy(saved))
-    out["lr_loaded"] = again.param_groups[0]["lr"]
-    for step in range(2, 4):
-        _loss(resumed, rank, step).backward()
-        again.step()
-        again.zero_grad()
-    out["resumed"] = _snapshot(resumed)
+    _, out["lr_loaded"], out["resumed"] = _resumed(
+        model_state, rank, lambda again: again.load_state_dict(copy.deepcopy(saved)))
     # another world size: the first k ranks load and give the same dict back
     for k in range(1, world_size):
         group = dist.new_group(list(range(k)))
@@ -574,22 +581,9 @@ def _sharded_checkpoints(rank, world_size):
     # in any order
     files = [os.path.join(directory[0], f"optim.{r}.pt") for r in reversed(range(world_size))]
     model_state = {k: v.clone() for k, v in model.state_dict().items()}
-    for step in range(2, 4):
-        _loss(model, rank, step).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    out["uninterrupted"] = _snapshot(model)
-    resumed = _model(seed=5)
-    resumed.load_state_dict(model_state)
-    again = DistributedOptimizer(torch.optim.AdamW(resumed.parameters(), lr=1.0), shard=True,
-                                 param_pack_thd=300)
-    again.load_sharded_state_dict(files)
-    out["lr_loaded"] = again.param_groups[0]["lr"]
-    for step in range(2, 4):
-        _loss(resumed, rank, step).backward()
-        again.step()
-        again.zero_grad()
-    out["resumed"] = _snapshot(resumed)
+    out["uninterrupted"] = _two_more_steps(model, optimizer, rank)
+    again, out["lr_loaded"], out["resumed"] = _resumed(
+        model_state, rank, lambda again: again.load_sharded_state_dict(files))
     # another bucket cap; the loaded state is the optimizer's own: stepping
     # it leaves the save alone
     other_model = _model()
