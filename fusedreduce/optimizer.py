@@ -592,6 +592,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         from the next backward on the hooks cover exactly the trainable
         parameters; a frozen parameter without gradient keeps none.
 
+        One step is taken without reducing: on an optimizer without state,
+        at learning rate 0, with every gradient all zeros (assigned, not from
+        a backward), it runs the wrapped step locally and communicates
+        nothing. That is how ``torch.distributed.checkpoint.state_dict``'s
+        ``get_state_dict`` and ``set_state_dict`` make a fresh optimizer's
+        state; reducing zeros would give the same zeros.
+
         Raises:
             RuntimeError: the gradients were not reduced: ``step()`` (or the
                 closure's backward) came after a backward pass that only
@@ -616,6 +623,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "pass bcast_period=0 or -1, and call broadcast_parameters() between "
                     "replays when the replicas should be re-synchronised")
         self._follow_requires_grad()
+        if closure is None and not self.reducer.reduced and self._initialising_state():
+            self._initialise_state()
+            return None
         if self.shard:
             loss = None
             if closure is not None:
@@ -641,6 +651,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.bcast_period > 0 and self._steps % self.bcast_period == 0:
             self.broadcast_parameters()
         return loss
+
+    def _initialising_state(self) -> bool:
+        """Whether this step is how ``torch.distributed.checkpoint.state_dict``
+        makes a fresh optimizer's state (``get_state_dict``/``set_state_dict``
+        step an optimizer without state once, on zero gradients assigned to
+        every parameter, at learning rate 0): no state on this rank, every
+        group's ``lr`` 0, and every gradient there all zeros, not reduced."""
+        if self.state or any(float(g.get("lr", 1.0)) != 0.0 for g in self.param_groups):
+            return False
+        grads = [p.grad for p in self._all_params() if p.grad is not None]
+        return bool(grads) and not any(bool(g.any()) for g in grads)
+
+    def _initialise_state(self) -> None:
+        """The wrapped optimizer's step on this rank's zero gradients, with
+        nothing communicated (reduced, zeros are the same zeros on every
+        rank): it makes the state as a first step would, and is not counted
+        as a step. What it stepped (the parameters, or with ``shard=True``
+        this rank's slices and masters, so nothing is gathered) is put back
+        as it was: at learning rate 0 nothing should move, but torch's Adam
+        on fp16 tensors turns them into NaN (its ``eps`` of 1e-8 rounds to 0
+        in fp16, and 0 / 0 times a zero step is NaN)."""
+        if self.shard:
+            self.sharded.finish_gather()
+            self.sharded.refresh_masters()
+            stepped = [s.tensor for s in self.sharded.by_param.values()]
+        else:
+            stepped = [p for p in self._all_params() if p.grad is not None]
+        with torch.no_grad():
+            kept = [t.detach().clone() for t in stepped]
+        if self.shard:
+            self.sharded.step(self, super().step)
+        else:
+            super().step()
+        with torch.no_grad():
+            for tensor, value in zip(stepped, kept):
+                tensor.copy_(value)
 
     def _check_reduced(self) -> None:
         has_grads = any(p.grad is not None for p in self._all_params())

@@ -475,15 +475,15 @@ def _two_more_steps(model, optimizer, rank):
     return _snapshot(model)
 
 
-def _resumed(model_state, rank, load):
-    """A fresh model given ``model_state`` and a fresh sharded optimizer
-    (lr 1.0, which the checkpoint's must replace) loaded by ``load(opt)``,
-    stepped as the run: the optimizer, its loaded lr, the parameters."""
+def _resumed(model_state, rank, load, shard=True):
+    """A fresh model given ``model_state`` and a fresh (sharded) optimizer
+    (lr 1.0, which the checkpoint's must replace) loaded by ``load(model,
+    opt)``, stepped as the run: the optimizer, its loaded lr, the parameters."""
     resumed = _model(seed=5)
     resumed.load_state_dict(model_state)
     again = DistributedOptimizer(torch.optim.AdamW(resumed.parameters(), lr=1.0),
-                                 shard=True, param_pack_thd=300)
-    load(again)
+                                 shard=shard, param_pack_thd=300)
+    load(resumed, again)
     lr = again.param_groups[0]["lr"]
     return again, lr, _two_more_steps(resumed, again, rank)
 
@@ -523,7 +523,7 @@ def _checkpoints(rank, world_size):
     out["uninterrupted"] = _two_more_steps(model, optimizer, rank)
     # a copy: torch's load keeps the dict's step tensors, and steps count on in them
     _, out["lr_loaded"], out["resumed"] = _resumed(
-        model_state, rank, lambda again: again.load_state_dict(copy.deepcopy(saved)))
+        model_state, rank, lambda _, again: again.load_state_dict(copy.deepcopy(saved)))
     # another world size: the first k ranks load and give the same dict back
     for k in range(1, world_size):
         group = dist.new_group(list(range(k)))
@@ -583,7 +583,7 @@ def _sharded_checkpoints(rank, world_size):
     model_state = {k: v.clone() for k, v in model.state_dict().items()}
     out["uninterrupted"] = _two_more_steps(model, optimizer, rank)
     again, out["lr_loaded"], out["resumed"] = _resumed(
-        model_state, rank, lambda again: again.load_sharded_state_dict(files))
+        model_state, rank, lambda _, again: again.load_sharded_state_dict(files))
     # another bucket cap; the loaded state is the optimizer's own: stepping
     # it leaves the save alone
     other_model = _model()
@@ -655,6 +655,53 @@ def _sharded_checkpoints(rank, world_size):
         except (TypeError, ValueError) as e:
             out["bad"][name] = (type(e).__name__, str(e))
     out["unchanged_after_bad"] = _dicts_equal(again.state_dict(), before)
+    return out
+
+
+def _torch_checkpoint(rank, world_size, shard):
+    """torch.distributed.checkpoint as FSDP2 users save and resume:
+    ``get_state_dict`` of a fresh optimizer (which steps it once on zero
+    gradients at lr 0 to make its state) and after two steps, ``dcp.save``,
+    then a fresh model and optimizer through ``get_state_dict``,
+    ``dcp.load`` and ``set_state_dict``, stepped on; and a sharded rank that
+    owns nothing, whose state alone is empty (DCP initialises it alone)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    out = {}
+    directory = [tempfile.mkdtemp(prefix="torch-ckpt-") if rank == 0 else None]
+    dist.broadcast_object_list(directory)
+    model = _model()
+    optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=shard,
+                                     param_pack_thd=300)
+    before = _snapshot(model)
+    _, fresh = get_state_dict(model, optimizer)
+    out["fresh_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    out["fresh_steps"] = sorted({float(entry["step"]) for entry in fresh["state"].values()})
+    for step in range(2):
+        _loss(model, rank, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=directory[0])
+    out["uninterrupted"] = _two_more_steps(model, optimizer, rank)
+
+    def load(resumed, again):
+        state = dict(zip(("model", "optim"), get_state_dict(resumed, again)))
+        dcp.load(state, checkpoint_id=directory[0])
+        set_state_dict(resumed, again, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    # from other weights than the run's: the model's come from the checkpoint too
+    _, out["lr_loaded"], out["resumed"] = _resumed(_model(seed=7).state_dict(), rank, load,
+                                                   shard=shard)
+    # one parameter of one element: with shard=True one rank owns it, the other nothing
+    tiny = nn.Linear(1, 1, bias=False)
+    tiny_optimizer = DistributedOptimizer(_adamw(tiny.parameters()), shard=shard)
+    tiny(torch.ones(1, 1)).sum().backward()
+    tiny_optimizer.step()
+    tiny_optimizer.zero_grad()
+    out["tiny_owns"] = bool(tiny_optimizer.state)
+    _, tiny_state = get_state_dict(tiny, tiny_optimizer)
+    out["tiny_state"] = tiny_state["state"]
     return out
 
 
@@ -770,6 +817,8 @@ def on_rank(rank, world_size):
         results["unfound_unsharded"] = _unused_not_found(rank, world_size, False)
         results["structure"] = [_structure_changes(rank, world_size, shard)
                                 for shard in (True, False)]
+        results["torch_checkpoint"] = [_torch_checkpoint(rank, world_size, shard)
+                                       for shard in (True, False)]
     results["checkpoints"] = _checkpoints(rank, world_size)
     results["sharded_checkpoints"] = _sharded_checkpoints(rank, world_size)
     results["buffer_bytes"] = _buffer_bytes(rank, world_size)
@@ -1400,6 +1449,23 @@ def test_sharded_checkpoints_save_each_rank_s_own_elements_and_load_anywhere(ran
         if world_size > 1:
             assert bad["rank_missing"][0] == "ValueError"
         assert seen["unchanged_after_bad"]
+
+
+@pytest.mark.parametrize("shard", [True, False])
+def test_torch_distributed_checkpoint_saves_and_resumes_the_run(ranks_once, shard):
+    for rank, seen in enumerate(r["torch_checkpoint"][0 if shard else 1]
+                                for r in ranks_once(2)):
+        # get_state_dict steps a fresh optimizer on zero gradients at lr 0:
+        # its state made, nothing moved, nothing communicated
+        assert seen["fresh_unchanged"] and seen["fresh_steps"] == [1.0]
+        assert seen["lr_loaded"] == LR
+        _assert_bitwise(seen["resumed"], seen["uninterrupted"],
+                        f"rank {rank}: resuming through torch.distributed.checkpoint")
+        # the whole state on every rank, also on the rank that owns nothing of it
+        assert set(seen["tiny_state"]) == {"weight"}
+        assert float(seen["tiny_state"]["weight"]["step"]) == 1.0
+    owners = [r["torch_checkpoint"][0 if shard else 1]["tiny_owns"] for r in ranks_once(2)]
+    assert sorted(owners) == ([False, True] if shard else [True, True])
 
 
 def test_bad_arguments_are_refused_before_any_collective():
