@@ -62,9 +62,13 @@ of the full state. The time aim: within 10% of ``fused_adamw``'s step.
 Checkpoints, for ``fused_sharded_adamw``: ``checkpoint_own_bytes`` is the
 tensors of the largest rank's ``sharded_state_dict()`` (one file per rank),
 ``checkpoint_own_vs_whole`` that over ``full_state_bytes`` (what the
-collective ``state_dict()`` gives every rank), and ``checkpoint_own_ms`` and
+collective ``state_dict()`` gives every rank), ``checkpoint_own_ms`` and
 ``checkpoint_whole_ms`` the slowest rank's median time of each call
-(``--repeats`` calls, after a barrier).
+(``--repeats`` calls, after a barrier), and ``checkpoint_load_own_ms`` and
+``checkpoint_load_whole_ms`` the same of loading each back from files
+``torch.save`` wrote once to a temporary directory:
+``load_sharded_state_dict`` of every rank's file (read with ``mmap=True``)
+and ``load_state_dict(torch.load(...))`` of the whole dict's (rank 0's).
 """
 from __future__ import annotations
 
@@ -73,7 +77,9 @@ import contextlib
 import math
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -334,26 +340,58 @@ def _full_state(optimizer: DistributedOptimizer) -> Dict[str, int]:
             "n_buckets": len(buckets)}
 
 
+def _tensors_in(value) -> List[torch.Tensor]:
+    """Every tensor in nested dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    return []
+
+
 def checkpoint_costs(optimizer: DistributedOptimizer, repeats: int) -> Dict[str, float]:
     """This rank's cost of a checkpoint's optimizer state: the whole
     ``state_dict()`` (collective; the same bytes on every rank) against its
-    own ``sharded_state_dict()``: the median ms of ``repeats`` calls each
-    (after a barrier), and the bytes of the tensors the latter returns."""
-    whole_ms, own_ms = [], []
-    for _ in range(repeats):
-        for method, times in ((optimizer.state_dict, whole_ms),
-                              (optimizer.sharded_state_dict, own_ms)):
+    own ``sharded_state_dict()``, and loading each back from its files
+    (written once with ``torch.save`` to a temporary directory: the whole
+    dict by rank 0, read by every rank with ``torch.load`` into
+    ``load_state_dict``; every rank's own into ``load_sharded_state_dict``):
+    the median ms of ``repeats`` calls each (after a barrier),
+    and the bytes of the tensors ``sharded_state_dict()`` returns."""
+    def median_ms(call: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
-            result = method()
+            call()
             times.append((time.perf_counter() - start) * 1e3)
-            del result
-    own = optimizer.sharded_state_dict()
-    own_bytes = _nbytes(v for piece in own["state"].values()
-                        for kind in ("slices", "values") for v in piece[kind].values()
-                        if isinstance(v, torch.Tensor))
-    return {"whole_ms": sorted(whole_ms)[len(whole_ms) // 2],
-            "own_ms": sorted(own_ms)[len(own_ms) // 2], "own_bytes": own_bytes}
+        return sorted(times)[len(times) // 2]
+
+    whole_ms = median_ms(optimizer.state_dict)
+    own_ms = median_ms(optimizer.sharded_state_dict)
+    whole, own = optimizer.state_dict(), optimizer.sharded_state_dict()
+    own_bytes = _nbytes(_tensors_in(own))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    directory = [tempfile.mkdtemp(prefix="fusedreduce-bench-") if rank == 0 else None]
+    dist.broadcast_object_list(directory)
+    torch.save(own, os.path.join(directory[0], f"optim.{rank}.pt"))
+    files = [os.path.join(directory[0], f"optim.{r}.pt") for r in range(world_size)]
+    whole_file = os.path.join(directory[0], "optim.pt")
+    if rank == 0:
+        torch.save(whole, whole_file)
+    dist.barrier()
+    try:
+        load_whole_ms = median_ms(lambda: optimizer.load_state_dict(
+            torch.load(whole_file, map_location="cpu", weights_only=True)))
+        load_own_ms = median_ms(lambda: optimizer.load_sharded_state_dict(files))
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(directory[0], ignore_errors=True)
+    return {"whole_ms": whole_ms, "own_ms": own_ms, "own_bytes": own_bytes,
+            "load_whole_ms": load_whole_ms, "load_own_ms": load_own_ms}
 
 
 # ------------------------------------------------------------------ on the ranks
@@ -449,7 +487,8 @@ EXTRA_KEYS = ("model", "dtype", "time_vs_unsharded", "state_bytes", "master_byte
               "padding_elements", "n_buckets", "state_master_vs_full_per_rank",
               "state_master_bound_bytes", "memory_aim_met", "time_aim_met",
               "checkpoint_own_bytes", "checkpoint_own_vs_whole", "checkpoint_own_ms",
-              "checkpoint_whole_ms", "not_run")
+              "checkpoint_whole_ms", "checkpoint_load_own_ms", "checkpoint_load_whole_ms",
+              "not_run")
 
 
 def records(outcome: Dict[int, dict], case: dict) -> List[dict]:
@@ -517,7 +556,9 @@ def records(outcome: Dict[int, dict], case: dict) -> List[dict]:
             costs = [outcome[r]["checkpoint"] for r in sorted(outcome)]
             record.update(checkpoint_own_bytes=max(c["own_bytes"] for c in costs),
                           checkpoint_own_ms=max(c["own_ms"] for c in costs),
-                          checkpoint_whole_ms=max(c["whole_ms"] for c in costs))
+                          checkpoint_whole_ms=max(c["whole_ms"] for c in costs),
+                          checkpoint_load_own_ms=max(c["load_own_ms"] for c in costs),
+                          checkpoint_load_whole_ms=max(c["load_whole_ms"] for c in costs))
             record["checkpoint_own_vs_whole"] = \
                 record["checkpoint_own_bytes"] / record["full_state_bytes"]
         out.append(record)
@@ -577,7 +618,8 @@ COLUMNS: List[common.Column] = [
     ("bound MB", "state_master_bound_bytes", _mb), ("mem aim", "memory_aim_met", _yes),
     ("time aim", "time_aim_met", _yes), ("ckpt MB", "checkpoint_own_bytes", _mb),
     ("ckpt x whole", "checkpoint_own_vs_whole", ".3f"), ("ckpt ms", "checkpoint_own_ms", _ms),
-    ("whole ms", "checkpoint_whole_ms", _ms)]
+    ("whole ms", "checkpoint_whole_ms", _ms), ("load ms", "checkpoint_load_own_ms", _ms),
+    ("whole load ms", "checkpoint_load_whole_ms", _ms)]
 NOTES = (
     "ms: median step (zero_grad, forward, backward, step; timed two in a row, halved, so that "
     "a deferred all-gather overlaps the second forward and the last one is waited for), the "
@@ -596,7 +638,9 @@ NOTES = (
     "Checkpoints (fused_sharded_adamw): ckpt MB: the tensors of the largest rank's "
     "sharded_state_dict() (its own part, on the host); ckpt x whole: that over the whole "
     "state_dict(), which every rank holds while it is put together; ckpt ms and whole ms: the "
-    "slowest rank's median time of sharded_state_dict() and of the collective state_dict().")
+    "slowest rank's median time of sharded_state_dict() and of the collective state_dict(); "
+    "load ms and whole load ms: of load_sharded_state_dict(every rank's file) and of "
+    "load_state_dict(torch.load(the whole dict's file)).")
 
 
 def print_report(results: Sequence[dict], machine: dict, config: dict, elapsed: float) -> None:

@@ -825,8 +825,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Returns:
             ``{"format", "version", "rank", "world_size", "shapes",
             "param_groups", "state"}``: ``param_groups`` as in
-            ``state_dict()``, ``state`` per parameter index a piece
-            ``{"start", "end", "slices", "values"}``.
+            ``state_dict()``, ``state`` this rank's elements of each
+            parameter's state, packed into a few tensors (one per state key
+            and dtype; ``fusedreduce.sharded_checkpoint``).
 
         Examples:
             >>> torch.save(opt.sharded_state_dict(), f"ckpt/optim.{dist.get_rank()}.pt")  # doctest: +SKIP

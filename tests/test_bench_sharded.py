@@ -155,7 +155,8 @@ def test_a_rank_s_checkpoint_file_holds_its_state_and_masters_only(quick_run):
         assert sharded["checkpoint_own_vs_whole"] == pytest.approx(
             sharded["checkpoint_own_bytes"] / sharded["full_state_bytes"])
         assert 1 / WORLD_SIZE <= sharded["checkpoint_own_vs_whole"] < 1.05 / WORLD_SIZE + 0.01
-        assert sharded["checkpoint_own_ms"] > 0 and sharded["checkpoint_whole_ms"] > 0
+        assert all(sharded[f"checkpoint_{key}_ms"] > 0
+                   for key in ("own", "whole", "load_own", "load_whole"))
         for method, row in methods.items():
             if method != "fused_sharded_adamw":
                 assert row["checkpoint_own_bytes"] is None, method
@@ -241,7 +242,8 @@ def _rank_output(n_tensors=4, n_elements=100, not_run=()):
             "full": {"full_state_bytes": 816, "full_state_scalar_bytes": 16,
                      "padding_elements": 0, "n_buckets": 1} if "fused_sharded_adamw" in methods
             else None,
-            "checkpoint": {"whole_ms": 5.0, "own_ms": 1.0, "own_bytes": 408}
+            "checkpoint": {"whole_ms": 5.0, "own_ms": 1.0, "own_bytes": 408,
+                           "load_whole_ms": 7.0, "load_own_ms": 2.0}
             if "fused_sharded_adamw" in methods else None,
             "not_run": {m: "RuntimeError: not on this backend" for m in not_run},
             "n_tensors": n_tensors, "n_elements": n_elements, "element_size": 4}
@@ -263,8 +265,9 @@ def test_a_method_that_cannot_run_is_reported_with_its_reason_and_no_figures(cap
     out = capsys.readouterr().out
     assert "# not run: fsdp2_adamw, resnet50 float32, 2 ranks: RuntimeError" in out
     row = next(line for line in out.splitlines() if " fused_sharded_adamw " in line)
-    # the memory aim, the time aim; the checkpoint's MB, share of the whole, ms, whole's ms
-    assert row.split()[-6:] == ["NO", "yes", "0.000", "0.500", "1", "5"]
+    # the memory aim, the time aim; the checkpoint's MB, share of the whole,
+    # ms and the whole's ms to save, to load
+    assert row.split()[-8:] == ["NO", "yes", "0.000", "0.500", "1", "5", "2", "7"]
 
 
 def _machine():

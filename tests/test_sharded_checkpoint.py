@@ -87,8 +87,43 @@ def test_pieces_that_do_not_cover_the_parameter_once_are_refused():
         with pytest.raises(ValueError, match="not each once"):
             consolidate_sharded_state_dict(shards)
     # one piece without a key the others have
+    pieces = _cut(param, state, [(0, 4), (4, 10)])
+    del pieces[1]["slices"]["exp_avg"]
     shards = [sharded_state(rank, 2, [param.shape], [{"params": [0]}], {0: piece})
-              for rank, piece in enumerate(_cut(param, state, [(0, 4), (4, 10)]))]
-    del shards[1]["state"][0]["slices"]["exp_avg"]
+              for rank, piece in enumerate(pieces)]
     with pytest.raises(ValueError, match="different keys"):
         consolidate_sharded_state_dict(shards)
+
+
+def test_a_rank_s_pieces_of_several_dtypes_keys_and_values_pack_and_come_back():
+    # per key one flat tensor per dtype; a key some parameters lack; 0-d
+    # tensor values stacked, other values (a Python int) kept as they are
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.randn(5, generator=gen).half(), torch.randn(2, 3, generator=gen),
+              torch.randn(4, generator=gen).double()]
+    states = [{"exp_avg": torch.randn(5, generator=gen).half(), "step": torch.tensor(2.0)},
+              {"exp_avg": torch.randn(2, 3, generator=gen), "extra": torch.randn(2, 3),
+               "step": torch.tensor(2.0)},
+              {"exp_avg": torch.randn(4, generator=gen).double(), "step": 7}]
+    cuts = [[(0, 2), (2, 5)], [(0, 6), (6, 6)], [(0, 1), (1, 4)]]
+    shards = []
+    for rank in range(2):
+        pieces = {}
+        for index, (param, state, ranges) in enumerate(zip(params, states, cuts)):
+            start, end = ranges[rank]
+            whole = (start, end) == (0, param.numel())
+            entry = {k: v if whole or not isinstance(v, torch.Tensor) or v.dim() == 0
+                     else v.reshape(-1)[start:end] for k, v in state.items()}
+            pieces[index] = make_piece(param, start, end, entry)
+        shards.append(sharded_state(rank, 2, [p.shape for p in params],
+                                    [{"params": [0, 1, 2]}], pieces))
+    packed = shards[0]["state"]
+    assert [t.dtype for t in packed["slices"]["exp_avg"]["data"]] == \
+        [torch.float16, torch.float32, torch.float64]
+    assert packed["values"]["step"]["stacked"] is None  # a 0-d tensor beside an int
+    whole = consolidate_sharded_state_dict(shards)
+    for index, state in enumerate(states):
+        assert set(whole["state"][index]) == set(state)
+        for key, value in state.items():
+            got = whole["state"][index][key]
+            assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value

@@ -46,6 +46,7 @@ from torch import nn
 from fusedreduce import (DistributedGradReducer, DistributedOptimizer,
                          consolidate_sharded_state_dict)
 from fusedreduce.buckets import storage_bytes
+from fusedreduce.sharded_checkpoint import pieces_of
 from harness import (assert_raised_before_any_collective, outcomes_and_collectives,
                      ranks_once_getter, record_collectives, run_ranks)
 
@@ -633,9 +634,8 @@ def _sharded_checkpoints(rank, world_size):
     # bad saves: refused with the error, and nothing changed
     before = again.state_dict()
     moved = copy.deepcopy(shards)
-    first = next(iter(moved[0]["state"]), None)
-    if first is not None:
-        moved[0]["state"][first]["start"] += 1
+    if moved[0]["state"]["start"]:
+        moved[0]["state"]["start"][0] += 1
     bad = {
         "one_dict": own,
         "empty": [],
@@ -707,10 +707,11 @@ def _torch_checkpoint(rank, world_size, shard):
 
 def _pieces_equal(a, b):
     """Two sharded state dicts, equal bit for bit."""
-    if set(a["state"]) != set(b["state"]) or a["param_groups"] != b["param_groups"]:
+    a_pieces, b_pieces = pieces_of(a), pieces_of(b)
+    if set(a_pieces) != set(b_pieces) or a["param_groups"] != b["param_groups"]:
         return False
-    for index, piece in a["state"].items():
-        other = b["state"][index]
+    for index, piece in a_pieces.items():
+        other = b_pieces[index]
         if (piece["start"], piece["end"]) != (other["start"], other["end"]):
             return False
         for kind in ("slices", "values"):
@@ -1401,7 +1402,7 @@ def test_checkpoints_are_unsharded_and_move_between_world_sizes(ranks_once, worl
 
 
 def _saved_elements(own):
-    return sum(v.numel() for piece in own["state"].values() for v in piece["slices"].values())
+    return sum(v.numel() for piece in pieces_of(own).values() for v in piece["slices"].values())
 
 
 def _whole_elements(whole):
