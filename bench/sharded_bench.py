@@ -63,8 +63,9 @@ Checkpoints, for ``fused_sharded_adamw``: ``checkpoint_own_bytes`` is the
 tensors of the largest rank's ``sharded_state_dict()`` (one file per rank),
 ``checkpoint_own_vs_whole`` that over ``full_state_bytes`` (what the
 collective ``state_dict()`` gives every rank), ``checkpoint_own_ms`` and
-``checkpoint_whole_ms`` the slowest rank's median time of each call
-(``--repeats`` calls, after a barrier), and ``checkpoint_load_own_ms`` and
+``checkpoint_whole_ms`` the median time of each call (``--repeats``
+calls after one untimed, each after a barrier and the slowest rank's,
+round-robin with the others, as the steps are timed), and ``checkpoint_load_own_ms`` and
 ``checkpoint_load_whole_ms`` the same of loading each back from files
 ``torch.save`` wrote once to a temporary directory:
 ``load_sharded_state_dict`` of every rank's file (read with ``mmap=True``)
@@ -352,25 +353,15 @@ def _tensors_in(value) -> List[torch.Tensor]:
 
 
 def checkpoint_costs(optimizer: DistributedOptimizer, repeats: int) -> Dict[str, float]:
-    """This rank's cost of a checkpoint's optimizer state: the whole
-    ``state_dict()`` (collective; the same bytes on every rank) against its
-    own ``sharded_state_dict()``, and loading each back from its files
-    (written once with ``torch.save`` to a temporary directory: the whole
-    dict by rank 0, read by every rank with ``torch.load`` into
-    ``load_state_dict``; every rank's own into ``load_sharded_state_dict``):
-    the median ms of ``repeats`` calls each (after a barrier),
-    and the bytes of the tensors ``sharded_state_dict()`` returns."""
-    def median_ms(call: Callable[[], object]) -> float:
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - start) * 1e3)
-        return sorted(times)[len(times) // 2]
-
-    whole_ms = median_ms(optimizer.state_dict)
-    own_ms = median_ms(optimizer.sharded_state_dict)
+    """The cost of a checkpoint's optimizer state: the whole ``state_dict()``
+    (collective; the same bytes on every rank) against this rank's own
+    ``sharded_state_dict()``, and loading each back from its files (written
+    once with ``torch.save`` to a temporary directory: the whole dict by
+    rank 0, read by every rank with ``torch.load`` into ``load_state_dict``;
+    every rank's own into ``load_sharded_state_dict``): the median ms of
+    ``repeats`` calls each, timed as the steps are
+    (``timing.time_across_ranks``: the slowest rank's, round-robin), and the
+    bytes of the tensors this rank's ``sharded_state_dict()`` returns."""
     whole, own = optimizer.state_dict(), optimizer.sharded_state_dict()
     own_bytes = _nbytes(_tensors_in(own))
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -382,16 +373,18 @@ def checkpoint_costs(optimizer: DistributedOptimizer, repeats: int) -> Dict[str,
     if rank == 0:
         torch.save(whole, whole_file)
     dist.barrier()
+    calls = {"whole_ms": optimizer.state_dict, "own_ms": optimizer.sharded_state_dict,
+             "load_whole_ms": lambda: optimizer.load_state_dict(
+                 torch.load(whole_file, map_location="cpu", weights_only=True)),
+             "load_own_ms": lambda: optimizer.load_sharded_state_dict(files)}
     try:
-        load_whole_ms = median_ms(lambda: optimizer.load_state_dict(
-            torch.load(whole_file, map_location="cpu", weights_only=True)))
-        load_own_ms = median_ms(lambda: optimizer.load_sharded_state_dict(files))
+        samples = timing.time_across_ranks(calls, repeats, torch.device("cpu"))
     finally:
         dist.barrier()
         if rank == 0:
             shutil.rmtree(directory[0], ignore_errors=True)
-    return {"whole_ms": whole_ms, "own_ms": own_ms, "own_bytes": own_bytes,
-            "load_whole_ms": load_whole_ms, "load_own_ms": load_own_ms}
+    costs = {name: timing.summary_ms(times)["time_ms"] for name, times in samples.items()}
+    return {**costs, "own_bytes": own_bytes}
 
 
 # ------------------------------------------------------------------ on the ranks
@@ -638,7 +631,8 @@ NOTES = (
     "Checkpoints (fused_sharded_adamw): ckpt MB: the tensors of the largest rank's "
     "sharded_state_dict() (its own part, on the host); ckpt x whole: that over the whole "
     "state_dict(), which every rank holds while it is put together; ckpt ms and whole ms: the "
-    "slowest rank's median time of sharded_state_dict() and of the collective state_dict(); "
+    "median time (each call the slowest rank's) of sharded_state_dict() and of the collective "
+    "state_dict(); "
     "load ms and whole load ms: of load_sharded_state_dict(every rank's file) and of "
     "load_state_dict(torch.load(the whole dict's file)).")
 

@@ -883,7 +883,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         by_index = pieces_by_index(loaded)
         self.finish_param_gather()
         if not self.shard:
-            self._load_checked(whole_state_dict(loaded))
+            self._load_checked(whole_state_dict(loaded, by_index))
             return
         # only the elements this rank owns are put together: a cut
         # parameter's state as the 1-D slice that take_state keeps

@@ -259,10 +259,10 @@ def state_over(pieces: Sequence[dict], start: int, end: int,
     return entry
 
 
-def whole_state_dict(shards: Sequence[dict]) -> dict:
+def whole_state_dict(shards: Sequence[dict], by_index: Dict[int, List[dict]]) -> dict:
     """The torch-form state dict (``state`` keyed by the groups' parameter
-    ids, per-element values shaped like their parameters)."""
-    by_index = pieces_by_index(shards)
+    ids, per-element values shaped like their parameters) from ``shards``
+    and their ``pieces_by_index``."""
     shapes = shards[0]["shapes"]
     groups = copy.deepcopy(shards[0]["param_groups"])
     ids = [i for g in groups for i in g["params"]]
@@ -298,4 +298,5 @@ def consolidate_sharded_state_dict(shards: Sequence[ShardSource]) -> dict:
         >>> whole = fusedreduce.consolidate_sharded_state_dict(files)  # doctest: +SKIP
         >>> torch.optim.AdamW(model.parameters()).load_state_dict(whole)  # doctest: +SKIP
     """
-    return whole_state_dict(read_shards(shards))
+    loaded = read_shards(shards)
+    return whole_state_dict(loaded, pieces_by_index(loaded))
