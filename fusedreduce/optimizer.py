@@ -701,26 +701,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.reducer.no_sync()
 
     # ------------------------------------------------------------ checkpoints
-    def _full_state(self, to: Optional[int] = None) -> Optional[dict]:
+    def _full_state(self, to: Optional[int] = None,
+                    cpu_offload: bool = False) -> Optional[dict]:
         """With ``shard=True``: every rank's part of the state put together
         (collective), keyed by parameter; None on ranks other than ``to``."""
-        pieces = self.sharded.local_pieces(self.state)
+        part = self.sharded.part_to_send(self.state)
         if self.reducer.world_size == 1:
-            return self.sharded.assemble([pieces])
+            return self.sharded.whole_state([part], cpu_offload)
         # ranks passing different ``to`` would meet an all-gather with a
         # gather, or gathers to different ranks, and wait in them
         verify_same_on_all_ranks([], [], self.group, options=[("state_dict(to=...)", to)])
-        if to is None:
-            gathered = [None] * self.reducer.world_size
-            dist.all_gather_object(gathered, pieces, group=self.group)
-            return self.sharded.assemble(gathered)
-        rank = dist.get_rank(self.group)
-        gathered = [None] * self.reducer.world_size if rank == to else None
-        dst = dist.get_global_rank(self.group, to) if self.group is not None else to
-        dist.gather_object(pieces, gathered, dst=dst, group=self.group)
-        return self.sharded.assemble(gathered) if rank == to else None
+        parts = self.sharded.gather_parts(part, to)
+        return None if parts is None else self.sharded.whole_state(parts, cpu_offload)
 
-    def state_dict(self, *, to: Optional[int] = None) -> Optional[dict]:
+    def state_dict(self, *, to: Optional[int] = None,
+                   cpu_offload: bool = False) -> Optional[dict]:
         """``torch.optim.Optimizer.state_dict``, always in the unsharded form.
 
         With ``shard=True`` this is **collective**: every rank of the group
@@ -731,26 +726,51 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the other ranks' next collective: call it on every rank, and save on
         one. ``to=k`` materialises the dict on group rank ``k`` only (the
         others get None), saving the others' memory. Without sharding the
-        state is already whole on every rank and nothing is communicated.
+        state is already whole on every rank and nothing is communicated;
+        ``to=k`` still gives None on the other ranks, so that
+        ``if state is not None: torch.save(state, path)`` saves once in
+        both modes.
+
+        The tensors sit where the wrapped optimizer keeps them unsharded:
+        per-element state on its parameter's device, a non-capturable
+        ``step`` on the host. With ``shard=True`` they are fresh tensors
+        (never the live state). ``cpu_offload=True`` puts every tensor on
+        the host, as torch's ``StateDictOptions(cpu_offload=True)`` does: on
+        a GPU the whole state is then never in device memory (with
+        ``shard=True`` it is put together on the host); tensors already on
+        the host are returned as they are.
+
+        Args:
+            to: the group rank that gets the dict (``shard=True``); None:
+                every rank.
+            cpu_offload: every tensor on the host.
 
         Raises:
             ValueError: ``to`` is not a rank of the group.
+            TypeError: ``cpu_offload`` is not a bool.
             RuntimeError: with ``shard=True``, the ranks pass different
                 ``to`` (raised on every rank, before the state is gathered).
 
         Examples:
             >>> state = opt.state_dict()                      # on every rank  # doctest: +SKIP
             >>> if dist.get_rank() == 0: torch.save(state, "opt.pt")          # doctest: +SKIP
+            >>> state = opt.state_dict(to=0, cpu_offload=True)  # rank 0's host only  # doctest: +SKIP
         """
         if to is not None:
             check_int(to, "to", minimum=0)
             if to >= self.reducer.world_size:
                 raise ValueError(f"to={to} is not a rank of the group "
                                  f"({self.reducer.world_size} ranks)")
+        if not isinstance(cpu_offload, bool):
+            raise TypeError(f"cpu_offload must be True or False, got {cpu_offload!r}")
         if not self.shard:
-            return super().state_dict()
+            if to is not None and self.reducer.world_size > 1 and \
+                    dist.get_rank(self.group) != to:
+                return None
+            whole = super().state_dict()
+            return _on_host(whole) if cpu_offload else whole
         self.finish_param_gather()
-        full = self._full_state(to)
+        full = self._full_state(to, cpu_offload)
         if full is None:
             return None
         local, self.state = self.state, full
@@ -926,6 +946,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         f"state_dict's state[{key!r}][{name!r}] has shape {tuple(value.shape)} "
                         f"but the parameter it belongs to has {tuple(p.shape)}: a state dict "
                         f"of another model")
+
+
+def _on_host(state_dict: dict) -> dict:
+    """``state_dict`` with its state's tensors on the host (those already
+    there as they are, as torch's ``StateDictOptions(cpu_offload=True)``)."""
+    state = {k: {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()}
+             for k, entry in state_dict["state"].items()}
+    return {**state_dict, "state": state}
 
 
 def _without_master_weights(state_dict: dict) -> dict:

@@ -13,7 +13,9 @@ One piece is ``{"start": a, "end": b, "slices": {key: 1-D tensor of b - a},
 "values": {key: value}}``: per-element state (moments, master weights) as
 the slice of elements ``[a, b)``, everything else (``step``) as it is. A
 rank's pieces are saved packed into a few tensors (``pack_pieces``) and
-read back as views of them (``pieces_of``).
+read back as views of them (``pieces_of``). The collective ``state_dict()``
+gathers the same packed parts (``ShardedParameters.gather_parts``) and puts
+them together with ``state_over``.
 """
 from __future__ import annotations
 
@@ -35,19 +37,19 @@ def make_piece(param: torch.Tensor, start: int, end: int, entry: dict,
                master: Optional[torch.Tensor] = None) -> dict:
     """``entry`` (the state of ``param`` over its elements ``[start, end)``:
     per-element values shaped like the parameter when the range is all of
-    it, 1-D slices otherwise) as a piece, on the host, copied (never the
-    live state, which later steps update in place)."""
+    it, 1-D slices otherwise) as a piece. The tensors are the live state's
+    (flattened views); ``pack_pieces`` makes the one host copy."""
     whole = start == 0 and end == param.numel()
     slices, values = {}, {}
     for key, value in entry.items():
         if _per_element(value, param, start, end, whole):
-            slices[key] = _host_copy(value.reshape(-1))
+            slices[key] = value.detach().reshape(-1)
         elif isinstance(value, torch.Tensor):
-            values[key] = _host_copy(value)
+            values[key] = value.detach()
         else:
             values[key] = copy.deepcopy(value)
     if master is not None:
-        slices["master_weight"] = _host_copy(master.reshape(-1))
+        slices["master_weight"] = master.detach().reshape(-1)
     return {"start": start, "end": end, "slices": slices, "values": values}
 
 
@@ -72,7 +74,8 @@ def sharded_state(rank: int, world_size: int, shapes: Sequence[torch.Size],
 
 
 def pack_pieces(pieces: Dict[int, dict]) -> dict:
-    """``pieces`` in a few tensors: per state key, the slices of every piece
+    """``pieces`` in a few fresh host tensors (each element copied once,
+    wherever the state lives): per state key, the slices of every piece
     that has it, one flat tensor per dtype, and where each piece's starts;
     0-d tensor values of one dtype stacked into one tensor. A file of one
     tensor per piece and key loads slowly (torch's weights-only unpickler
@@ -96,17 +99,31 @@ def pack_pieces(pieces: Dict[int, dict]) -> dict:
             group.append(list(groups).index(value.dtype))
             offset.append(sum(t.numel() for t in members))
             members.append(value)
-        packed["slices"][key] = {"data": [torch.cat(members) for members in groups.values()],
+        packed["slices"][key] = {"data": [_packed_copy(members) for members in groups.values()],
                                  "group": group, "offset": offset}
     for key in keys["values"]:
         present = [key in pieces[i]["values"] for i in order]
         items = [pieces[i]["values"][key] for i in order if key in pieces[i]["values"]]
         stackable = all(isinstance(v, torch.Tensor) and v.dim() == 0 and
                         v.dtype == items[0].dtype for v in items)
-        packed["values"][key] = {"present": present,
-                                 "stacked": torch.stack(items) if stackable else None,
-                                 "items": None if stackable else items}
+        packed["values"][key] = {
+            "present": present,
+            "stacked": torch.stack([v.cpu() for v in items]) if stackable else None,
+            "items": None if stackable else [_host_copy(v) if isinstance(v, torch.Tensor)
+                                             else copy.deepcopy(v) for v in items]}
     return packed
+
+
+def _packed_copy(members: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``members`` (flat tensors of one dtype, on any devices) one after
+    another in one new host tensor: a single copy of each element, with no
+    device-side temporary."""
+    out = torch.empty(sum(t.numel() for t in members), dtype=members[0].dtype)
+    at = 0
+    for t in members:
+        out[at:at + t.numel()].copy_(t)
+        at += t.numel()
+    return out
 
 
 def pieces_of(shard: dict) -> Dict[int, dict]:
@@ -201,18 +218,29 @@ def check_shapes(shards: Sequence[dict], shapes: Sequence[torch.Size],
 
 
 def pieces_by_index(shards: Sequence[dict]) -> Dict[int, List[dict]]:
-    """Each parameter's pieces from every rank, in element order, checked to
-    cover its elements exactly once with the same state keys.
+    """Each parameter's pieces from every rank (``shards`` in rank order),
+    in element order, checked to cover its elements exactly once with the
+    same state keys.
 
     Raises:
         ValueError: they do not (shards of different saves, or edited).
     """
-    shapes = shards[0]["shapes"]
+    return collect_pieces([item["state"] for item in shards], shards[0]["shapes"])
+
+
+def collect_pieces(states: Sequence[dict],
+                   shapes: Sequence[Sequence[int]]) -> Dict[int, List[dict]]:
+    """``pieces_by_index`` of every rank's packed ``state`` (in rank order),
+    for parameters of ``shapes``.
+
+    Raises:
+        ValueError: as ``pieces_by_index``.
+    """
     by_index: Dict[int, List[dict]] = {}
-    for item in shards:
-        for index, piece in pieces_of(item).items():
+    for rank, packed in enumerate(states):
+        for index, piece in pieces_of({"state": packed}).items():
             if not isinstance(index, int) or not 0 <= index < len(shapes):
-                raise ValueError(f"rank {item['rank']}'s shard has state for parameter "
+                raise ValueError(f"rank {rank}'s shard has state for parameter "
                                  f"{index!r}, which its groups do not list")
             by_index.setdefault(index, []).append(piece)
     for index, pieces in by_index.items():
@@ -246,16 +274,18 @@ def _tiles(pieces: Sequence[dict], numel: int) -> bool:
 def state_over(pieces: Sequence[dict], start: int, end: int,
                shape: Optional[Sequence[int]] = None) -> dict:
     """One parameter's state over its elements ``[start, end)``, put together
-    from ``pieces`` (fresh tensors; per-element values 1-D, or ``shape``)."""
+    from ``pieces`` (fresh tensors; per-element values 1-D, or ``shape``).
+    Keys come in the order torch's optimizers make them: the scalars
+    (``step``) first, the master copy last."""
     entry = {}
-    for key in pieces[0]["slices"]:
+    for key, value in pieces[0]["values"].items():
+        entry[key] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+    for key in sorted(pieces[0]["slices"], key=lambda k: k == "master_weight"):
         parts = [piece["slices"][key][max(start, piece["start"]) - piece["start"]:
                                       min(end, piece["end"]) - piece["start"]]
                  for piece in pieces if piece["start"] < end and piece["end"] > start]
         value = torch.cat(parts) if parts else pieces[0]["slices"][key][:0].clone()
         entry[key] = value.view(shape) if shape is not None else value
-    for key, value in pieces[0]["values"].items():
-        entry[key] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
     return entry
 
 

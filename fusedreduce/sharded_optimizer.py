@@ -37,10 +37,11 @@ from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
 from .buckets import Bucket, BucketPlan
 from .clipping import max_over_ranks, norm_powers
+from .process_group import comm_device
 from .reducer import DistributedGradReducer
 from .sharded import (PartRange, _all_gather, broadcast_slots, ranges_between,
                       start_bucket_reduce_scatter)
-from .sharded_checkpoint import make_piece
+from .sharded_checkpoint import collect_pieces, make_piece, pack_pieces, state_over
 
 #: optimizers whose step updates every element from that element's gradient
 #: and state alone (and per-parameter scalars such as a step count), so a
@@ -696,53 +697,166 @@ class ShardedParameters:
         return kept
 
     def checkpoint_pieces(self, state: Dict[torch.Tensor, dict]) -> Dict[int, dict]:
-        """This rank's part of ``state`` as ``sharded_state_dict()`` pieces,
-        per parameter index (with its master copy, as ``local_pieces``)."""
+        """This rank's part of ``state`` (and of the masters) as
+        ``sharded_state_dict()`` pieces, per parameter index."""
         return {s.index: make_piece(p, s.range.start, s.range.end, state[p],
                                     s.tensor if s.master else None)
                 for p, s in self.by_param.items() if state.get(p)}
 
-    def local_pieces(self, state: Dict[torch.Tensor, dict]) -> Dict[int, tuple]:
-        """This rank's state, ready to send: per parameter index, the range it
-        holds and, per key, ``("slice", tensor)`` or ``("whole", value)``, on
-        the host."""
-        pieces = {}
-        for p, entry in state.items():
-            s = self.by_param.get(p)
-            if s is None or not entry:
-                continue
-            out = {}
-            for key, value in entry.items():
-                kind = "slice" if not s.whole and _per_slice(value, s) else "whole"
-                out[key] = (kind, _host_copy(value) if isinstance(value, torch.Tensor)
-                            else value)
-            if s.master:
-                out["master_weight"] = ("slice" if not s.whole else "whole",
-                                        _host_copy(s.tensor))
-            pieces[s.index] = (s.range.start, out)
-        return pieces
+    def part_to_send(self, state: Dict[torch.Tensor, dict]) -> dict:
+        """This rank's part of ``state`` for ``whole_state`` on every rank:
+        its pieces packed on the host (a few flat tensors, however many
+        parameters), and which of its non-per-element tensors (a capturable
+        optimizer's ``step``) the optimizer keeps on a device."""
+        pieces = self.checkpoint_pieces(state)
+        on_device = {key for piece in pieces.values() for key, value in piece["values"].items()
+                     if isinstance(value, torch.Tensor) and value.device.type != "cpu"}
+        return {"state": pack_pieces(pieces), "on_device": sorted(on_device)}
 
-    def assemble(self, gathered: Sequence[Dict[int, tuple]]) -> Dict[torch.Tensor, dict]:
-        """The full state from every rank's ``local_pieces``, keyed by
-        parameter, on the parameters' devices."""
-        by_index: Dict[int, list] = defaultdict(list)
-        for pieces in gathered:
-            for index, piece in pieces.items():
-                by_index[index].append(piece)
+    def gather_parts(self, part: dict, to: Optional[int] = None, *,
+                     chunk_bytes: int = 0, staged: Optional[bool] = None
+                     ) -> Optional[List[dict]]:
+        """Every rank's ``part_to_send`` (collective), in rank order, on every
+        rank (``to`` None) or on group rank ``to`` only (None elsewhere).
+
+        The tensors travel as bytes through the group's own collectives, in
+        rounds of at most ``chunk_bytes`` (default ``GATHER_CHUNK_BYTES``)
+        per rank: on NCCL only ``world_size`` such chunks sit in device
+        memory at a time, however large the state (an object collective
+        would stage every rank's whole pickled part there), and nothing is
+        pickled but the layout. What arrives is kept on the host. The
+        rounds go through buffers on the communication device (``staged``;
+        default: when that is not the host, where gloo reads and writes the
+        host buffers themselves)."""
+        chunk_bytes = chunk_bytes or GATHER_CHUNK_BYTES
+        state, tensors = _without_data(part["state"])
+        layouts = [None] * self.world_size
+        receiving = to is None or dist.get_rank(self.group) == to
+        layout = {"state": state, "on_device": part["on_device"],
+                  "specs": [(t.dtype, t.numel()) for t in tensors]}
+        if to is None:
+            dist.all_gather_object(layouts, layout, group=self.group)
+        else:
+            dst = dist.get_global_rank(self.group, to) if self.group is not None else to
+            dist.gather_object(layout, layouts if receiving else None, dst=dst,
+                               group=self.group)
+        # the ranks other than ``to`` have no layouts: the sizes come apart
+        sizes = _all_gather_sizes(_stream_bytes(layout["specs"]), self.group, self.world_size)
+        chunk = min(chunk_bytes, max(sizes))
+        rounds = -(-max(sizes) // chunk) if chunk else 0
+        device = comm_device(self.group)
+        stream = torch.empty(rounds * chunk, dtype=torch.uint8)
+        _write_stream(stream, tensors)
+        received = [torch.empty(rounds * chunk, dtype=torch.uint8)
+                    for _ in range(self.world_size)] if receiving else None
+        if staged is None:
+            staged = device.type != "cpu"
+        if staged:
+            send = torch.empty(chunk, dtype=torch.uint8, device=device)
+            outs = [torch.empty(chunk, dtype=torch.uint8, device=device)
+                    for _ in range(self.world_size)] if receiving else None
+        for j in range(rounds):
+            at = slice(j * chunk, (j + 1) * chunk)
+            if staged:
+                send.copy_(stream[at])
+            else:  # gloo reads and writes the host buffers themselves
+                send = stream[at]
+                outs = [r[at] for r in received] if receiving else None
+            if to is None:
+                dist.all_gather(outs, send, group=self.group)
+            else:
+                dist.gather(send, outs, dst=dst, group=self.group)
+            if staged and receiving:
+                for r, out in zip(received, outs):
+                    r[at].copy_(out)
+        if not receiving:
+            return None
+        return [{"state": _with_data(got["state"], _read_stream(stream_r, got["specs"])),
+                 "on_device": got["on_device"]} for got, stream_r in zip(layouts, received)]
+
+    def whole_state(self, parts: Sequence[dict], cpu_offload: bool = False
+                    ) -> Dict[torch.Tensor, dict]:
+        """The whole state, keyed by parameter, from every rank's
+        ``part_to_send`` (in rank order). Tensors sit where an unsharded
+        optimizer keeps them: per-element values (and masters) on their
+        parameter's device, other tensors on the device where the ranks kept
+        them; with ``cpu_offload`` all of them on the host."""
+        by_index = collect_pieces([part["state"] for part in parts],
+                                  [p.shape for p in self.params])
+        on_device = set().union(*(part["on_device"] for part in parts))
         full: Dict[torch.Tensor, dict] = {}
         for index in sorted(by_index):
-            p = self.params[index]
-            pieces = sorted(by_index[index], key=lambda piece: piece[0])
-            entry = {}
-            for key in pieces[0][1]:
-                kind, value = pieces[0][1][key]
-                if kind == "slice":
-                    value = torch.cat([piece[1][key][1] for piece in pieces]).view(p.shape)
-                if isinstance(value, torch.Tensor):
-                    value = value.to(p.device)
-                entry[key] = value
+            p, pieces = self.params[index], by_index[index]
+            entry = state_over(pieces, 0, p.numel(), p.shape)
+            if not cpu_offload and p.device.type != "cpu":
+                moved = set(pieces[0]["slices"]) | on_device
+                entry = {key: value.to(p.device) if key in moved else value
+                         for key, value in entry.items()}
             full[p] = entry
         return full
+
+
+#: bytes per rank per round of the collective ``state_dict()``'s gather: on
+#: NCCL the gather holds ``world_size`` times this in device memory
+GATHER_CHUNK_BYTES = 64 * 2 ** 20
+
+
+def _without_data(packed: dict) -> Tuple[dict, List[torch.Tensor]]:
+    """``packed`` with each flat tensor of slices taken out (in order), and
+    those tensors: the layout, small to pickle, and the bytes to send."""
+    tensors: List[torch.Tensor] = []
+    slices = {}
+    for key, entry in packed["slices"].items():
+        slices[key] = {**entry, "data": len(entry["data"])}
+        tensors.extend(entry["data"])
+    return {**packed, "slices": slices}, tensors
+
+
+def _with_data(layout: dict, tensors: Sequence[torch.Tensor]) -> dict:
+    """``_without_data``'s inverse."""
+    slices, at = {}, 0
+    for key, entry in layout["slices"].items():
+        slices[key] = {**entry, "data": list(tensors[at:at + entry["data"]])}
+        at += entry["data"]
+    return {**layout, "slices": slices}
+
+
+def _offsets(specs: Sequence[Tuple[torch.dtype, int]]) -> Tuple[List[int], int]:
+    """Where each tensor of ``specs`` starts in a byte stream (8-byte
+    aligned, so that each is viewed back as its dtype), and the length."""
+    offsets, at = [], 0
+    for dtype, numel in specs:
+        at = -(-at // 8) * 8
+        offsets.append(at)
+        at += numel * dtype.itemsize
+    return offsets, at
+
+
+def _stream_bytes(specs: Sequence[Tuple[torch.dtype, int]]) -> int:
+    return _offsets(specs)[1]
+
+
+def _write_stream(stream: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offsets, _ = _offsets([(t.dtype, t.numel()) for t in tensors])
+    for at, t in zip(offsets, tensors):
+        nbytes = t.numel() * t.element_size()
+        stream[at:at + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+
+
+def _read_stream(stream: torch.Tensor, specs: Sequence[Tuple[torch.dtype, int]]
+                 ) -> List[torch.Tensor]:
+    """The tensors ``_write_stream`` wrote, as views of ``stream``."""
+    offsets, _ = _offsets(specs)
+    return [stream[at:at + numel * dtype.itemsize].view(dtype)
+            for at, (dtype, numel) in zip(offsets, specs)]
+
+
+def _all_gather_sizes(size: int, group, world_size: int) -> List[int]:
+    """Every rank's ``size``, one small all-gather."""
+    mine = torch.tensor([size], dtype=torch.int64, device=comm_device(group))
+    every = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine, group=group)
+    return [int(t.item()) for t in every]
 
 
 def _slice_of(tensor: torch.Tensor, s: _Shard) -> torch.Tensor:
@@ -751,18 +865,6 @@ def _slice_of(tensor: torch.Tensor, s: _Shard) -> torch.Tensor:
     return tensor if s.whole else tensor.reshape(-1)[s.range.start:s.range.end]
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy on the host: the gathered state never aliases the live state
-    (on one rank nothing is pickled, so ``.cpu()`` alone could return it)."""
-    return tensor.detach().to("cpu", copy=True)
-
-
 def _per_element(value, param: torch.Tensor) -> bool:
     """A full state value that holds one entry per element of ``param``."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
-
-
-def _per_slice(value, s: _Shard) -> bool:
-    """A sliced state value: one entry per element of the slice."""
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and \
-        value.shape == s.tensor.shape

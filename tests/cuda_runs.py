@@ -268,19 +268,33 @@ def sharded_job(rank, world_size, kind):
                 optimizer.zero_grad()
                 params.append([p.detach().clone() for p in model.parameters()])
             out[f"{model_name}_{mode}"] = {"params": params, "held": held}
+            if mode == "unsharded":
+                out[f"{model_name}_placement"] = placement(optimizer.state_dict())
             if mode == "sharded":
                 out[f"{model_name}_checkpoint"] = sharded_checkpoint(optimizer, spec, device)
     return out
+
+
+def placement(state_dict):
+    """The device type of every tensor of a state dict's state, by (index, key)."""
+    return {(index, key): value.device.type for index, entry in state_dict["state"].items()
+            for key, value in entry.items() if isinstance(value, torch.Tensor)}
 
 
 def sharded_checkpoint(optimizer, spec, device):
     """Every rank's sharded_state_dict() (host copies) loaded into a sharded
     optimizer with another bucket cap, on the device: whether its whole
     state equals the saved optimizer's, and whether the loaded state sits
-    on the device."""
+    on the device; where the whole state_dict()'s tensors sit, and whether
+    state_dict(cpu_offload=True) holds the same values, all on the host."""
     shards = [None] * dist.get_world_size()
     dist.all_gather_object(shards, optimizer.sharded_state_dict())
     whole = optimizer.state_dict()
+    offloaded = optimizer.state_dict(cpu_offload=True)
+    on_host = all(offloaded["state"][index][key].device.type == "cpu" and
+                  torch.equal(value.cpu(), offloaded["state"][index][key])
+                  for index, entry in whole["state"].items() for key, value in entry.items()
+                  if isinstance(value, torch.Tensor))
     loaded = DistributedOptimizer(torch.optim.AdamW(Net(**spec, seed=1).to(device).parameters(),
                                                     lr=LR), param_pack_thd=300, shard=True)
     loaded.load_sharded_state_dict(shards)
@@ -292,7 +306,8 @@ def sharded_checkpoint(optimizer, spec, device):
     on_device = all(value.device.type == torch.device(device).type
                     for entry in loaded.state.values() for key, value in entry.items()
                     if isinstance(value, torch.Tensor) and key != "step")
-    return {"equal": equal, "on_device": on_device}
+    return {"equal": equal, "on_device": on_device, "offloaded": on_host,
+            "placement": placement(whole)}
 
 
 def broadcast_values(rank, device):

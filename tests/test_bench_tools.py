@@ -266,3 +266,25 @@ def test_every_step_of_the_gpu_session_script_names_what_exists():
         assert f"versus_{rev}" in steps
         assert shallow == "true" or subprocess.run(
             ["git", "cat-file", "-e", f"{rev}^{{commit}}"], cwd=ROOT).returncode == 0, rev
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_state_dict_versus_runs_each_version_s_library_alternately(tmp_path):
+    import json
+    out = tmp_path / "versus.json"
+    process = subprocess.run(
+        [sys.executable, "-m", "fusedreduce.bench.state_dict_versus", "HEAD", "--sizes", "30K",
+         "--world-sizes", "2", "--models", "resnet50", "--dtypes", "bfloat16", "--runs", "2",
+         "--repeats", "2", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+        timeout=TIMEOUT)
+    assert process.returncode == 0, process.stderr
+    row = next(line for line in process.stdout.splitlines() if line.startswith("| resnet50"))
+    assert row.count("→") == 3 and "| bfloat16 | 30000 | 2 |" in row
+    runs = json.loads(out.read_text())["runs"]
+    for side in ("before", "after"):
+        assert len(runs[side]) == 2
+        for run in runs[side]:
+            # each side imported the library of its own tree, with the same bench code
+            assert [r["library"] for r in run] == [side]
+            assert all(run[0][call] > 0 for call in
+                       ("state_dict", "state_dict_to0", "sharded_state_dict"))

@@ -900,7 +900,10 @@ def test_the_sharded_optimizer_steps_as_the_unsharded_one(rank_results, device, 
     slices; at 1 and 2 ranks the reduced gradient is the same sum), and
     shard_gradients bitwise shard=True for the mixed-dtype model too, with a
     .grad exactly on the parameters each rank owns elements of; one-file-per-rank
-    checkpoints load back on the device, equal to the whole state."""
+    checkpoints load back on the device, equal to the whole state; the whole
+    state_dict()'s tensors sit where the unsharded optimizer's do (moments on
+    the device, the non-capturable step on the host), and with
+    cpu_offload=True all on the host."""
     per_rank = job_results(rank_results, run, "sharded")
     assert_same_on_every_rank(per_rank, "sharded")
     for rank, result in enumerate(per_rank):
@@ -920,8 +923,15 @@ def test_the_sharded_optimizer_steps_as_the_unsharded_one(rank_results, device, 
         if len(per_rank) > 1:
             assert not all(result["fp32_grads_sharded"]["held"][0]["held"])
         # one file per rank: host copies loaded back into another layout on the device
-        for name in ("fp32_checkpoint", "mixed_checkpoint"):
-            assert result[name] == {"equal": True, "on_device": True}, (rank, name)
+        for model_name in ("fp32", "mixed"):
+            checkpoint = dict(result[f"{model_name}_checkpoint"])
+            placed = checkpoint.pop("placement")
+            assert checkpoint == {"equal": True, "on_device": True, "offloaded": True}, \
+                (rank, model_name)
+            unsharded = result[f"{model_name}_placement"]
+            assert {k: v for k, v in placed.items() if k[1] != "master_weight"} == unsharded, \
+                (rank, model_name, placed, unsharded)
+            assert {v for k, v in placed.items() if k[1] == "master_weight"} <= {device.type}
 
 
 @pytest.mark.parametrize("run", RUNS)

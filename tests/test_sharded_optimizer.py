@@ -520,6 +520,17 @@ def _checkpoints(rank, world_size):
         for k, v in entry.items() if k != "step")
     only_on_0 = optimizer.state_dict(to=0)
     out["to_0"] = only_on_0 is None if rank else _dicts_equal(only_on_0, saved)
+    # on the host (where the CPU suite's state already is: the values and
+    # where they sit are checked on the device in test_cuda.py)
+    offloaded, offloaded_to_0 = (optimizer.state_dict(cpu_offload=True),
+                                 optimizer.state_dict(to=0, cpu_offload=True))
+    out["cpu_offload"] = (_dicts_equal(offloaded, saved) and
+                          (offloaded_to_0 is None if rank else
+                           _dicts_equal(offloaded_to_0, saved)) and
+                          _dicts_equal(unsharded.state_dict(cpu_offload=True), plain_form))
+    # without sharding too, to=k gives the dict to rank k only: one save in both modes
+    plain_to_0 = unsharded.state_dict(to=0, cpu_offload=True)
+    out["unsharded_to_0"] = plain_to_0 is None if rank else _dicts_equal(plain_to_0, plain_form)
     model_state = {k: v.clone() for k, v in model.state_dict().items()}
     out["uninterrupted"] = _two_more_steps(model, optimizer, rank)
     # a copy: torch's load keeps the dict's step tensors, and steps count on in them
@@ -551,6 +562,43 @@ def _checkpoints(rank, world_size):
     out["from_unsharded"] = _dicts_equal(
         from_unsharded.state_dict(), plain_form, skip=("master_weight",))
     return out
+
+
+def _gathered_in_rounds(rank, world_size):
+    """The collective state_dict()'s gather (``gather_parts``) in many
+    rounds of a few bytes (cutting elements apart; ranks holding different
+    byte counts), through staging buffers (NCCL's way, here on the host) or
+    into the host buffers themselves, to every rank and to one: per case,
+    whether the state put together is bitwise (dtypes too) the one-round
+    gather's, and None where the rank gets nothing."""
+    model = _model()
+    optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True, param_pack_thd=300)
+    for step in range(2):
+        _loss(model, rank, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    sharded = optimizer.sharded
+    part = sharded.part_to_send(optimizer.state)
+    want = sharded.whole_state(sharded.gather_parts(part))
+    sizes = [None] * world_size
+    dist.all_gather_object(sizes, sum(t.numel() * t.element_size() for entry in
+                                      part["state"]["slices"].values() for t in entry["data"]))
+    seen = {"sizes": sizes}
+    for chunk in (7, 100, 10 ** 6):
+        for staged in (False, True):
+            for to in (None, world_size - 1):
+                parts = sharded.gather_parts(part, to, chunk_bytes=chunk, staged=staged)
+                if to is not None and rank != to:
+                    seen[(chunk, staged, to)] = None if parts is None else "got parts"
+                    continue
+                got = sharded.whole_state(parts)
+                seen[(chunk, staged, to)] = list(got) == list(want) and all(
+                    list(got[p]) == list(entry) and all(
+                        not isinstance(v, torch.Tensor) or
+                        (got[p][k].dtype == v.dtype and torch.equal(got[p][k], v))
+                        for k, v in entry.items())
+                    for p, entry in want.items())
+    return seen
 
 
 def _sharded_checkpoints(rank, world_size):
@@ -821,6 +869,7 @@ def on_rank(rank, world_size):
         results["torch_checkpoint"] = [_torch_checkpoint(rank, world_size, shard)
                                        for shard in (True, False)]
     results["checkpoints"] = _checkpoints(rank, world_size)
+    results["gather_rounds"] = _gathered_in_rounds(rank, world_size)
     results["sharded_checkpoints"] = _sharded_checkpoints(rank, world_size)
     results["buffer_bytes"] = _buffer_bytes(rank, world_size)
     return results
@@ -1044,6 +1093,11 @@ def _differing_to(rank, world_size):
             seen[name] = None
         except RuntimeError as exc:
             seen[name] = str(exc)
+    try:
+        optimizer.state_dict(cpu_offload=1)  # refused before the collective
+        seen["cpu_offload not a bool"] = None
+    except TypeError as exc:
+        seen["cpu_offload not a bool"] = str(exc)
     return seen
 
 
@@ -1379,6 +1433,19 @@ def test_structure_changes_step_as_unsharded(ranks_once):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_the_state_gathers_alike_in_any_number_of_rounds(ranks_once, world_size):
+    results = [r["gather_rounds"] for r in ranks_once(world_size)]
+    if world_size > 2:  # the test's point: ranks send different byte counts
+        assert len(set(results[0]["sizes"])) > 1, results[0]["sizes"]
+    for rank, seen in enumerate(results):
+        cases = {k: v for k, v in seen.items() if k != "sizes"}
+        assert len(cases) == 12
+        for (chunk, staged, to), outcome in cases.items():
+            want = None if to is not None and rank != to else True
+            assert outcome is want, (rank, chunk, staged, to, outcome)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_checkpoints_are_unsharded_and_move_between_world_sizes(ranks_once, world_size):
     results = [r["checkpoints"] for r in ranks_once(world_size)]
     for rank, seen in enumerate(results):
@@ -1390,6 +1457,8 @@ def test_checkpoints_are_unsharded_and_move_between_world_sizes(ranks_once, worl
         if world_size == 2:
             assert seen["equal_to_unsharded"]
         assert seen["to_0"] is True
+        assert seen["cpu_offload"] is True
+        assert seen["unsharded_to_0"] is True
         assert seen["lr_loaded"] == LR  # the checkpoint's hyperparameters win
         _assert_bitwise(seen["resumed"], seen["uninterrupted"],
                         f"rank {rank}: resuming is not the run")
@@ -1492,6 +1561,8 @@ def test_bad_arguments_are_refused_before_any_collective():
             r["differing_to"]["each its own rank"]
         assert "disagree on state_dict(to=...): rank 0: None; rank 1: 0" in \
             r["differing_to"]["None on rank 0"]
+        assert "cpu_offload must be True or False, got 1" in \
+            r["differing_to"]["cpu_offload not a bool"]
 
 
 def _main_for_debug():
