@@ -3,8 +3,9 @@
     python -m fusedreduce.bench.state_dict_versus REV [--world-sizes 2,4] [--runs 3]
 
 Times, for ``fused_sharded_adamw`` (``DistributedOptimizer(AdamW, shard=True)``
-after two steps), the collective ``state_dict()``, ``state_dict(to=0)`` and
-``sharded_state_dict()`` on gloo ranks: each call's median over
+after two steps), the collective ``state_dict()``, ``state_dict(to=0)``,
+``sharded_state_dict()`` and ``load_state_dict(whole)`` (the whole dict
+``state_dict()`` gave, already in memory) on gloo ranks: each call's median over
 ``--repeats`` calls, each call the slowest rank's, round-robin
 (``timing.time_across_ranks``). Two versions of one package cannot be
 imported in one process, so each version runs in processes of its own: a
@@ -32,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List
 
-CALLS = ("state_dict", "state_dict_to0", "sharded_state_dict")
+CALLS = ("state_dict", "state_dict_to0", "sharded_state_dict", "load_state_dict")
 ROOT = Path(__file__).resolve().parent
 
 
@@ -89,9 +90,11 @@ def rank_times(rank: int, world_size: int, cases: List[dict], repeats: int) -> L
             sharded_bench._loss(net, inputs, labels).backward()
             optimizer.step()
         optimizer.finish_param_gather()
+        whole = optimizer.state_dict()
         calls = {"state_dict": optimizer.state_dict,
                  "state_dict_to0": lambda: optimizer.state_dict(to=0),
-                 "sharded_state_dict": optimizer.sharded_state_dict}
+                 "sharded_state_dict": optimizer.sharded_state_dict,
+                 "load_state_dict": lambda: optimizer.load_state_dict(whole)}
         samples = timing.time_across_ranks(calls, repeats, torch.device("cpu"))
         out.append({**case, "world_size": world_size,
                     **{name: timing.summary_ms(times)["time_ms"]

@@ -785,7 +785,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         size, sharded or not; the loaded hyperparameters win over the
         constructor's, as in torch. With ``shard=True`` each rank keeps its
         part (a master copy comes from ``"master_weight"`` when present, else
-        from the parameter). Every rank loads the same dict.
+        from the parameter), and the dict is cut down to that part before
+        anything moves: a dict on the host (``state_dict(cpu_offload=True)``,
+        or ``torch.load(..., map_location="cpu")``) puts 1/N of the state
+        on the device, never the whole. Every rank loads the same dict.
 
         Raises:
             ValueError: the dict's groups or per-element state do not match the
@@ -793,7 +796,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         self._check_loadable(state_dict)
         self.finish_param_gather()
-        self._load_checked(state_dict)
+        self._load_checked(self.sharded.own_part(state_dict) if self.shard else state_dict)
 
     def _load_checked(self, state_dict: dict) -> None:
         """``load_state_dict`` of a dict matched to the parameters (with

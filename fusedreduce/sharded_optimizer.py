@@ -696,6 +696,25 @@ class ShardedParameters:
                 kept[p] = part
         return kept
 
+    def own_part(self, state_dict: dict) -> dict:
+        """``state_dict`` (a whole one in torch's form, matched to the
+        parameters) cut down to this rank's part before anything moves: the
+        entries of the parameters it owns elements of, a cut one's
+        per-element values (its master too) as 1-D copies of the owned
+        elements. Loading that moves 1/N of the state onto the device."""
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        state = {}
+        for s in self.by_param.values():
+            entry = state_dict["state"].get(ids[s.index])
+            if entry is None:
+                continue
+            if not s.whole:
+                entry = {key: value.reshape(-1)[s.range.start:s.range.end].clone()
+                         if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                         for key, value in entry.items()}
+            state[ids[s.index]] = entry
+        return {**state_dict, "state": state}
+
     def checkpoint_pieces(self, state: Dict[torch.Tensor, dict]) -> Dict[int, dict]:
         """This rank's part of ``state`` (and of the masters) as
         ``sharded_state_dict()`` pieces, per parameter index."""

@@ -306,8 +306,20 @@ def sharded_checkpoint(optimizer, spec, device):
     on_device = all(value.device.type == torch.device(device).type
                     for entry in loaded.state.values() for key, value in entry.items()
                     if isinstance(value, torch.Tensor) and key != "step")
+    # the whole dict from the host: each rank moves its own part onto the device
+    from_host = DistributedOptimizer(torch.optim.AdamW(
+        Net(**spec, seed=2).to(device).parameters(), lr=LR), param_pack_thd=300, shard=True)
+    from_host.load_state_dict(offloaded)
+    again = from_host.state_dict()
+    host_dict_loads = all(
+        torch.equal(value, again["state"][index][key]) if isinstance(value, torch.Tensor)
+        else value == again["state"][index][key]
+        for index, entry in whole["state"].items() for key, value in entry.items()) and all(
+        value.device.type == torch.device(device).type
+        for entry in from_host.state.values() for key, value in entry.items()
+        if isinstance(value, torch.Tensor) and key != "step")
     return {"equal": equal, "on_device": on_device, "offloaded": on_host,
-            "placement": placement(whole)}
+            "host_dict_loads": host_dict_loads, "placement": placement(whole)}
 
 
 def broadcast_values(rank, device):

@@ -279,7 +279,7 @@ def test_state_dict_versus_runs_each_version_s_library_alternately(tmp_path):
         timeout=TIMEOUT)
     assert process.returncode == 0, process.stderr
     row = next(line for line in process.stdout.splitlines() if line.startswith("| resnet50"))
-    assert row.count("→") == 3 and "| bfloat16 | 30000 | 2 |" in row
+    assert row.count("→") == 4 and "| bfloat16 | 30000 | 2 |" in row
     runs = json.loads(out.read_text())["runs"]
     for side in ("before", "after"):
         assert len(runs[side]) == 2
@@ -287,4 +287,5 @@ def test_state_dict_versus_runs_each_version_s_library_alternately(tmp_path):
             # each side imported the library of its own tree, with the same bench code
             assert [r["library"] for r in run] == [side]
             assert all(run[0][call] > 0 for call in
-                       ("state_dict", "state_dict_to0", "sharded_state_dict"))
+                       ("state_dict", "state_dict_to0", "sharded_state_dict",
+                        "load_state_dict"))

@@ -903,7 +903,8 @@ def test_the_sharded_optimizer_steps_as_the_unsharded_one(rank_results, device, 
     checkpoints load back on the device, equal to the whole state; the whole
     state_dict()'s tensors sit where the unsharded optimizer's do (moments on
     the device, the non-capturable step on the host), and with
-    cpu_offload=True all on the host."""
+    cpu_offload=True all on the host, from where it loads back onto the
+    device."""
     per_rank = job_results(rank_results, run, "sharded")
     assert_same_on_every_rank(per_rank, "sharded")
     for rank, result in enumerate(per_rank):
@@ -926,7 +927,8 @@ def test_the_sharded_optimizer_steps_as_the_unsharded_one(rank_results, device, 
         for model_name in ("fp32", "mixed"):
             checkpoint = dict(result[f"{model_name}_checkpoint"])
             placed = checkpoint.pop("placement")
-            assert checkpoint == {"equal": True, "on_device": True, "offloaded": True}, \
+            assert checkpoint == {"equal": True, "on_device": True, "offloaded": True,
+                                  "host_dict_loads": True}, \
                 (rank, model_name)
             unsharded = result[f"{model_name}_placement"]
             assert {k: v for k, v in placed.items() if k[1] != "master_weight"} == unsharded, \

@@ -528,6 +528,15 @@ def _checkpoints(rank, world_size):
                           (offloaded_to_0 is None if rank else
                            _dicts_equal(offloaded_to_0, saved)) and
                           _dicts_equal(unsharded.state_dict(cpu_offload=True), plain_form))
+    # load_state_dict keeps the rank's part of a whole dict before anything
+    # moves: summed over the ranks, every per-element value's element once
+    def elements(state_dict):
+        return sum(v.numel() for entry in state_dict["state"].values()
+                   for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    own = [None] * world_size
+    dist.all_gather_object(own, elements(optimizer.sharded.own_part(saved)))
+    out["own_part_once"] = sum(own) == elements(saved) and (world_size == 1 or
+                                                             max(own) < elements(saved))
     # without sharding too, to=k gives the dict to rank k only: one save in both modes
     plain_to_0 = unsharded.state_dict(to=0, cpu_offload=True)
     out["unsharded_to_0"] = plain_to_0 is None if rank else _dicts_equal(plain_to_0, plain_form)
@@ -1459,6 +1468,7 @@ def test_checkpoints_are_unsharded_and_move_between_world_sizes(ranks_once, worl
         assert seen["to_0"] is True
         assert seen["cpu_offload"] is True
         assert seen["unsharded_to_0"] is True
+        assert seen["own_part_once"] is True
         assert seen["lr_loaded"] == LR  # the checkpoint's hyperparameters win
         _assert_bitwise(seen["resumed"], seen["uninterrupted"],
                         f"rank {rank}: resuming is not the run")
