@@ -735,10 +735,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         per-element state on its parameter's device, a non-capturable
         ``step`` on the host. With ``shard=True`` they are fresh tensors
         (never the live state). ``cpu_offload=True`` puts every tensor on
-        the host, as torch's ``StateDictOptions(cpu_offload=True)`` does: on
-        a GPU the whole state is then never in device memory (with
-        ``shard=True`` it is put together on the host); tensors already on
-        the host are returned as they are.
+        the host, as torch's ``StateDictOptions(cpu_offload=True)`` does
+        (tensors already there are returned as they are); with
+        ``shard=True`` the whole state is then put together on the host and
+        never sits in device memory: the ranks' parts travel in rounds of at
+        most ``GATHER_CHUNK_BYTES`` per rank
+        (``fusedreduce.sharded_optimizer``).
 
         Args:
             to: the group rank that gets the dict (``shard=True``); None:
