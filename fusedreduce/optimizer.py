@@ -743,8 +743,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (``fusedreduce.sharded_optimizer``).
 
         Args:
-            to: the group rank that gets the dict (``shard=True``); None:
-                every rank.
+            to: the group rank that gets the dict (the others get None);
+                None: every rank.
             cpu_offload: every tensor on the host.
 
         Raises:
