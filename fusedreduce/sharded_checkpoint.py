@@ -37,17 +37,15 @@ def make_piece(param: torch.Tensor, start: int, end: int, entry: dict,
                master: Optional[torch.Tensor] = None) -> dict:
     """``entry`` (the state of ``param`` over its elements ``[start, end)``:
     per-element values shaped like the parameter when the range is all of
-    it, 1-D slices otherwise) as a piece. The tensors are the live state's
-    (flattened views); ``pack_pieces`` makes the one host copy."""
+    it, 1-D slices otherwise) as a piece. The values are the live state's
+    (tensors as flattened views); ``pack_pieces`` makes the one copy."""
     whole = start == 0 and end == param.numel()
     slices, values = {}, {}
     for key, value in entry.items():
         if _per_element(value, param, start, end, whole):
             slices[key] = value.detach().reshape(-1)
-        elif isinstance(value, torch.Tensor):
-            values[key] = value.detach()
         else:
-            values[key] = copy.deepcopy(value)
+            values[key] = value.detach() if isinstance(value, torch.Tensor) else value
     if master is not None:
         slices["master_weight"] = master.detach().reshape(-1)
     return {"start": start, "end": end, "slices": slices, "values": values}
@@ -88,6 +86,7 @@ def pack_pieces(pieces: Dict[int, dict]) -> dict:
             for kind in ("slices", "values")}
     for key in keys["slices"]:
         groups: Dict[torch.dtype, List[torch.Tensor]] = {}
+        filled: Dict[torch.dtype, int] = {}
         group, offset = [], []
         for i in order:
             value = pieces[i]["slices"].get(key)
@@ -95,11 +94,14 @@ def pack_pieces(pieces: Dict[int, dict]) -> dict:
                 group.append(-1)
                 offset.append(0)
                 continue
-            members = groups.setdefault(value.dtype, [])
+            if value.dtype not in groups:
+                groups[value.dtype], filled[value.dtype] = [], 0
             group.append(list(groups).index(value.dtype))
-            offset.append(sum(t.numel() for t in members))
-            members.append(value)
-        packed["slices"][key] = {"data": [_packed_copy(members) for members in groups.values()],
+            offset.append(filled[value.dtype])
+            groups[value.dtype].append(value)
+            filled[value.dtype] += value.numel()
+        packed["slices"][key] = {"data": [_packed_copy(members, filled[dtype])
+                                          for dtype, members in groups.items()],
                                  "group": group, "offset": offset}
     for key in keys["values"]:
         present = [key in pieces[i]["values"] for i in order]
@@ -114,11 +116,11 @@ def pack_pieces(pieces: Dict[int, dict]) -> dict:
     return packed
 
 
-def _packed_copy(members: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``members`` (flat tensors of one dtype, on any devices) one after
-    another in one new host tensor: a single copy of each element, with no
-    device-side temporary."""
-    out = torch.empty(sum(t.numel() for t in members), dtype=members[0].dtype)
+def _packed_copy(members: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
+    """``members`` (flat tensors of one dtype, on any devices, ``numel``
+    elements in all) one after another in one new host tensor: a single
+    copy of each element, with no device-side temporary."""
+    out = torch.empty(numel, dtype=members[0].dtype)
     at = 0
     for t in members:
         out[at:at + t.numel()].copy_(t)

@@ -690,7 +690,7 @@ class ShardedParameters:
                 if key == "master_weight":
                     continue
                 if not s.whole and _per_element(value, p):
-                    value = value.reshape(-1)[s.range.start:s.range.end].clone()
+                    value = _slice_of(value, s).clone()
                 part[key] = value
             if part:
                 kept[p] = part
@@ -709,7 +709,7 @@ class ShardedParameters:
             if entry is None:
                 continue
             if not s.whole:
-                entry = {key: value.reshape(-1)[s.range.start:s.range.end].clone()
+                entry = {key: _slice_of(value, s).clone()
                          if isinstance(value, torch.Tensor) and value.dim() > 0 else value
                          for key, value in entry.items()}
             state[ids[s.index]] = entry
@@ -759,13 +759,15 @@ class ShardedParameters:
             dst = dist.get_global_rank(self.group, to) if self.group is not None else to
             dist.gather_object(layout, layouts if receiving else None, dst=dst,
                                group=self.group)
+        offsets, size = _offsets(layout["specs"])
         # the ranks other than ``to`` have no layouts: the sizes come apart
-        sizes = _all_gather_sizes(_stream_bytes(layout["specs"]), self.group, self.world_size)
+        sizes = _all_gather_sizes(size, self.group, self.world_size)
         chunk = min(chunk_bytes, max(sizes))
         rounds = -(-max(sizes) // chunk) if chunk else 0
         device = comm_device(self.group)
         stream = torch.empty(rounds * chunk, dtype=torch.uint8)
-        _write_stream(stream, tensors)
+        for at, t in zip(offsets, tensors):
+            stream[at:at + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
         received = [torch.empty(rounds * chunk, dtype=torch.uint8)
                     for _ in range(self.world_size)] if receiving else None
         if staged is None:
@@ -851,20 +853,9 @@ def _offsets(specs: Sequence[Tuple[torch.dtype, int]]) -> Tuple[List[int], int]:
     return offsets, at
 
 
-def _stream_bytes(specs: Sequence[Tuple[torch.dtype, int]]) -> int:
-    return _offsets(specs)[1]
-
-
-def _write_stream(stream: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    offsets, _ = _offsets([(t.dtype, t.numel()) for t in tensors])
-    for at, t in zip(offsets, tensors):
-        nbytes = t.numel() * t.element_size()
-        stream[at:at + nbytes].copy_(t.reshape(-1).view(torch.uint8))
-
-
 def _read_stream(stream: torch.Tensor, specs: Sequence[Tuple[torch.dtype, int]]
                  ) -> List[torch.Tensor]:
-    """The tensors ``_write_stream`` wrote, as views of ``stream``."""
+    """The tensors of ``specs`` written at their ``_offsets``, as views of ``stream``."""
     offsets, _ = _offsets(specs)
     return [stream[at:at + numel * dtype.itemsize].view(dtype)
             for at, (dtype, numel) in zip(offsets, specs)]
