@@ -289,3 +289,30 @@ def test_state_dict_versus_runs_each_version_s_library_alternately(tmp_path):
             assert all(run[0][call] > 0 for call in
                        ("state_dict", "state_dict_to0", "sharded_state_dict",
                         "load_state_dict"))
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_sharded_versus_runs_the_sharded_bench_for_each_version_alternately(tmp_path):
+    import json
+    out = tmp_path / "versus.json"
+    process = subprocess.run(
+        [sys.executable, "-m", "fusedreduce.bench.sharded_versus", "HEAD", "--runs", "1",
+         "--methods", "fused_sharded_grads_adamw", "--json", str(out), "--quick",
+         "--models", "resnet50", "--dtypes", "bfloat16"], cwd=ROOT, capture_output=True,
+        text=True, timeout=TIMEOUT)
+    assert process.returncode == 0, process.stderr
+    rows = [line for line in process.stdout.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 1 and "| resnet50 | bfloat16 | 30000 | fused_sharded_grads_adamw |" \
+        in rows[0]
+    saved = json.loads(out.read_text())
+    assert saved["bench_args"] == ["--quick", "--models", "resnet50", "--dtypes", "bfloat16"]
+    (before,), (after,) = saved["runs"]["before"], saved["runs"]["after"]
+    pick = {side: next(r for r in run if r["method"] == "fused_sharded_grads_adamw")
+            for side, run in (("before", before), ("after", after))}
+    # the after side ran this checkout's library (no buffer kept between
+    # steps with shard_gradients); the table shows each side's counts (the
+    # median of one run is that run's)
+    assert pick["after"]["buffer_bytes"] == 0
+    assert pick["before"]["grad_bytes"] > 0 and pick["after"]["grad_bytes"] > 0
+    old, new = (pick[side]["held_bytes"] / 1e6 for side in ("before", "after"))
+    assert f"| {old:.2f} → {new:.2f} ({new / old:.2f}x) |" in rows[0]
