@@ -96,7 +96,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``shard_gradients=True`` shards the gradients too (ZeRO-2): each
     bucket's ``.grad`` tensors are released as soon as the bucket has read
     them, during backward, and afterwards only the parameters this rank
-    owns elements of have a ``.grad`` (the others keep ``None``).
+    owns elements of have a ``.grad`` (the others keep ``None``); the flat
+    buffers live only while a backward or an all-gather uses them.
 
     Args:
         optimizer: any ``torch.optim.Optimizer``.
@@ -132,7 +133,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             zero ``.grad`` on one parameter for ``GradScaler``). The steps
             are bitwise those of ``shard_gradients=False``; between the
             backward passes of ``backward_passes_per_step`` the gradients
-            accumulate full-size, as without it.
+            accumulate full-size, as without it. The flat buffers are not
+            kept between steps either: a bucket's is made when backward
+            starts it and dropped once ``.grad`` is written, the all-gather's
+            (in the parameters' dtype) lives until the parameters are
+            written, so forward's activations can use that memory.
         master_dtype: with ``shard=True``, the dtype 16-bit parameters are
             stepped in (their optimizer state is kept in it too); wider
             parameters are stepped in their own dtype.
@@ -317,7 +322,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``shard=True`` they are made at construction and kept whole; this
         rank's part of each and the all-gather live in them (both
         collectives run in place), so sharding adds nothing here
-        (docs/guides/sharded.md, "Memory per rank").
+        (docs/guides/sharded.md, "Memory per rank"). With
+        ``shard_gradients=True`` none is kept: 0 between steps, the
+        buckets started so far during backward, and the all-gather's
+        buffers while ``overlap_param_gather`` leaves them in flight.
 
         Examples:
             >>> opt = DistributedOptimizer(torch.optim.AdamW(model.parameters()),  # doctest: +SKIP

@@ -154,7 +154,6 @@ class ShardedGradReducer(DistributedGradReducer):
         self.rank = dist.get_rank(group) if self.world_size > 1 else 0
         self.unused_grads_to_none = True
         self.before_communicating = None  # called before a backward's first collective
-        self._buffers = [self.plan.new_buffer(b) for b in self.plan.buckets]
         # AdaSum stops its tree after the halving: each rank owns the slice it
         # holds then (unequal, chunk-aligned), and the parameters come back
         # through the tree's reverse swaps
@@ -169,8 +168,15 @@ class ShardedGradReducer(DistributedGradReducer):
                           for b in self.plan.buckets]
         # each rank's part is its own slot of the bucket's buffer: the
         # reduce-scatter runs in place (NCCL's in-place form, which Megatron's
-        # distributed optimizer uses too), so a part takes no memory of its own
-        self.parts = [buffer[lo:hi] for buffer, (lo, hi) in zip(self._buffers, self.owned)]
+        # distributed optimizer uses too), so a part takes no memory of its own.
+        # With shard_gradients a buffer lives only from its bucket's start in
+        # backward to the write-back of .grad, as ZeRO-2's reduce buckets do:
+        # the gradients then sit in .grad, and the memory serves activations
+        self._buffers: List[Optional[torch.Tensor]] = [None] * len(self.plan.buckets)
+        self.parts: List[Optional[torch.Tensor]] = [None] * len(self.plan.buckets)
+        if not shard_gradients:
+            for bucket in self.plan.buckets:
+                self._buffer_for(bucket.index)
         # with shard_gradients, the tensor elements each part holds and where
         # they start in it: what the part's write-back launch fills
         self._owned_ranges = [ranges_between(b, *self.owned[b.index]) for b in self.plan.buckets]
@@ -197,15 +203,28 @@ class ShardedGradReducer(DistributedGradReducer):
         super()._verify_once()
 
     @property
-    def buffers(self) -> List[torch.Tensor]:
+    def buffers(self) -> List[Optional[torch.Tensor]]:
         """The flat buffers (scratch between the collectives: the all-gather
-        reuses their memory)."""
+        reuses their memory); with ``shard_gradients``, None outside backward."""
         return self._buffers
 
+    def _buffer_for(self, index: int) -> torch.Tensor:
+        """Bucket ``index``'s flat buffer, made if it was released, and this
+        rank's part of it in ``parts``."""
+        buffer = self._buffers[index]
+        if buffer is None:
+            buffer = self._buffers[index] = self.plan.new_buffer(self.plan.buckets[index])
+            self.parts[index] = buffer[slice(*self.owned[index])]
+        return buffer
+
+    def _release_buffers(self) -> None:
+        self._buffers = [None] * len(self._buffers)
+        self.parts = [None] * len(self.parts)
+
     def _held_buffers(self) -> List[torch.Tensor]:
-        # the flat buffers (every bucket, whole; the parts are slots of them)
-        # and the zeros that stand in for frozen parameters' gradients
-        return [*self._buffers, *self._zeros.values()]
+        # the flat buffers (whole; the parts are slots of them) and the zeros
+        # that stand in for frozen parameters' gradients
+        return [*(b for b in self._buffers if b is not None), *self._zeros.values()]
 
     def _sites_not_owned(self) -> List[Tuple[int, tuple]]:
         """(parameter index, element index) of one element per tensor that this
@@ -256,7 +275,7 @@ class ShardedGradReducer(DistributedGradReducer):
         return [self.parameters[i] for i in self._order]
 
     def _start(self, index: int, tensors: Sequence[Optional[torch.Tensor]]) -> PendingBucket:
-        bucket, buffer = self.plan.buckets[index], self._buffers[index]
+        bucket, buffer = self.plan.buckets[index], self._buffer_for(index)
         if any(tensors[slot] is None for slot in bucket.tensor_indices):
             # a frozen parameter (no hook, no gradient) in a bucket started early
             tensors = list(tensors)
@@ -303,6 +322,16 @@ class ShardedGradReducer(DistributedGradReducer):
         return self._clip(pending, powers)
 
     def _finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
+        try:
+            self._finish_buckets(pending, outputs)
+        finally:
+            if self.shard_gradients:
+                # written into .grad (or the backward failed; its gradients
+                # are gone either way): nothing in the buffers is read again
+                self._release_buffers()
+
+    def _finish_buckets(self, pending: Sequence[PendingBucket],
+                        outputs: Sequence[torch.Tensor]) -> None:
         flats = []
         for p in pending:
             wait_for(p)
@@ -465,29 +494,50 @@ class ShardedParameters:
         self._pending: Dict[int, PendingBucket] = {}  # bucket index -> its all-gather
         self._awaited: Dict[torch.Tensor, int] = {}  # parameter -> its bucket in flight
         self._hook = None
-        self._gather_flat: List[torch.Tensor] = []
-        self._send: List[torch.Tensor] = []
         # gloo's all-gather copies through a temporary of the whole buffer and
         # was slower than one broadcast per rank (see broadcast_slots)
         self._gather_by_broadcasts = self.world_size > 1 and \
             dist.get_backend(group) == dist.Backend.GLOO
-        for bucket in self.plan.buckets:
-            dtype = self._gather_dtype(bucket)
-            flat = _reinterpret(reducer.buffers[bucket.index], dtype, bucket.size)
-            if flat is None:
-                flat = torch.empty(bucket.size, dtype=dtype, device=bucket.device)
-            self._gather_flat.append(flat)
-            # the all-gather (or the AdaSum tree's swaps) runs in place: this
-            # rank sends its own slot of the flat buffer
-            lo, hi = reducer.owned[bucket.index]
-            self._send.append(flat[lo:hi])
-        self._send_slices = [[self._send[b][s.range.offset:s.range.offset + s.range.numel]
-                              for s in shards] for b, shards in enumerate(self.per_bucket)]
+        self._gather_dtypes = [self._gather_dtype(b) for b in self.plan.buckets]
+        # a bucket's all-gather buffer, what this rank sends from it and the
+        # slices of that the stepped tensors are copied into: kept over the
+        # reducer's buffer, or with shard_gradients made for each gather and
+        # dropped once the bucket is written into the parameters
+        self._gather_flat: List[Optional[torch.Tensor]] = [None] * len(self.plan.buckets)
+        self._send: List[Optional[torch.Tensor]] = [None] * len(self.plan.buckets)
+        self._send_slices: List[Optional[List[torch.Tensor]]] = [None] * len(self.plan.buckets)
+        self._keeps_flats = not reducer.shard_gradients
+        if self._keeps_flats:
+            for bucket in self.plan.buckets:
+                self._flat_for(bucket.index)
+
+    def _flat_for(self, index: int) -> torch.Tensor:
+        """Bucket ``index``'s all-gather buffer, made if there is none."""
+        flat = self._gather_flat[index]
+        if flat is not None:
+            return flat
+        bucket, dtype = self.plan.buckets[index], self._gather_dtypes[index]
+        buffer = self.reducer.buffers[index]
+        flat = None if buffer is None else _reinterpret(buffer, dtype, bucket.size)
+        if flat is None:
+            flat = torch.empty(bucket.size, dtype=dtype, device=bucket.device)
+        self._gather_flat[index] = flat
+        # the all-gather (or the AdaSum tree's swaps) runs in place: this
+        # rank sends its own slot of the flat buffer
+        send = self._send[index] = flat[slice(*self.reducer.owned[index])]
+        self._send_slices[index] = [send[s.range.offset:s.range.offset + s.range.numel]
+                                    for s in self.per_bucket[index]]
+        return flat
+
+    def _drop_flat(self, index: int) -> None:
+        if not self._keeps_flats:
+            self._gather_flat[index] = self._send[index] = self._send_slices[index] = None
 
     def held_buffers(self) -> List[torch.Tensor]:
         """The all-gather's buffers (most reuse the reducer's memory; what
-        each rank sends is its slot of them)."""
-        return list(self._gather_flat)
+        each rank sends is its slot of them); with ``shard_gradients`` only
+        while a gather is in flight."""
+        return [flat for flat in self._gather_flat if flat is not None]
 
     def _gather_dtype(self, bucket: Bucket) -> torch.dtype:
         """The widest dtype of the bucket's parameters: it carries each exactly
@@ -576,6 +626,8 @@ class ShardedParameters:
         one of its parameters starts its forward (a global forward pre-hook),
         or by ``finish_gather``."""
         self.finish_gather()
+        for bucket in self.plan.buckets:
+            self._flat_for(bucket.index)
         with torch.no_grad():
             for b, shards in enumerate(self.per_bucket):
                 if shards:
@@ -599,6 +651,7 @@ class ShardedParameters:
                     work = _all_gather(flat, self._send[bucket.index], self.group)
                 pending = PendingBucket(bucket, flat, work)
             else:
+                self._drop_flat(bucket.index)
                 continue
             self._pending[bucket.index] = pending
         if not defer:
@@ -628,6 +681,7 @@ class ShardedParameters:
                 wait_for(pending)
                 self.plan.unflatten(pending.bucket, pending.flat, self._targets,
                                     backend=self.reducer.backend)
+                self._drop_flat(index)
                 for slot in pending.bucket.tensor_indices:
                     param = self._targets_of[slot]
                     self._awaited.pop(param, None)

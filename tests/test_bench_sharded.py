@@ -167,8 +167,13 @@ def test_sharded_gradients_hold_a_share_of_the_gradients_and_the_same_state(quic
     for methods in _by_case(record).values():
         zero1, zero2 = methods["fused_sharded_adamw"], methods["fused_sharded_grads_adamw"]
         one, two = zero1["memory_per_rank"], zero2["memory_per_rank"]
-        for key in ("state", "master", "params", "buffers"):
+        for key in ("state", "master", "params"):
             assert two[key] == one[key], key
+        # ZeRO-2's buffers live only during backward and the gather, not
+        # between steps
+        assert one["buffers"] == [zero1["buffer_bytes"]] * WORLD_SIZE
+        assert zero1["buffer_bytes"] >= 4 * zero1["n_elements"]
+        assert two["buffers"] == [0] * WORLD_SIZE
         # every .grad element is held by the one rank that owns it, plus the
         # rest of the (few) parameters a part boundary cuts: together a little
         # more than one whole gradient, each rank well under it

@@ -1015,7 +1015,36 @@ def _buffer_bytes(rank, world_size):
             "elements": sum(p.numel() for p in model.parameters()),
             "grads_in_buffers": storage_bytes(optimizer.reducer._held_buffers() + grads)
             == optimizer.buffer_bytes}
+    seen["grads_sharded"] = _buffers_of_sharded_gradients(rank)
     return seen
+
+
+def _buffers_of_sharded_gradients(rank):
+    """``buffer_bytes`` of a ``shard_gradients`` optimizer whose all-gather
+    overlaps the next forward, at each point of two steps: what it holds,
+    and what a bucket's buffer and its all-gather buffer would take."""
+    model = _model()
+    optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True,
+                                     shard_gradients=True, overlap_param_gather=True,
+                                     param_pack_thd=300)
+    during = []
+    # the first layer's gradient is the last one made: later buckets have
+    # started by then
+    model[0].bias.register_hook(lambda grad: during.append(optimizer.buffer_bytes))
+    held = {"built": optimizer.buffer_bytes}
+    for step in range(2):
+        optimizer.zero_grad()
+        _loss(model, rank, step).backward()
+        held[f"backward_{step}"] = optimizer.buffer_bytes
+        optimizer.step()
+        held[f"gathering_{step}"] = optimizer.buffer_bytes
+        optimizer.finish_param_gather()
+        held[f"gathered_{step}"] = optimizer.buffer_bytes
+    buckets = optimizer.reducer.plan.buckets
+    gathers = optimizer.sharded._gather_dtypes
+    return {**held, "during": during,
+            "bucket_bytes": sum(b.size * b.dtype.itemsize for b in buckets),
+            "gather_bytes": sum(b.size * d.itemsize for b, d in zip(buckets, gathers))}
 
 
 def _compiled(rank, world_size):
@@ -1279,6 +1308,19 @@ def test_buffer_bytes_counts_the_buckets_and_the_sharded_parts(ranks_once, world
         assert sharded["part_bytes"] == sharded["bucket_bytes"] // world_size
         assert sharded["before"] == sharded["after"] == sharded["bucket_bytes"], f"rank {rank}"
         assert sharded["bucket_bytes"] >= 4 * sharded["elements"]
+        # shard_gradients: the buckets' buffers live during backward only
+        # (their gradients are in .grad after it), the all-gather's while it
+        # is in flight; none between steps
+        grads = seen["grads_sharded"]
+        for step in range(2):
+            assert grads[f"backward_{step}"] == grads[f"gathered_{step}"] == 0, f"rank {rank}"
+            assert grads[f"gathering_{step}"] == grads["gather_bytes"], f"rank {rank}"
+        assert grads["built"] == 0
+        # the first backward holds every bucket to its end (to find gradients
+        # accumulated twice); in the second, the later buckets have started
+        # by the time the first layer's gradient is made
+        assert grads["during"][0] == 0
+        assert 0 < grads["during"][1] < grads["bucket_bytes"], f"rank {rank}"
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
