@@ -379,6 +379,7 @@ class ShardedGradReducer(DistributedGradReducer):
                               "capture an unsharded step; shard=True runs eagerly")
         ranks = self._settle_unused(nonfinite)
         if self.shard_gradients:
+            del flats, extremes  # the buffers go bucket by bucket as .grad is written
             self._write_owned(pending, scales)
         found = bool(ranks > 0)
         self.found_nonfinite = torch.tensor(found)
@@ -428,6 +429,11 @@ class ShardedGradReducer(DistributedGradReducer):
                     self.parts[index], destinations, scale=postscale, backend=self.backend,
                     offsets=kept if len(offsets) == len(kept) else tuple(offsets))
                 written += len(destinations)
+            # nothing reads this bucket's buffer again: the next buckets'
+            # .grad can take its memory (a finished collective's handle and
+            # the pending bucket would otherwise keep it to the end)
+            self._buffers[index] = self.parts[index] = None
+            p.flat, p.work = None, None
         if written or self.world_size == 1:
             return
         if any(param.grad is not None for param in self.parameters):

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import fusedreduce
 from fusedreduce import (DistributedGradReducer, DistributedOptimizer,
                          consolidate_sharded_state_dict)
 from fusedreduce.buckets import storage_bytes
@@ -1027,14 +1028,25 @@ def _buffers_of_sharded_gradients(rank):
     optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True,
                                      shard_gradients=True, overlap_param_gather=True,
                                      param_pack_thd=300)
-    during = []
+    during, writes = [], []
     # the first layer's gradient is the last one made: later buckets have
     # started by then
     model[0].bias.register_hook(lambda grad: during.append(optimizer.buffer_bytes))
     held = {"built": optimizer.buffer_bytes}
+    unflatten = fusedreduce.kernels.unflatten_cast_scale
+
+    def counted(*args, **kwargs):  # the buffers alive at each write-back launch
+        writes[-1].append(optimizer.buffer_bytes)
+        return unflatten(*args, **kwargs)
+
     for step in range(2):
         optimizer.zero_grad()
-        _loss(model, rank, step).backward()
+        writes.append([])
+        fusedreduce.kernels.unflatten_cast_scale = counted
+        try:
+            _loss(model, rank, step).backward()
+        finally:
+            fusedreduce.kernels.unflatten_cast_scale = unflatten
         held[f"backward_{step}"] = optimizer.buffer_bytes
         optimizer.step()
         held[f"gathering_{step}"] = optimizer.buffer_bytes
@@ -1042,7 +1054,8 @@ def _buffers_of_sharded_gradients(rank):
         held[f"gathered_{step}"] = optimizer.buffer_bytes
     buckets = optimizer.reducer.plan.buckets
     gathers = optimizer.sharded._gather_dtypes
-    return {**held, "during": during,
+    return {**held, "during": during, "writes": writes,
+        "written_buckets": sum(1 for ranges in optimizer.reducer._owned_ranges if ranges),
             "bucket_bytes": sum(b.size * b.dtype.itemsize for b in buckets),
             "gather_bytes": sum(b.size * d.itemsize for b, d in zip(buckets, gathers))}
 
@@ -1321,6 +1334,13 @@ def test_buffer_bytes_counts_the_buckets_and_the_sharded_parts(ranks_once, world
         # by the time the first layer's gradient is made
         assert grads["during"][0] == 0
         assert 0 < grads["during"][1] < grads["bucket_bytes"], f"rank {rank}"
+        # .grad is written bucket by bucket, each bucket's buffer dropped
+        # after its launch: the first launch sees every buffer, each later
+        # one fewer
+        for writes in grads["writes"]:
+            assert len(writes) == grads["written_buckets"], f"rank {rank}"
+            assert writes[:1] in ([], [grads["bucket_bytes"]])
+            assert all(a > b for a, b in zip(writes, writes[1:])), f"rank {rank}: {writes}"
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
