@@ -404,7 +404,8 @@ class ShardedGradReducer(DistributedGradReducer):
 
     def _write_owned(self, pending: Sequence[PendingBucket], scales: Sequence) -> None:
         """``shard_gradients``: a ``.grad`` for each used parameter this rank
-        owns elements of, from its part (one launch per bucket)."""
+        owns elements of, from its part (one launch per bucket), each
+        bucket's buffer dropped after its launch."""
         unused = {self._order[slot] for slot in self.unused_slots}
         written = 0
         for p, postscale in zip(pending, scales):
