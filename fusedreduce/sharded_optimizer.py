@@ -101,6 +101,15 @@ def _overflow_at(grad_dtype: torch.dtype, bucket_dtype: torch.dtype) -> float:
     return narrow.max + math.ldexp(narrow.eps, math.frexp(narrow.max)[1] - 1) / 2
 
 
+def _materialise(buffer: torch.Tensor) -> None:
+    """Give ``buffer`` memory again if it was released (its storage resized
+    to nothing): the tensor and its views see the new memory."""
+    storage = buffer.untyped_storage()
+    nbytes = buffer.numel() * buffer.element_size()
+    if storage.nbytes() < nbytes:
+        storage.resize_(nbytes)
+
+
 def _reinterpret(buffer: torch.Tensor, dtype: torch.dtype, numel: int) -> Optional[torch.Tensor]:
     """``numel`` elements of ``dtype`` over ``buffer``'s memory, if it is large enough."""
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -169,9 +178,12 @@ class ShardedGradReducer(DistributedGradReducer):
         # each rank's part is its own slot of the bucket's buffer: the
         # reduce-scatter runs in place (NCCL's in-place form, which Megatron's
         # distributed optimizer uses too), so a part takes no memory of its own.
-        # With shard_gradients a buffer lives only from its bucket's start in
-        # backward to the write-back of .grad, as ZeRO-2's reduce buckets do:
-        # the gradients then sit in .grad, and the memory serves activations
+        # With shard_gradients a buffer's memory lives only from its bucket's
+        # start in backward to the write-back of .grad, as ZeRO-2's reduce
+        # buckets do: the gradients then sit in .grad, and the memory serves
+        # activations. The tensor objects stay (their storage is resized to
+        # nothing and back, as FSDP does), so the parts stay valid views and a
+        # buffer back at its address is the kept launches' same layout
         self._buffers: List[Optional[torch.Tensor]] = [None] * len(self.plan.buckets)
         self.parts: List[Optional[torch.Tensor]] = [None] * len(self.plan.buckets)
         if not shard_gradients:
@@ -205,21 +217,29 @@ class ShardedGradReducer(DistributedGradReducer):
     @property
     def buffers(self) -> List[Optional[torch.Tensor]]:
         """The flat buffers (scratch between the collectives: the all-gather
-        reuses their memory); with ``shard_gradients``, None outside backward."""
+        reuses their memory); with ``shard_gradients``, None until a backward
+        first starts the bucket, and without memory outside backward."""
         return self._buffers
 
     def _buffer_for(self, index: int) -> torch.Tensor:
-        """Bucket ``index``'s flat buffer, made if it was released, and this
-        rank's part of it in ``parts``."""
+        """Bucket ``index``'s flat buffer, its memory allocated again if it was
+        released, and this rank's part of it in ``parts``."""
         buffer = self._buffers[index]
         if buffer is None:
             buffer = self._buffers[index] = self.plan.new_buffer(self.plan.buckets[index])
             self.parts[index] = buffer[slice(*self.owned[index])]
+        else:
+            _materialise(buffer)
         return buffer
 
+    def _release_buffer(self, index: int) -> None:
+        buffer = self._buffers[index]
+        if buffer is not None:
+            buffer.untyped_storage().resize_(0)
+
     def _release_buffers(self) -> None:
-        self._buffers = [None] * len(self._buffers)
-        self.parts = [None] * len(self.parts)
+        for index in range(len(self._buffers)):
+            self._release_buffer(index)
 
     def _held_buffers(self) -> List[torch.Tensor]:
         # the flat buffers (whole; the parts are slots of them) and the zeros
@@ -430,11 +450,9 @@ class ShardedGradReducer(DistributedGradReducer):
                     self.parts[index], destinations, scale=postscale, backend=self.backend,
                     offsets=kept if len(offsets) == len(kept) else tuple(offsets))
                 written += len(destinations)
-            # nothing reads this bucket's buffer again: the next buckets'
-            # .grad can take its memory (a finished collective's handle and
-            # the pending bucket would otherwise keep it to the end)
-            self._buffers[index] = self.parts[index] = None
-            p.flat, p.work = None, None
+            # nothing reads this bucket's buffer again (its collective has
+            # finished): the next buckets' .grad can take its memory
+            self._release_buffer(index)
         if written or self.world_size == 1:
             return
         if any(param.grad is not None for param in self.parameters):
@@ -519,12 +537,14 @@ class ShardedParameters:
                 self._flat_for(bucket.index)
 
     def _flat_for(self, index: int) -> torch.Tensor:
-        """Bucket ``index``'s all-gather buffer, made if there is none."""
+        """Bucket ``index``'s all-gather buffer, made (or its memory allocated
+        again) if need be."""
         flat = self._gather_flat[index]
         if flat is not None:
+            _materialise(flat)
             return flat
         bucket, dtype = self.plan.buckets[index], self._gather_dtypes[index]
-        buffer = self.reducer.buffers[index]
+        buffer = self.reducer.buffers[index] if self._keeps_flats else None
         flat = None if buffer is None else _reinterpret(buffer, dtype, bucket.size)
         if flat is None:
             flat = torch.empty(bucket.size, dtype=dtype, device=bucket.device)
@@ -537,13 +557,15 @@ class ShardedParameters:
         return flat
 
     def _drop_flat(self, index: int) -> None:
+        """``shard_gradients``: release the memory of bucket ``index``'s
+        all-gather buffer (the tensor and its views stay, for the next gather)."""
         if not self._keeps_flats:
-            self._gather_flat[index] = self._send[index] = self._send_slices[index] = None
+            self._gather_flat[index].untyped_storage().resize_(0)
 
     def held_buffers(self) -> List[torch.Tensor]:
         """The all-gather's buffers (most reuse the reducer's memory; what
-        each rank sends is its slot of them); with ``shard_gradients`` only
-        while a gather is in flight."""
+        each rank sends is its slot of them); with ``shard_gradients`` their
+        memory is held only while a gather is in flight."""
         return [flat for flat in self._gather_flat if flat is not None]
 
     def _gather_dtype(self, bucket: Bucket) -> torch.dtype:

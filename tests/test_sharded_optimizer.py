@@ -1028,7 +1028,7 @@ def _buffers_of_sharded_gradients(rank):
     optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True,
                                      shard_gradients=True, overlap_param_gather=True,
                                      param_pack_thd=300)
-    during, writes = [], []
+    during, writes, objects = [], [], []
     # the first layer's gradient is the last one made: later buckets have
     # started by then
     model[0].bias.register_hook(lambda grad: during.append(optimizer.buffer_bytes))
@@ -1052,9 +1052,11 @@ def _buffers_of_sharded_gradients(rank):
         held[f"gathering_{step}"] = optimizer.buffer_bytes
         optimizer.finish_param_gather()
         held[f"gathered_{step}"] = optimizer.buffer_bytes
+        objects.append([*map(id, optimizer.reducer.buffers),
+                        *map(id, optimizer.sharded._gather_flat)])
     buckets = optimizer.reducer.plan.buckets
     gathers = optimizer.sharded._gather_dtypes
-    return {**held, "during": during, "writes": writes,
+    return {**held, "during": during, "writes": writes, "same_objects": objects[0] == objects[1],
         "written_buckets": sum(1 for ranges in optimizer.reducer._owned_ranges if ranges),
             "bucket_bytes": sum(b.size * b.dtype.itemsize for b in buckets),
             "gather_bytes": sum(b.size * d.itemsize for b, d in zip(buckets, gathers))}
@@ -1337,6 +1339,9 @@ def test_buffer_bytes_counts_the_buckets_and_the_sharded_parts(ranks_once, world
         # .grad is written bucket by bucket, each bucket's buffer dropped
         # after its launch: the first launch sees every buffer, each later
         # one fewer
+        # the buffers are the same tensors at every step, only their memory
+        # goes and comes back: the fused kernels' kept launches find them
+        assert grads["same_objects"]
         for writes in grads["writes"]:
             assert len(writes) == grads["written_buckets"], f"rank {rank}"
             assert writes[:1] in ([], [grads["bucket_bytes"]])
