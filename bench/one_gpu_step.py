@@ -25,7 +25,12 @@ random batch, fp32, ``zero_grad(set_to_none=True)`` (torch's default), SGD:
   ``param_pack_thd`` of 25 MiB, DDP's bucket size, as the other rows);
 - ``distributed_optimizer_graph`` (CUDA only): the same step captured whole in
   a CUDA graph after an eager warm-up (``zero_grad(set_to_none=False)``, as
-  capture needs; docs/guides/cuda-graphs.md), each step one ``replay()``.
+  capture needs; docs/guides/cuda-graphs.md), each step one ``replay()``;
+- ``sharded_optimizer``, ``sharded_gradients_optimizer``: the same
+  ``DistributedOptimizer`` with ``shard=True`` (ZeRO-1; on one rank the part
+  is the whole bucket, and the step's all-gather a write-back) and with
+  ``shard_gradients=True`` too (ZeRO-2: no flat buffer kept between steps,
+  each made again in every backward and step).
 
 Each method gets its own model, warms up five steps, then the methods are
 timed round-robin (each step synchronised, ``perf_counter``); the table gives
@@ -33,7 +38,11 @@ the median step in ms, DDP's median over the method's, and the host's
 median time per step in µs (from the call until it returns, before the
 synchronisation: the time the host spends issuing the step), and how many
 buckets the method's fusedreduce reducer holds (issue 26's aim for a
-replayed step is 20 µs of host time per bucket at most).
+replayed step is 20 µs of host time per bucket at most). On a GPU, two
+memory columns: ``held MB``, what the method's model, gradients, optimizer
+and buffers hold between steps (``torch.cuda.memory_allocated`` after the
+warm-up less before the model was made), and ``peak MB``, that plus the most
+one more step allocated on top (``max_memory_allocated``).
 
 Then ``COUNTED_STEPS`` more steps of each method, untimed, count what the
 fused kernels' kept launches did per step (``kernels/_prepared.py``): calls
@@ -69,7 +78,8 @@ from . import common
 from .models import resnet50_for_size
 
 METHODS = ("no_communication", "ddp", "ddp_bucket_view", "ddp_allreduce_hook", "reducer_hooks",
-           "reducer_hooks_bucket_view", "reducer_call", "distributed_optimizer")
+           "reducer_hooks_bucket_view", "reducer_call", "distributed_optimizer",
+           "sharded_optimizer", "sharded_gradients_optimizer")
 #: methods that need a GPU (left out on the CPU)
 CUDA_METHODS = ("distributed_optimizer_graph",)
 BASELINE = "ddp"
@@ -99,12 +109,15 @@ def _step(method: str, config: dict, device: torch.device, batch,
     elif method in ("reducer_hooks", "reducer_hooks_bucket_view"):
         ours = DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB).register_hooks(
             gradient_as_bucket_view=method == "reducer_hooks_bucket_view")
-    elif method in ("distributed_optimizer", "distributed_optimizer_graph"):
+    elif method in ("distributed_optimizer", "distributed_optimizer_graph",
+                    "sharded_optimizer", "sharded_gradients_optimizer"):
         # DDP's bucket size, as every other row (param_pack_thd's default,
         # MegEngine's 10 MiB, makes 13 buckets of this model instead of 5)
+        sharded = method.startswith("sharded")
         optimizer = DistributedOptimizer(torch.optim.SGD(params, lr=0.01),
                                          param_pack_thd=int(BUCKET_CAP_MB * 2 ** 20),
-                                         find_unused_parameters=False)
+                                         find_unused_parameters=False, shard=sharded,
+                                         shard_gradients=method == "sharded_gradients_optimizer")
         ours = optimizer.reducer
     elif method == "reducer_call":
         reducer = ours = DistributedGradReducer(params, bucket_cap_mb=BUCKET_CAP_MB)
@@ -199,12 +212,16 @@ def rank_body(rank: int, world_size: int, config: dict) -> dict:
     methods = methods_on(device)
     steps: Dict[str, Callable[[], None]] = {}
     buckets: Dict[str, int] = {}
+    held: Dict[str, int] = {}
     for method in methods:
+        before = _allocated(device)
         steps[method], n = _step(method, config, device, batch, labels)
         if n is not None:
             buckets[method] = n
         for _ in range(WARMUP):
             steps[method]()
+        if before is not None:
+            held[method] = _allocated(device) - before
     samples: Dict[str, list] = {method: [] for method in methods}
     host: Dict[str, list] = {method: [] for method in methods}
     for round_ in range(config["steps"]):
@@ -219,6 +236,14 @@ def rank_body(rank: int, world_size: int, config: dict) -> dict:
                 torch.cuda.synchronize(device)
             samples[method].append((time.perf_counter() - start) * 1e3)
             host[method].append((issued - start) * 1e6)
+    peak = {}
+    for method in held:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = _allocated(device)
+        steps[method]()
+        torch.cuda.synchronize(device)
+        peak[method] = held[method] + torch.cuda.max_memory_allocated(device) - before
     launches = {}
     for method in methods:
         with launch_counts(dict.fromkeys(LAUNCH_OUTCOMES, 0)) as counts:
@@ -228,7 +253,15 @@ def rank_body(rank: int, world_size: int, config: dict) -> dict:
             launches[method] = {k: v / COUNTED_STEPS for k, v in counts.items()}
     return {"device": str(device), "parameters": sum(p.numel() for p in reference.parameters()),
             "samples": samples, "host_us": host, "launches_per_step": launches,
-            "buckets": buckets}
+            "buckets": buckets, "held_bytes": held, "peak_bytes": peak}
+
+
+def _allocated(device: torch.device) -> Optional[int]:
+    """Bytes the CUDA caching allocator has handed out (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
 
 
 def methods_on(device: torch.device):
@@ -258,12 +291,17 @@ def main(argv=None) -> int:
     print(f"# one rank ({config['backend']}) on {record['device']}: ResNet-50 with "
           f"{record['parameters']:,} parameters, batch {args.batch}x3x{args.image}x{args.image}, "
           f"fp32, median of {args.steps} steps")
+    memory = bool(record["held_bytes"])
     print(f"{'method':28s} {'step ms':>9s} {'ddp / this':>11s} {'host us':>9s} "
-          f"{'buckets':>8s}")
+          f"{'buckets':>8s}" + (f" {'held MB':>9s} {'peak MB':>9s}" if memory else ""))
     buckets = record["buckets"]
     for method in medians:
-        print(f"{method:28s} {medians[method]:9.2f} {medians[BASELINE] / medians[method]:11.3f} "
-              f"{host[method]:9.0f} {buckets.get(method, '-'):>8}")
+        row = (f"{method:28s} {medians[method]:9.2f} {medians[BASELINE] / medians[method]:11.3f} "
+               f"{host[method]:9.0f} {buckets.get(method, '-'):>8}")
+        if memory:
+            row += (f" {record['held_bytes'][method] / 1e6:9.1f}"
+                    f" {record['peak_bytes'][method] / 1e6:9.1f}")
+        print(row)
     if not on_gpu:
         print(f"({', '.join(CUDA_METHODS)}: CUDA only)")
     print(f"# the fused kernels' kept launches per step, over {COUNTED_STEPS} more steps "

@@ -113,7 +113,10 @@ def test_one_gpu_step_times_every_api_on_one_rank(tmp_path):
     # the buckets of each method's reducer: DDP's rows hold none of ours
     buckets = record["record"]["buckets"]
     assert set(buckets) == {"reducer_hooks", "reducer_hooks_bucket_view", "reducer_call",
-                            "distributed_optimizer"}
+                            "distributed_optimizer", "sharded_optimizer",
+                            "sharded_gradients_optimizer"}
+    # the memory columns are the CUDA allocator's: none on the CPU
+    assert record["record"]["held_bytes"] == record["record"]["peak_bytes"] == {}
     assert all(type(n) is int and n >= 1 for n in buckets.values()), buckets
     # .ci/gpu-session-summary reads the replayed step's row, absent on the CPU
     from bench_utils import gpu_session_summary
