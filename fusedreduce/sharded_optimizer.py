@@ -110,6 +110,12 @@ def _materialise(buffer: torch.Tensor) -> None:
         storage.resize_(nbytes)
 
 
+def _release(buffer: torch.Tensor) -> None:
+    """Give ``buffer``'s memory back (its storage resized to nothing); the
+    tensor and its views stay, for ``_materialise``."""
+    buffer.untyped_storage().resize_(0)
+
+
 def _reinterpret(buffer: torch.Tensor, dtype: torch.dtype, numel: int) -> Optional[torch.Tensor]:
     """``numel`` elements of ``dtype`` over ``buffer``'s memory, if it is large enough."""
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -228,14 +234,14 @@ class ShardedGradReducer(DistributedGradReducer):
         if buffer is None:
             buffer = self._buffers[index] = self.plan.new_buffer(self.plan.buckets[index])
             self.parts[index] = buffer[slice(*self.owned[index])]
-        else:
+        elif self.shard_gradients:  # only these are ever released
             _materialise(buffer)
         return buffer
 
     def _release_buffer(self, index: int) -> None:
         buffer = self._buffers[index]
         if buffer is not None:
-            buffer.untyped_storage().resize_(0)
+            _release(buffer)
 
     def _release_buffers(self) -> None:
         for index in range(len(self._buffers)):
@@ -399,7 +405,6 @@ class ShardedGradReducer(DistributedGradReducer):
                               "capture an unsharded step; shard=True runs eagerly")
         ranks = self._settle_unused(nonfinite)
         if self.shard_gradients:
-            del flats, extremes  # the buffers go bucket by bucket as .grad is written
             self._write_owned(pending, scales)
         found = bool(ranks > 0)
         self.found_nonfinite = torch.tensor(found)
@@ -560,7 +565,7 @@ class ShardedParameters:
         """``shard_gradients``: release the memory of bucket ``index``'s
         all-gather buffer (the tensor and its views stay, for the next gather)."""
         if not self._keeps_flats:
-            self._gather_flat[index].untyped_storage().resize_(0)
+            _release(self._gather_flat[index])
 
     def held_buffers(self) -> List[torch.Tensor]:
         """The all-gather's buffers (most reuse the reducer's memory; what
@@ -655,8 +660,9 @@ class ShardedParameters:
         one of its parameters starts its forward (a global forward pre-hook),
         or by ``finish_gather``."""
         self.finish_gather()
-        for bucket in self.plan.buckets:
-            self._flat_for(bucket.index)
+        if not self._keeps_flats:  # their memory was given back after the last gather
+            for bucket in self.plan.buckets:
+                self._flat_for(bucket.index)
         with torch.no_grad():
             for b, shards in enumerate(self.per_bucket):
                 if shards:
@@ -680,7 +686,6 @@ class ShardedParameters:
                     work = _all_gather(flat, self._send[bucket.index], self.group)
                 pending = PendingBucket(bucket, flat, work)
             else:
-                self._drop_flat(bucket.index)
                 continue
             self._pending[bucket.index] = pending
         if not defer:
