@@ -27,7 +27,7 @@ float32 or bfloat16 parameters, under seven methods:
   are released once it has read them; only this rank's share keeps one.
 
 Each library keeps its default buckets (DDP 25 MiB, ``DistributedOptimizer``
-10 MiB). Every method has its own model with the same initial weights and
+10 MiB) unless ``--bucket-mb`` gives both one cap. Every method has its own model with the same initial weights and
 every rank its own batch, the same for every method. Each method runs two
 untimed steps; the methods are then timed round-robin, two steps in a row
 after a barrier (the deferred all-gathers of the second finished inside the
@@ -195,15 +195,20 @@ def _loss(net: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.T
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def _build(method: str, name: str, size: int, dtype: torch.dtype):
-    """(model, module to call, optimizer) of ``method``, with the same weights on every rank."""
+def _build(method: str, name: str, size: int, dtype: torch.dtype,
+           bucket_mb: Optional[float] = None):
+    """(model, module to call, optimizer) of ``method``, with the same weights
+    on every rank; ``bucket_mb``: DDP's and ``DistributedOptimizer``'s bucket
+    cap in MiB (None: each library's default)."""
     torch.manual_seed(0)
     model = _model(name, size).to(dtype)
     adamw = torch.optim.AdamW
+    ddp = {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}
+    ours = {} if bucket_mb is None else {"param_pack_thd": int(bucket_mb * 2 ** 20)}
     if method == "ddp_adamw":
-        return model, DistributedDataParallel(model), adamw(model.parameters())
+        return model, DistributedDataParallel(model, **ddp), adamw(model.parameters())
     if method == "ddp_zero_adamw":
-        return (model, DistributedDataParallel(model),
+        return (model, DistributedDataParallel(model, **ddp),
                 ZeroRedundancyOptimizer(model.parameters(), optimizer_class=adamw))
     if method == "fsdp2_adamw":
         for block in model.modules():
@@ -213,7 +218,8 @@ def _build(method: str, name: str, size: int, dtype: torch.dtype):
         return model, model, adamw(model.parameters())
     return model, model, DistributedOptimizer(
         adamw(model.parameters()), shard=method in SHARDED_METHODS,
-        overlap_param_gather=method == SHARDED_OVERLAP, shard_gradients=method == SHARDED_GRADS)
+        overlap_param_gather=method == SHARDED_OVERLAP, shard_gradients=method == SHARDED_GRADS,
+        **ours)
 
 
 # ------------------------------------------------------------------ counting
@@ -413,7 +419,8 @@ def rank_measure(rank: int, world_size: int, case: dict, config: dict) -> dict:
     for method in METHODS:
         error = None
         try:
-            model, net, optimizer = _build(method, name, case["size"], dtype)
+            model, net, optimizer = _build(method, name, case["size"], dtype,
+                                           config.get("bucket_mb"))
             inputs, labels = _batch(name, model, dtype, rank, config)
 
             def step(net=net, optimizer=optimizer, inputs=inputs, labels=labels):
@@ -641,6 +648,7 @@ def print_report(results: Sequence[dict], machine: dict, config: dict, elapsed: 
     print(f"# {common.machine_summary(machine)}")
     print(f"# AdamW steps on gloo CPU ranks (torch threads per rank: cores // ranks, at "
           f"least 1); {config['repeats']} timed pairs of steps per method after two untimed steps")
+    print(f"# buckets: {config['buckets']}")
     print("# " + NOTES.replace("\n", "\n# "))
     for key in dict.fromkeys((r["model"], r["dtype"], r["size"]) for r in results):
         rows = [r for r in results if (r["model"], r["dtype"], r["size"]) == key]
@@ -723,6 +731,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--repeats", type=int, metavar="N",
                         help=f"timed steps per method, median kept (default {DEFAULT_REPEATS}, "
                              f"--quick {QUICK_REPEATS})")
+    parser.add_argument("--bucket-mb", type=float, metavar="MB",
+                        help="one bucket cap in MiB for DDP and DistributedOptimizer (default: "
+                             "each library's own, DDP 25, DistributedOptimizer 10); small caps "
+                             "show at this size what many buckets do in a large model")
     parser.add_argument("--json", metavar="PATH", help="write machine, config and results here")
     parser.add_argument("--plot", metavar="PATH.png",
                         help="write a PNG of step time and state + master bytes against ranks "
@@ -739,6 +751,8 @@ def main(args: argparse.Namespace) -> int:
                          "without torchrun")
     if args.repeats is not None and args.repeats < 1:
         raise SystemExit(f"--repeats must be positive, got {args.repeats}")
+    if args.bucket_mb is not None and not 0 < args.bucket_mb < float("inf"):
+        raise SystemExit(f"--bucket-mb must be a positive number, got {args.bucket_mb}")
     world_sizes = args.world_sizes or (QUICK_WORLD_SIZES if args.quick else DEFAULT_WORLD_SIZES)
     config = {"command": NAME, "quick": args.quick, "launcher": "spawn", "backend": "gloo",
               "world_sizes": world_sizes, "models": args.models, "dtypes": args.dtypes,
@@ -746,7 +760,10 @@ def main(args: argparse.Namespace) -> int:
               "repeats": args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS),
               "batch": BATCH, **(QUICK_SHAPES if args.quick else SHAPES),
               "optimizer": "torch.optim.AdamW (defaults)",
-              "buckets": "DDP 25 MiB, DistributedOptimizer 10 MiB (each library's default)",
+              "buckets": "DDP 25 MiB, DistributedOptimizer 10 MiB (each library's default)"
+              if args.bucket_mb is None else f"{args.bucket_mb:g} MiB, DDP and "
+                                             f"DistributedOptimizer alike",
+              "bucket_mb": args.bucket_mb,
               "threads": "torch threads per rank: cores // ranks, at least 1",
               "timer": TIMER, "memory": COUNTING}
     device = torch.device("cpu")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bench_utils import check_record, positive_finite, run_bench_once
+from harness import run_ranks
 from fusedreduce.bench import cli, sharded_bench
 from fusedreduce.bench.models import transformer_shapes_for_size
 
@@ -299,7 +300,7 @@ def test_the_command_is_listed_and_documents_its_options(capsys):
         parser.parse_args(["sharded", "--help"])
     help_text = capsys.readouterr().out
     for option in ("--quick", "--world-sizes", "--models", "--dtypes", "--sizes", "--repeats",
-                   "--json", "--plot"):
+                   "--bucket-mb", "--json", "--plot"):
         assert option in help_text
     for method in sharded_bench.METHODS:
         assert method in help_text
@@ -313,11 +314,35 @@ def test_impossible_requests_are_refused_by_the_parser(argv):
     assert exit_.value.code == 2
 
 
+def _built_buckets(rank, world_size):
+    """Per bucket cap (None: the defaults), DDP's cap in bytes and the
+    number of DistributedOptimizer's buckets, for the quick ResNet-50."""
+    seen = {}
+    for cap in (None, 0.05):
+        _, ddp, _ = sharded_bench._build("ddp_adamw", "resnet50", sharded_bench.QUICK_SIZES[0],
+                                         torch.float32, cap)
+        _, _, ours = sharded_bench._build("fused_sharded_grads_adamw", "resnet50",
+                                          sharded_bench.QUICK_SIZES[0], torch.float32, cap)
+        seen[cap] = (ddp.bucket_bytes_cap, len(ours.reducer.plan.buckets))
+    return seen
+
+
+def test_bucket_mb_sets_both_libraries_bucket_cap():
+    seen = run_ranks(_built_buckets, 1)[0]
+    assert seen[None][0] == 25 * 2 ** 20  # each library's default
+    assert seen[0.05][0] == int(0.05 * 2 ** 20)
+    # the quick model fits one default bucket and spreads over several small ones
+    assert seen[None][1] == 1 < seen[0.05][1]
+
+
 def test_plot_without_matplotlib_and_torchrun_fail_before_measuring(monkeypatch, tmp_path):
     def measured(*args, **kwargs):
         raise AssertionError("measured before the checks")
 
     monkeypatch.setattr(sharded_bench, "run", measured)
+    for bad in ("0", "-1", "inf"):
+        with pytest.raises(SystemExit, match="--bucket-mb must be a positive number"):
+            cli.main(["sharded", "--quick", "--bucket-mb", bad])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes the import fail
     with pytest.raises(SystemExit) as exit_:
         cli.main(["sharded", "--quick", "--plot", str(tmp_path / "out.png")])
