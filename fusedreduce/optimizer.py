@@ -135,9 +135,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             backward passes of ``backward_passes_per_step`` the gradients
             accumulate full-size, as without it. The flat buffers are not
             kept between steps either: a bucket's is made when backward
-            starts it and dropped once ``.grad`` is written, the all-gather's
-            (in the parameters' dtype) lives until the parameters are
-            written, so forward's activations can use that memory.
+            starts it and dropped once its reduce-scatter has finished
+            (waited for when the bucket after next starts, so at most two
+            are alive at once), this rank's part of it until ``.grad`` is
+            written; the all-gather's (in the parameters' dtype) lives until
+            the parameters are written, so forward's activations can use
+            that memory.
         master_dtype: with ``shard=True``, the dtype 16-bit parameters are
             stepped in (their optimizer state is kept in it too); wider
             parameters are stepped in their own dtype.

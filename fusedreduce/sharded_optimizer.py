@@ -53,6 +53,11 @@ ELEMENTWISE_OPTIMIZERS: Tuple[type, ...] = tuple(
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
+#: with ``shard_gradients``, how many buckets' whole buffers may have memory
+#: at once in backward and in the all-gather: the bucket starting and the
+#: one before it, whose collective may still run
+_ALIVE = 2
+
 
 def check_shardable(optimizer: torch.optim.Optimizer, assume_elementwise: bool) -> None:
     """Refuse an optimizer whose step is not known to be elementwise.
@@ -150,7 +155,9 @@ class ShardedGradReducer(DistributedGradReducer):
     one on its smallest used parameter (``GradScaler`` needs one to record
     its check), and the NaN that signals another rank's non-finite gradient
     goes into an element this rank does not own, in a zero ``.grad`` made
-    for it if need be.
+    for it if need be. A bucket's whole buffer is released as soon as its
+    collective has finished, which is waited for when the bucket after next
+    starts; the rank's part lives until its ``.grad`` is written.
     """
 
     def __init__(self, parameters: Sequence[torch.Tensor], *, group, mean: bool,
@@ -184,14 +191,29 @@ class ShardedGradReducer(DistributedGradReducer):
         # each rank's part is its own slot of the bucket's buffer: the
         # reduce-scatter runs in place (NCCL's in-place form, which Megatron's
         # distributed optimizer uses too), so a part takes no memory of its own.
-        # With shard_gradients a buffer's memory lives only from its bucket's
-        # start in backward to the write-back of .grad, as ZeRO-2's reduce
-        # buckets do: the gradients then sit in .grad, and the memory serves
-        # activations. The tensor objects stay (their storage is resized to
-        # nothing and back, as FSDP does), so the parts stay valid views and a
+        # With shard_gradients a bucket's whole buffer lives only from its
+        # start in backward until its collective has finished, waited for
+        # when the bucket after next starts (as FSDP2 waits for one
+        # reduce-scatter before the next): at most two whole buffers at a
+        # time, as ZeRO-2's reduce buckets. Those buckets' parts are tensors
+        # of their own, which live until their gradients are written into
+        # .grad. The last two buckets are still in flight when backward ends,
+        # so their parts stay slots (a part of its own would only add to
+        # their buffers). The tensor objects stay (their storage is resized
+        # to nothing and back, as FSDP does), so their views stay valid and a
         # buffer back at its address is the kept launches' same layout
         self._buffers: List[Optional[torch.Tensor]] = [None] * len(self.plan.buckets)
         self.parts: List[Optional[torch.Tensor]] = [None] * len(self.plan.buckets)
+        count = len(self.plan.buckets)
+        self._part_in_place = [not shard_gradients or
+                               (self.world_size > 1 and adasum_local_size is None
+                                and index >= count - _ALIVE)
+                               for index in range(count)]
+        # shard_gradients: each buffer's owned slot, what a part of its own is
+        # copied from when the collective left it there; the buckets started
+        # in this backward whose buffers still have memory, oldest first
+        self._owned_slots: List[Optional[torch.Tensor]] = [None] * count
+        self._in_flight: List[PendingBucket] = []
         if not shard_gradients:
             for bucket in self.plan.buckets:
                 self._buffer_for(bucket.index)
@@ -224,19 +246,43 @@ class ShardedGradReducer(DistributedGradReducer):
     def buffers(self) -> List[Optional[torch.Tensor]]:
         """The flat buffers (scratch between the collectives: the all-gather
         reuses their memory); with ``shard_gradients``, None until a backward
-        first starts the bucket, and without memory outside backward."""
+        first starts the bucket (always, on a world of one rank), and with
+        memory only from that start until the bucket's collective has
+        finished (the last two buckets': until ``.grad`` is written)."""
         return self._buffers
 
     def _buffer_for(self, index: int) -> torch.Tensor:
         """Bucket ``index``'s flat buffer, its memory allocated again if it was
-        released, and this rank's part of it in ``parts``."""
+        released, and this rank's part of it in ``parts`` if the part is in
+        place."""
         buffer = self._buffers[index]
         if buffer is None:
             buffer = self._buffers[index] = self.plan.new_buffer(self.plan.buckets[index])
-            self.parts[index] = buffer[slice(*self.owned[index])]
+            owned = buffer[slice(*self.owned[index])]
+            if self._part_in_place[index]:
+                self.parts[index] = owned
+            else:
+                self._owned_slots[index] = owned
         elif self.shard_gradients:  # only these are ever released
             _materialise(buffer)
         return buffer
+
+    def _part_for(self, index: int) -> torch.Tensor:
+        """``shard_gradients``: bucket ``index``'s part (made, or its memory
+        allocated again, if need be): a slot of its buffer, or a tensor of its
+        own."""
+        if self._part_in_place[index]:
+            self._buffer_for(index)
+            return self.parts[index]
+        part = self.parts[index]
+        if part is None:
+            lo, hi = self.owned[index]
+            bucket = self.plan.buckets[index]
+            part = self.parts[index] = torch.empty(hi - lo, dtype=bucket.dtype,
+                                                   device=bucket.device)
+        else:
+            _materialise(part)
+        return part
 
     def _release_buffer(self, index: int) -> None:
         buffer = self._buffers[index]
@@ -245,12 +291,50 @@ class ShardedGradReducer(DistributedGradReducer):
 
     def _release_buffers(self) -> None:
         for index in range(len(self._buffers)):
-            self._release_buffer(index)
+            self._release_part(index)
+        self._in_flight = []
+
+    def _release_part(self, index: int) -> None:
+        """``shard_gradients``: release bucket ``index``'s part and buffer."""
+        self._release_buffer(index)
+        if not self._part_in_place[index] and self.parts[index] is not None:
+            _release(self.parts[index])
+
+    def _retire(self, pending: PendingBucket) -> None:
+        """``shard_gradients``: wait for ``pending``'s collective, copy this
+        rank's part out of the buffer if the collective left it there, and
+        release the buffer's memory."""
+        wait_for(pending)
+        pending.work = None
+        index = pending.bucket.index
+        if self._part_in_place[index]:
+            return  # the buffer holds the part until .grad is written
+        if self._all_reduce_instead:
+            self.parts[index].copy_(self._owned_slots[index])
+        self._release_buffer(index)
+
+    def _retire_before(self, index: int) -> None:
+        """``shard_gradients``, as bucket ``index`` starts: retire the buckets
+        started ``_ALIVE`` or more before it, and any left by a backward
+        that raised (buckets start in order, so those are the ones not before
+        it)."""
+        while self._in_flight:
+            started = self._in_flight[0].bucket.index
+            if 0 < index - started < _ALIVE:
+                return
+            pending = self._in_flight.pop(0)
+            if started < index:
+                self._retire(pending)
+            else:  # its backward raised: its gradients are gone
+                wait_for(pending)
+                self._release_part(started)
 
     def _held_buffers(self) -> List[torch.Tensor]:
-        # the flat buffers (whole; the parts are slots of them) and the zeros
-        # that stand in for frozen parameters' gradients
-        return [*(b for b in self._buffers if b is not None), *self._zeros.values()]
+        # the flat buffers (whole), the parts (slots of them, or with
+        # shard_gradients tensors of their own) and the zeros that stand in
+        # for frozen parameters' gradients
+        return [*(b for b in (*self._buffers, *self.parts) if b is not None),
+                *self._zeros.values()]
 
     def _sites_not_owned(self) -> List[Tuple[int, tuple]]:
         """(parameter index, element index) of one element per tensor that this
@@ -301,45 +385,75 @@ class ShardedGradReducer(DistributedGradReducer):
         return [self.parameters[i] for i in self._order]
 
     def _start(self, index: int, tensors: Sequence[Optional[torch.Tensor]]) -> PendingBucket:
-        bucket, buffer = self.plan.buckets[index], self._buffer_for(index)
+        bucket = self.plan.buckets[index]
         if any(tensors[slot] is None for slot in bucket.tensor_indices):
             # a frozen parameter (no hook, no gradient) in a bucket started early
             tensors = list(tensors)
             for slot in bucket.tensor_indices:
                 if tensors[slot] is None:
                     tensors[slot] = self._zeros_for(slot)
-        prescale, _ = self._scales[index]
-        if self.adasum_local_size is not None:
-            self.plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=self.backend)
-            if self.world_size > 1:
-                adasum_halve(buffer, adasum_bucket_boundaries(bucket), self.group,
-                             self.adasum_local_size, self.backend, prescaled=True)
-            pending = PendingBucket(bucket, buffer, None)
-        elif self._all_reduce_instead:
-            pending = start_bucket_all_reduce(self.plan, bucket, tensors, buffer,
-                                              group=self.group, world_size=self.world_size,
-                                              prescale=prescale, backend=self.backend)
-        else:
-            pending = start_bucket_reduce_scatter(self.plan, bucket, tensors, buffer,
-                                                  self.parts[index], group=self.group,
-                                                  world_size=self.world_size,
-                                                  prescale=prescale, backend=self.backend)
         if self.shard_gradients:
+            self._retire_before(index)
+            pending = self._start_sharded(bucket, tensors)
             # the buffer holds them now (the launch that read them is queued
             # before anything that can reuse their memory)
             for slot in bucket.tensor_indices:
                 param = self.parameters[self._order[slot]]
                 if param.requires_grad:
                     param.grad = None
+            return pending
+        buffer = self._buffer_for(index)
+        prescale, _ = self._scales[index]
+        if self.adasum_local_size is not None:
+            self.plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=self.backend)
+            if self.world_size > 1:
+                adasum_halve(buffer, adasum_bucket_boundaries(bucket), self.group,
+                             self.adasum_local_size, self.backend, prescaled=True)
+            return PendingBucket(bucket, buffer, None)
+        if self._all_reduce_instead:
+            return start_bucket_all_reduce(self.plan, bucket, tensors, buffer,
+                                           group=self.group, world_size=self.world_size,
+                                           prescale=prescale, backend=self.backend)
+        return start_bucket_reduce_scatter(self.plan, bucket, tensors, buffer,
+                                           self.parts[index], group=self.group,
+                                           world_size=self.world_size, prescale=prescale,
+                                           backend=self.backend)
+
+    def _start_sharded(self, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> PendingBucket:
+        """``shard_gradients``: flatten ``bucket`` and start the collective
+        that leaves this rank's part in ``parts`` (a world of one rank
+        flattens straight into the part, which is the whole bucket)."""
+        index = bucket.index
+        part, (prescale, _) = self._part_for(index), self._scales[index]
+        if self.world_size == 1:
+            self.plan.flatten(bucket, tensors, out=part, scale=prescale, backend=self.backend)
+            return PendingBucket(bucket, part, None)
+        buffer = self._buffer_for(index)
+        if self.adasum_local_size is not None:
+            # the tree's halving has finished when it returns
+            self.plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=self.backend)
+            adasum_halve(buffer, adasum_bucket_boundaries(bucket), self.group,
+                         self.adasum_local_size, self.backend, prescaled=True)
+            part.copy_(self._owned_slots[index])
+            self._release_buffer(index)
+            return PendingBucket(bucket, part, None)
+        if self._all_reduce_instead:
+            pending = start_bucket_all_reduce(self.plan, bucket, tensors, buffer,
+                                              group=self.group, world_size=self.world_size,
+                                              prescale=prescale, backend=self.backend)
+        else:  # out of place for a part of its own: the buffer can go sooner
+            pending = start_bucket_reduce_scatter(self.plan, bucket, tensors, buffer, part,
+                                                  group=self.group, world_size=self.world_size,
+                                                  prescale=prescale, backend=self.backend)
+        self._in_flight.append(pending)
         return pending
 
     def _clipped_part_postscales(self, pending: Sequence[PendingBucket],
-                                 flats: Sequence[torch.Tensor]) -> list:
+                                 parts: Sequence[torch.Tensor]) -> list:
         """Each bucket's postscale times the clip coefficient: the norm from
         every rank's owned parts (each element is owned once) and one small
         all-reduce of the per-bucket sums of powers (maxima for the max
         norm), so every rank computes the same bits."""
-        parts = [flat[slice(*self.owned[p.bucket.index])] for p, flat in zip(pending, flats)]
         powers = norm_powers(parts, self.norm_type, backend=self.backend)
         if self.world_size > 1 and self.norm_type == math.inf:
             powers = max_over_ranks(powers, self.group, self.world_size)
@@ -356,37 +470,42 @@ class ShardedGradReducer(DistributedGradReducer):
                 # are gone either way): nothing in the buffers is read again
                 self._release_buffers()
 
-    def _finish_buckets(self, pending: Sequence[PendingBucket],
-                        outputs: Sequence[torch.Tensor]) -> None:
-        flats = []
+    def _owned_parts(self, pending: Sequence[PendingBucket]) -> List[torch.Tensor]:
+        """Wait for every bucket's collective; this rank's reduced part of
+        each (not postscaled yet). Without ``shard_gradients`` the buffers
+        are then whole, zeros outside the part, for the unflatten."""
+        if self.shard_gradients:
+            while self._in_flight:
+                self._retire(self._in_flight.pop(0))
+            return [self.parts[p.bucket.index] for p in pending]
         for p in pending:
             wait_for(p)
-            bucket = p.bucket
-            lo, hi = self.owned[bucket.index]
-            if self.world_size == 1 and self.adasum_local_size is None:
-                flat = p.flat  # the part is the whole bucket
-            else:
-                # the collective left this rank's part in its slot of the
-                # buffer (the whole buffer all-reduced, or the part in place)
-                flat = self._buffers[bucket.index]
-                if not self.shard_gradients:  # written whole, as zeros outside the part
-                    flat[:lo].zero_()
-                    flat[hi:].zero_()
-            flats.append(flat)
+            # the collective left this rank's part in its slot of the buffer
+            # (the whole buffer all-reduced, or the part in place; on a world
+            # of one rank the part is the whole buffer)
+            lo, hi = self.owned[p.bucket.index]
+            flat = self._buffers[p.bucket.index]
+            flat[:lo].zero_()
+            flat[hi:].zero_()
+        return [self.parts[p.bucket.index] for p in pending]
+
+    def _finish_buckets(self, pending: Sequence[PendingBucket],
+                        outputs: Sequence[torch.Tensor]) -> None:
+        parts = self._owned_parts(pending)
         if self.max_grad_norm is not None and pending:
-            scales = self._clipped_part_postscales(pending, flats)
+            scales = self._clipped_part_postscales(pending, parts)
         else:
             scales = [self._scales[p.bucket.index][1] for p in pending]
         extremes: List[torch.Tensor] = []
-        for p, flat, postscale in zip(pending, flats, scales):
+        for p, part, postscale in zip(pending, parts, scales):
             bucket = p.bucket
-            lo, hi = self.owned[bucket.index]
-            if not self.shard_gradients:
-                self.plan.unflatten(bucket, flat, outputs, scale=postscale, backend=self.backend)
-            if hi > lo:
+            if not self.shard_gradients:  # written whole, zeros outside the part
+                self.plan.unflatten(bucket, self._buffers[bucket.index], outputs,
+                                    scale=postscale, backend=self.backend)
+            if part.numel():
                 # what GradScaler will read: the part's extremes as written
                 # (postscaled; a finite sum can still overflow a 16-bit .grad)
-                extremes.append(torch.stack(torch.aminmax(flat[lo:hi])).double() * postscale)
+                extremes.append(torch.stack(torch.aminmax(part)).double() * postscale)
         if extremes:
             values = torch.cat(extremes)
             if self._bounds is None:
@@ -430,7 +549,7 @@ class ShardedGradReducer(DistributedGradReducer):
     def _write_owned(self, pending: Sequence[PendingBucket], scales: Sequence) -> None:
         """``shard_gradients``: a ``.grad`` for each used parameter this rank
         owns elements of, from its part (one launch per bucket), each
-        bucket's buffer dropped after its launch."""
+        part's memory released after its launch."""
         unused = {self._order[slot] for slot in self.unused_slots}
         written = 0
         for p, postscale in zip(pending, scales):
@@ -455,9 +574,9 @@ class ShardedGradReducer(DistributedGradReducer):
                     self.parts[index], destinations, scale=postscale, backend=self.backend,
                     offsets=kept if len(offsets) == len(kept) else tuple(offsets))
                 written += len(destinations)
-            # nothing reads this bucket's buffer again (its collective has
-            # finished): the next buckets' .grad can take its memory
-            self._release_buffer(index)
+            # nothing reads this bucket's part again: the next buckets' .grad
+            # can take its memory
+            self._release_part(index)
         if written or self.world_size == 1:
             return
         if any(param.grad is not None for param in self.parameters):
@@ -660,6 +779,9 @@ class ShardedParameters:
         one of its parameters starts its forward (a global forward pre-hook),
         or by ``finish_gather``."""
         self.finish_gather()
+        if not self._keeps_flats and not defer:
+            self._gather_in_turn()
+            return
         if not self._keeps_flats:  # their memory was given back after the last gather
             for bucket in self.plan.buckets:
                 self._flat_for(bucket.index)
@@ -668,26 +790,8 @@ class ShardedParameters:
                 if shards:
                     torch._foreach_copy_(self._send_slices[b],
                                          [s.tensor.reshape(-1) for s in shards])
-        shares = self.reducer.tree_shares
         for bucket in reversed(self.plan.buckets):
-            if self.world_size == 1:
-                pending = PendingBucket(bucket, self._send[bucket.index], None)
-            elif shares is not None:
-                # point-to-point swaps that each wait: done here, written at once or deferred
-                flat = self._gather_flat[bucket.index]
-                adasum_gather(flat, shares[bucket.index], self.group,
-                              self.reducer.adasum_local_size)
-                pending = PendingBucket(bucket, flat, None)
-            elif bucket.size:
-                flat = self._gather_flat[bucket.index]
-                if self._gather_by_broadcasts:
-                    work = broadcast_slots(flat, self.group, self.world_size)
-                else:
-                    work = _all_gather(flat, self._send[bucket.index], self.group)
-                pending = PendingBucket(bucket, flat, work)
-            else:
-                continue
-            self._pending[bucket.index] = pending
+            self._start_gather(bucket)
         if not defer:
             self.finish_gather()
             return
@@ -697,6 +801,47 @@ class ShardedParameters:
         if self._pending and self._hook is None:
             self._hook = torch.nn.modules.module.register_module_forward_pre_hook(
                 self._before_forward)
+
+    def _start_gather(self, bucket: Bucket) -> None:
+        """Start gathering ``bucket`` into its buffer (its own part copied in
+        already), in ``_pending``."""
+        shares = self.reducer.tree_shares
+        if self.world_size == 1:
+            pending = PendingBucket(bucket, self._send[bucket.index], None)
+        elif shares is not None:
+            # point-to-point swaps that each wait: done here, written at once or deferred
+            flat = self._gather_flat[bucket.index]
+            adasum_gather(flat, shares[bucket.index], self.group,
+                          self.reducer.adasum_local_size)
+            pending = PendingBucket(bucket, flat, None)
+        elif bucket.size:
+            flat = self._gather_flat[bucket.index]
+            if self._gather_by_broadcasts:
+                work = broadcast_slots(flat, self.group, self.world_size)
+            else:
+                work = _all_gather(flat, self._send[bucket.index], self.group)
+            pending = PendingBucket(bucket, flat, work)
+        else:
+            return
+        self._pending[bucket.index] = pending
+
+    def _gather_in_turn(self) -> None:
+        """``shard_gradients``, gathering at once: bucket by bucket, each
+        bucket's buffer made as it starts and written into the parameters
+        (its memory released) before the bucket after next starts, so that
+        at most ``_ALIVE`` buffers have memory at a time."""
+        with torch.no_grad():
+            for bucket in reversed(self.plan.buckets):
+                while len(self._pending) >= _ALIVE:
+                    self.finish_gather([next(iter(self._pending))])
+                index = bucket.index
+                self._flat_for(index)
+                shards = self.per_bucket[index]
+                if shards:
+                    torch._foreach_copy_(self._send_slices[index],
+                                         [s.tensor.reshape(-1) for s in shards])
+                self._start_gather(bucket)
+        self.finish_gather()
 
     @property
     def gathering(self) -> bool:

@@ -865,6 +865,7 @@ def on_rank(rank, world_size):
             dtypes=(torch.float64, torch.float32, torch.float32)),
         "grads_sharded": _grads_sharded(rank, world_size),
         "grads_sharded_tiny": _grads_sharded_tiny(rank, world_size),
+        "grads_sharded_failure": _grads_sharded_after_a_failed_backward(rank, world_size),
     }
     if world_size == 2:
         results["unused_sharded"] = _unused_against_ddp(rank, world_size, True)
@@ -994,6 +995,66 @@ def _grads_sharded_tiny(rank, world_size):
     return out
 
 
+class _FailingBackward(torch.autograd.Function):
+    """Identity forward; its backward raises, as a user's custom op might."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a backward error")
+
+
+def _failing_loss(model, rank, step):
+    """``_loss`` with a backward that raises once the last layers' gradients
+    are made (their buckets have started), before the first layer's."""
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(1000 * rank + 10 * step))
+    h = _FailingBackward.apply(model[0](x.to(model[0].weight.dtype)))
+    h = model[2](model[1](h).to(model[2].weight.dtype))
+    return model[4](model[3](h).to(model[4].weight.dtype)).float().square().mean()
+
+
+def _grads_sharded_after_a_failed_backward(rank, world_size):
+    """shard_gradients=True against shard=True alone when the second step's
+    first backward raises after some buckets started (then the step is done
+    again, after zero_grad): per collective path, the parameters after each
+    step, the buckets in flight the failure left, what each error said and
+    ``buffer_bytes`` after each step's good backward."""
+    seen = {}
+    for path in ("gloo", "reduce_scatter"):
+        models = [_model(), _model()]
+        optimizers = [DistributedOptimizer(_adamw(m.parameters()), shard=True,
+                                           param_pack_thd=300, shard_gradients=sharded)
+                      for m, sharded in zip(models, (False, True))]
+        if path == "reduce_scatter":
+            for optimizer in optimizers:
+                optimizer.reducer._all_reduce_instead = False
+                optimizer.sharded._gather_by_broadcasts = False
+        record = {"params_equal": [], "held": [], "errors": [], "left_in_flight": None}
+        for step in range(3):
+            for model, optimizer in zip(models, optimizers):
+                if step == 1:
+                    try:
+                        _failing_loss(model, rank, step).backward()
+                    except RuntimeError as exc:
+                        record["errors"].append(str(exc))
+                    if optimizer.reducer.shard_gradients:
+                        record["left_in_flight"] = len(optimizer.reducer._in_flight)
+                    optimizer.zero_grad()
+                _loss(model, rank, step).backward()
+                if optimizer.reducer.shard_gradients:
+                    record["held"].append(optimizer.buffer_bytes)
+                optimizer.step()
+                optimizer.zero_grad()
+            record["params_equal"].append(all(torch.equal(a, b) for a, b in
+                                              zip(models[0].parameters(),
+                                                  models[1].parameters())))
+        seen[path] = record
+    return seen
+
+
 def _buffer_bytes(rank, world_size):
     """``buffer_bytes`` of an unsharded, a bucket-view and a sharded optimizer
     before and after a step, with what the plans say they hold."""
@@ -1023,26 +1084,49 @@ def _buffer_bytes(rank, world_size):
 def _buffers_of_sharded_gradients(rank):
     """``buffer_bytes`` of a ``shard_gradients`` optimizer whose all-gather
     overlaps the next forward, at each point of two steps: what it holds,
-    and what a bucket's buffer and its all-gather buffer would take."""
+    and what a bucket's buffer and its all-gather buffer would take; the
+    whole buffers with memory as each bucket is flattened, and the bytes
+    held at each write-back launch against those of the parts not written
+    yet."""
     model = _model()
     optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True,
                                      shard_gradients=True, overlap_param_gather=True,
                                      param_pack_thd=300)
-    during, writes, objects = [], [], []
+    reducer = optimizer.reducer
+    during, starts, writes, objects = [], [], [], []
     # the first layer's gradient is the last one made: later buckets have
     # started by then
     model[0].bias.register_hook(lambda grad: during.append(optimizer.buffer_bytes))
     held = {"built": optimizer.buffer_bytes}
     unflatten = fusedreduce.kernels.unflatten_cast_scale
+    flatten = reducer.plan.flatten
 
-    def counted(*args, **kwargs):  # the buffers alive at each write-back launch
-        writes[-1].append(optimizer.buffer_bytes)
-        return unflatten(*args, **kwargs)
+    def part_bytes(index):
+        # the last two buckets' parts are slots of their buffers, still
+        # in flight when backward ends
+        bucket = reducer.plan.buckets[index]
+        if dist.get_world_size() > 1 and index >= len(reducer.parts) - 2:  # _ALIVE
+            return bucket.size * bucket.dtype.itemsize
+        lo, hi = reducer.owned[index]
+        return (hi - lo) * bucket.dtype.itemsize
 
+    def written(part, *args, **kwargs):
+        index = next(i for i, p in enumerate(reducer.parts) if p is part)
+        unwritten = sum(part_bytes(i) for i in range(index, len(reducer.parts)))
+        writes[-1].append((optimizer.buffer_bytes, unwritten))
+        return unflatten(part, *args, **kwargs)
+
+    def flattening(*args, **kwargs):
+        starts[-1].append(sum(b.untyped_storage().nbytes() > 0
+                              for b in reducer.buffers if b is not None))
+        return flatten(*args, **kwargs)
+
+    reducer.plan.flatten = flattening
     for step in range(2):
         optimizer.zero_grad()
         writes.append([])
-        fusedreduce.kernels.unflatten_cast_scale = counted
+        starts.append([])
+        fusedreduce.kernels.unflatten_cast_scale = written
         try:
             _loss(model, rank, step).backward()
         finally:
@@ -1052,14 +1136,42 @@ def _buffers_of_sharded_gradients(rank):
         held[f"gathering_{step}"] = optimizer.buffer_bytes
         optimizer.finish_param_gather()
         held[f"gathered_{step}"] = optimizer.buffer_bytes
-        objects.append([*map(id, optimizer.reducer.buffers),
+        objects.append([*map(id, reducer.buffers), *map(id, reducer.parts),
                         *map(id, optimizer.sharded._gather_flat)])
-    buckets = optimizer.reducer.plan.buckets
+    buckets = reducer.plan.buckets
     gathers = optimizer.sharded._gather_dtypes
-    return {**held, "during": during, "writes": writes, "same_objects": objects[0] == objects[1],
-        "written_buckets": sum(1 for ranges in optimizer.reducer._owned_ranges if ranges),
+    return {**held, "during": during, "writes": writes, "starts": starts,
+            "gathered_in_turn": _gather_buffers_in_turn(rank),
+            "same_objects": objects[0] == objects[1],
+            "written_buckets": sum(1 for ranges in reducer._owned_ranges if ranges),
             "bucket_bytes": sum(b.size * b.dtype.itemsize for b in buckets),
             "gather_bytes": sum(b.size * d.itemsize for b, d in zip(buckets, gathers))}
+
+
+def _gather_buffers_in_turn(rank):
+    """A ``shard_gradients`` optimizer gathering in ``step()`` (not
+    deferred): per step, the all-gather buffers with memory as each is made,
+    and ``buffer_bytes`` after the step."""
+    model = _model()
+    optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True,
+                                     shard_gradients=True, param_pack_thd=300)
+    sharded, seen = optimizer.sharded, {"alive": [], "after": []}
+    flat_for = sharded._flat_for
+
+    def made(index):
+        flat = flat_for(index)
+        seen["alive"][-1].append(sum(f.untyped_storage().nbytes() > 0
+                                     for f in sharded._gather_flat if f is not None))
+        return flat
+
+    sharded._flat_for = made
+    for step in range(2):
+        seen["alive"].append([])
+        _loss(model, rank, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seen["after"].append(optimizer.buffer_bytes)
+    return seen
 
 
 def _compiled(rank, world_size):
@@ -1336,16 +1448,32 @@ def test_buffer_bytes_counts_the_buckets_and_the_sharded_parts(ranks_once, world
         # by the time the first layer's gradient is made
         assert grads["during"][0] == 0
         assert 0 < grads["during"][1] < grads["bucket_bytes"], f"rank {rank}"
-        # .grad is written bucket by bucket, each bucket's buffer dropped
-        # after its launch: the first launch sees every buffer, each later
-        # one fewer
-        # the buffers are the same tensors at every step, only their memory
-        # goes and comes back: the fused kernels' kept launches find them
-        assert grads["same_objects"]
+        # during backward at most two buckets' whole buffers have memory: the
+        # one being flattened and the one before it (a bucket's is released
+        # once its collective is waited for, as the bucket after next
+        # starts); a world of one rank flattens straight into the parts
+        n_buckets = len(grads["starts"][0])
+        assert n_buckets >= 3  # so that releasing early shows
+        for starts in grads["starts"]:
+            assert starts == [min(i + 1, 2) if world_size > 1 else 0
+                              for i in range(n_buckets)], f"rank {rank}: {starts}"
+        # .grad is written bucket by bucket, from the parts alone (the last
+        # two buckets' whole buffers, whose parts are slots of them, and no
+        # other's), each part released after its launch
         for writes in grads["writes"]:
             assert len(writes) == grads["written_buckets"], f"rank {rank}"
-            assert writes[:1] in ([], [grads["bucket_bytes"]])
-            assert all(a > b for a, b in zip(writes, writes[1:])), f"rank {rank}: {writes}"
+            assert all(held == unwritten for held, unwritten in writes), f"rank {rank}: {writes}"
+            assert all(a[0] > b[0] for a, b in zip(writes, writes[1:])), f"rank {rank}: {writes}"
+        # the buffers and parts are the same tensors at every step, only their
+        # memory goes and comes back: the fused kernels' kept launches find them
+        assert grads["same_objects"]
+        # gathering in step(), bucket by bucket: at most two all-gather
+        # buffers have memory at a time (a bucket's is released once it is
+        # written into the parameters, before the bucket after next starts)
+        in_turn = grads["gathered_in_turn"]
+        assert in_turn["after"] == [0, 0], f"rank {rank}"
+        for alive in in_turn["alive"]:
+            assert alive == [min(i + 1, 2) for i in range(n_buckets)], f"rank {rank}: {alive}"
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -1443,6 +1571,20 @@ def test_sharded_gradients_step_bitwise_as_full_gradients(ranks_once, world_size
         assert seen["released_early"][0] is False
         assert all(seen["released_early"][1:]), seen["released_early"]
         assert all(torch.equal(a, b) for a, b in zip(seen["params"], results[0]["params"]))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_sharded_gradients_recover_from_a_backward_that_raised(ranks_once, world_size):
+    """A backward that raised leaves buckets in flight with their buffers;
+    the next backward waits for them and takes the buffers back, and steps
+    as shard=True alone does."""
+    for rank, seen in enumerate(r["grads_sharded_failure"] for r in ranks_once(world_size)):
+        for path, record in seen.items():
+            assert record["errors"] == ["a backward error"] * 2, f"rank {rank}, {path}"
+            if world_size > 1:  # the case this test is for
+                assert record["left_in_flight"] >= 1, f"rank {rank}, {path}"
+            assert all(record["params_equal"]), f"rank {rank}, {path}"
+            assert record["held"] == [0, 0, 0], f"rank {rank}, {path}"
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
