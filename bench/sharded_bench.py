@@ -648,7 +648,8 @@ def print_report(results: Sequence[dict], machine: dict, config: dict, elapsed: 
     print(f"# {common.machine_summary(machine)}")
     print(f"# AdamW steps on gloo CPU ranks (torch threads per rank: cores // ranks, at "
           f"least 1); {config['repeats']} timed pairs of steps per method after two untimed steps")
-    print(f"# buckets: {config['buckets']}")
+    if config.get("buckets"):
+        print(f"# buckets: {config['buckets']}")
     print("# " + NOTES.replace("\n", "\n# "))
     for key in dict.fromkeys((r["model"], r["dtype"], r["size"]) for r in results):
         rows = [r for r in results if (r["model"], r["dtype"], r["size"]) == key]

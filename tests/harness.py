@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Union
 
+import torch
 import torch.distributed as dist
 from filelock import FileLock  # a dependency of torch
 
@@ -204,3 +205,16 @@ def run_torchrun(args, **kwargs) -> subprocess.CompletedProcess:
     if process.returncode != 0 and EXIT_ABORT in (process.stderr or ""):
         process = subprocess.run(command, **kwargs)
     return process
+
+
+class FailingBackward(torch.autograd.Function):
+    """Identity forward; its backward raises ``RuntimeError("a backward
+    error")``, as a user's custom op might."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a backward error")

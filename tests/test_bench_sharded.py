@@ -58,6 +58,7 @@ def test_quick_sharded_exits_cleanly_and_prints_every_method_per_case(quick_run)
     for method in sharded_bench.METHODS:
         assert process.stdout.count(f" {method} ") == 4, method
     assert "not run" not in process.stdout  # every configuration runs on gloo CPU ranks
+    assert "# buckets: DDP 25 MiB, DistributedOptimizer 10 MiB" in process.stdout
 
 
 def test_every_configuration_ran_with_positive_finite_times(quick_run):

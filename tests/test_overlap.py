@@ -15,7 +15,8 @@ because the spawned ranks import this module to unpickle them.
 import torch
 from torch import nn
 
-from harness import ONE_BYTE_MB, TIMEOUT, outcomes, record_collectives, run_ranks
+from harness import (ONE_BYTE_MB, TIMEOUT, FailingBackward, outcomes, record_collectives,
+                     run_ranks)
 from fusedreduce import DistributedGradReducer
 
 
@@ -178,18 +179,6 @@ def test_no_sync_and_passes_per_sync_accumulate_locally_then_reduce_the_sum():
                                                msg=f"rank {rank}, {name}")
 
 
-class _FailingBackward(torch.autograd.Function):
-    """Identity forward; its backward raises, as a user's custom op might."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("a backward error")
-
-
 def _after_a_failed_backward(rank, world_size):
     first, last = nn.Linear(3, 3).double(), nn.Linear(3, 1).double()
     with torch.no_grad():
@@ -199,7 +188,7 @@ def _after_a_failed_backward(rank, world_size):
     reducer = DistributedGradReducer(params, bucket_cap_mb=ONE_BYTE_MB).register_hooks()
     x = torch.full((2, 3), float(rank + 1), dtype=torch.float64)
     # the last layer's hooks fire (its buckets start), then backward raises
-    failed = outcomes({"failing": lambda: last(_FailingBackward.apply(first(x))).sum().backward()})
+    failed = outcomes({"failing": lambda: last(FailingBackward.apply(first(x))).sum().backward()})
     first.zero_grad()
     last.zero_grad()
     last(first(x)).sum().backward()

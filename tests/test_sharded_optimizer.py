@@ -48,7 +48,7 @@ from fusedreduce import (DistributedGradReducer, DistributedOptimizer,
                          consolidate_sharded_state_dict)
 from fusedreduce.buckets import storage_bytes
 from fusedreduce.sharded_checkpoint import pieces_of
-from harness import (assert_raised_before_any_collective, outcomes_and_collectives,
+from harness import (FailingBackward, assert_raised_before_any_collective, outcomes_and_collectives,
                      ranks_once_getter, record_collectives, run_ranks)
 
 STEPS = 4
@@ -995,23 +995,11 @@ def _grads_sharded_tiny(rank, world_size):
     return out
 
 
-class _FailingBackward(torch.autograd.Function):
-    """Identity forward; its backward raises, as a user's custom op might."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("a backward error")
-
-
 def _failing_loss(model, rank, step):
     """``_loss`` with a backward that raises once the last layers' gradients
     are made (their buckets have started), before the first layer's."""
     x = torch.randn(4, 7, generator=torch.Generator().manual_seed(1000 * rank + 10 * step))
-    h = _FailingBackward.apply(model[0](x.to(model[0].weight.dtype)))
+    h = FailingBackward.apply(model[0](x.to(model[0].weight.dtype)))
     h = model[2](model[1](h).to(model[2].weight.dtype))
     return model[4](model[3](h).to(model[4].weight.dtype)).float().square().mean()
 
