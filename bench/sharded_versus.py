@@ -8,7 +8,7 @@ both versions measured in turn on the same machine. Each version runs
 ``fusedreduce-bench sharded`` in processes of its own: the revision's
 ``fusedreduce`` and ``kernels`` come from ``git archive`` (this checkout's
 from its work tree), and both get this checkout's ``bench``, so only the
-library differs (``state_dict_versus._tree``). The runs alternate, before
+library differs (``state_dict_versus.alternating_runs``). The runs alternate, before
 then after, ``--runs`` times; every option this tool does not know
 (``--world-sizes 2,4 --repeats 5``, ``--quick``) goes to
 ``fusedreduce-bench sharded`` unchanged.
@@ -25,11 +25,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .state_dict_versus import _tree
+from .state_dict_versus import alternating_runs
 
 #: the methods the table shows unless --methods says otherwise
 DEFAULT_METHODS = ("fused_sharded_adamw", "fused_sharded_grads_adamw")
@@ -107,13 +106,8 @@ def main(argv=None) -> None:
     if "--plot" in bench_args:
         parser.error("--plot is not passed on (each run's figures go to --json)")
     methods = set(args.methods.split(","))
-    with tempfile.TemporaryDirectory(prefix="fusedreduce-versus-") as tmp:
-        trees = {"before": _tree(Path(tmp) / "before", args.revision),
-                 "after": _tree(Path(tmp) / "after", None)}
-        runs: Dict[str, List[List[dict]]] = {"before": [], "after": []}
-        for n in range(args.runs):
-            for side, tree in trees.items():
-                runs[side].append(_run_side(tree, bench_args, Path(tmp) / f"{side}.{n}.json"))
+    runs = alternating_runs(args.revision, args.runs,
+                            lambda tree, into: _run_side(tree, bench_args, into))
     print(f"# {args.revision} (before) against this checkout (after): fusedreduce-bench sharded "
           f"{' '.join(bench_args)}; median of {args.runs} alternating runs")
     print(report(runs, methods))

@@ -31,7 +31,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 CALLS = ("state_dict", "state_dict_to0", "sharded_state_dict", "load_state_dict")
 ROOT = Path(__file__).resolve().parent
@@ -55,6 +55,22 @@ def _tree(into: Path, revision: str) -> Path:
         (into / "kernels").rename(package / "kernels")
     shutil.copytree(ROOT, package / "bench", ignore=shutil.ignore_patterns("__pycache__"))
     return into
+
+
+def alternating_runs(revision: str, runs: int,
+                     run_side: Callable[[Path, Path], List[dict]]) -> Dict[str, List[List[dict]]]:
+    """``runs`` runs of ``run_side(tree, scratch)`` for each version, before
+    (``revision``'s library) then after (this checkout's) in turn, each
+    version in a ``_tree`` of its own; ``scratch`` is a file path of its own
+    per run in a temporary directory. Their results, per version."""
+    with tempfile.TemporaryDirectory(prefix="fusedreduce-versus-") as tmp:
+        trees = {"before": _tree(Path(tmp) / "before", revision),
+                 "after": _tree(Path(tmp) / "after", None)}
+        results: Dict[str, List[List[dict]]] = {"before": [], "after": []}
+        for n in range(runs):
+            for side, tree in trees.items():
+                results[side].append(run_side(tree, Path(tmp) / f"{side}.{n}.json"))
+    return results
 
 
 def _repository() -> Path:
@@ -164,13 +180,7 @@ def main(argv=None) -> None:
         return
     if not args.revision:
         parser.error("the revision to compare against is required")
-    with tempfile.TemporaryDirectory(prefix="fusedreduce-versus-") as tmp:
-        trees = {"before": _tree(Path(tmp) / "before", args.revision),
-                 "after": _tree(Path(tmp) / "after", None)}
-        runs: Dict[str, List[List[dict]]] = {"before": [], "after": []}
-        for _ in range(args.runs):
-            for side, tree in trees.items():
-                runs[side].append(_run_side(tree, args))
+    runs = alternating_runs(args.revision, args.runs, lambda tree, _: _run_side(tree, args))
     print(f"# {args.revision} (before) against this checkout (after); median of "
           f"{args.runs} alternating runs, each call's median of {args.repeats}")
     print(report(runs))

@@ -405,10 +405,7 @@ class ShardedGradReducer(DistributedGradReducer):
         buffer = self._buffer_for(index)
         prescale, _ = self._scales[index]
         if self.adasum_local_size is not None:
-            self.plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=self.backend)
-            if self.world_size > 1:
-                adasum_halve(buffer, adasum_bucket_boundaries(bucket), self.group,
-                             self.adasum_local_size, self.backend, prescaled=True)
+            self._flatten_and_halve(bucket, tensors, buffer)
             return PendingBucket(bucket, buffer, None)
         if self._all_reduce_instead:
             return start_bucket_all_reduce(self.plan, bucket, tensors, buffer,
@@ -418,6 +415,16 @@ class ShardedGradReducer(DistributedGradReducer):
                                            self.parts[index], group=self.group,
                                            world_size=self.world_size, prescale=prescale,
                                            backend=self.backend)
+
+    def _flatten_and_halve(self, bucket: Bucket, tensors: Sequence[torch.Tensor],
+                           buffer: torch.Tensor) -> None:
+        """AdaSum: flatten ``bucket`` into ``buffer`` (prescaled) and run the
+        tree's halving on it, which has finished when this returns."""
+        prescale, _ = self._scales[bucket.index]
+        self.plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=self.backend)
+        if self.world_size > 1:
+            adasum_halve(buffer, adasum_bucket_boundaries(bucket), self.group,
+                         self.adasum_local_size, self.backend, prescaled=True)
 
     def _start_sharded(self, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> PendingBucket:
         """``shard_gradients``: flatten ``bucket`` and start the collective
@@ -430,10 +437,7 @@ class ShardedGradReducer(DistributedGradReducer):
             return PendingBucket(bucket, part, None)
         buffer = self._buffer_for(index)
         if self.adasum_local_size is not None:
-            # the tree's halving has finished when it returns
-            self.plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=self.backend)
-            adasum_halve(buffer, adasum_bucket_boundaries(bucket), self.group,
-                         self.adasum_local_size, self.backend, prescaled=True)
+            self._flatten_and_halve(bucket, tensors, buffer)
             part.copy_(self._owned_slots[index])
             self._release_buffer(index)
             return PendingBucket(bucket, part, None)
@@ -485,8 +489,10 @@ class ShardedGradReducer(DistributedGradReducer):
             # of one rank the part is the whole buffer)
             lo, hi = self.owned[p.bucket.index]
             flat = self._buffers[p.bucket.index]
-            flat[:lo].zero_()
-            flat[hi:].zero_()
+            if lo:
+                flat[:lo].zero_()
+            if hi < flat.numel():
+                flat[hi:].zero_()
         return [self.parts[p.bucket.index] for p in pending]
 
     def _finish_buckets(self, pending: Sequence[PendingBucket],
@@ -782,14 +788,10 @@ class ShardedParameters:
         if not self._keeps_flats and not defer:
             self._gather_in_turn()
             return
-        if not self._keeps_flats:  # their memory was given back after the last gather
-            for bucket in self.plan.buckets:
+        for bucket in self.plan.buckets:
+            if not self._keeps_flats:  # their memory was given back after the last gather
                 self._flat_for(bucket.index)
-        with torch.no_grad():
-            for b, shards in enumerate(self.per_bucket):
-                if shards:
-                    torch._foreach_copy_(self._send_slices[b],
-                                         [s.tensor.reshape(-1) for s in shards])
+            self._copy_to_send(bucket.index)
         for bucket in reversed(self.plan.buckets):
             self._start_gather(bucket)
         if not defer:
@@ -801,6 +803,15 @@ class ShardedParameters:
         if self._pending and self._hook is None:
             self._hook = torch.nn.modules.module.register_module_forward_pre_hook(
                 self._before_forward)
+
+    def _copy_to_send(self, index: int) -> None:
+        """Copy this rank's stepped tensors of bucket ``index`` into the
+        slot of its all-gather buffer that this rank sends."""
+        shards = self.per_bucket[index]
+        if shards:
+            with torch.no_grad():
+                torch._foreach_copy_(self._send_slices[index],
+                                     [s.tensor.reshape(-1) for s in shards])
 
     def _start_gather(self, bucket: Bucket) -> None:
         """Start gathering ``bucket`` into its buffer (its own part copied in
@@ -830,17 +841,12 @@ class ShardedParameters:
         bucket's buffer made as it starts and written into the parameters
         (its memory released) before the bucket after next starts, so that
         at most ``_ALIVE`` buffers have memory at a time."""
-        with torch.no_grad():
-            for bucket in reversed(self.plan.buckets):
-                while len(self._pending) >= _ALIVE:
-                    self.finish_gather([next(iter(self._pending))])
-                index = bucket.index
-                self._flat_for(index)
-                shards = self.per_bucket[index]
-                if shards:
-                    torch._foreach_copy_(self._send_slices[index],
-                                         [s.tensor.reshape(-1) for s in shards])
-                self._start_gather(bucket)
+        for bucket in reversed(self.plan.buckets):
+            while len(self._pending) >= _ALIVE:
+                self.finish_gather([next(iter(self._pending))])
+            self._flat_for(bucket.index)
+            self._copy_to_send(bucket.index)
+            self._start_gather(bucket)
         self.finish_gather()
 
     @property
