@@ -129,11 +129,13 @@ def share_bounds(count: int, share: Tuple[int, int]) -> Tuple[int, int]:
     return index * count // of, (index + 1) * count // of
 
 
+@functools.lru_cache(maxsize=64)
 def postscale_vectors(postscales: Tuple[float, ...],
                       device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Buffers' postscales, absolute and signed, as fp64 vectors on ``device``
     (the norm family's): the same every step, so uploaded once (a per-step
     upload would cost a host-to-device copy, and could not be captured in a
-    CUDA graph)."""
+    CUDA graph). The vectors are shared between calls: read them, never
+    write them."""
     signed = torch.tensor(postscales, dtype=torch.float64, device=device)
     return signed.abs(), signed

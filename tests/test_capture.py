@@ -16,10 +16,12 @@ host decides step by step and a replay would freeze: ``bcast_period`` > 0 and
 ``backward_passes_per_step`` > 1.
 
 On the CPU, capture is simulated: ``kernels._checks.capturing`` is patched to
-say "capturing", and the host reads a capture forbids (``Tensor.item``,
-``tolist``, ``__bool__``, ``__float__``, ``__int__``) are patched to fail, so
-a steady-state step that passes here issues none of them from Python and
-takes none of the refused paths. The ``cuda_only`` tests capture a whole
+say "capturing", tensors made from host data (``torch.tensor``,
+``torch.as_tensor``: on a GPU, an upload from pageable memory) are patched to
+fail, and so are the host reads a capture forbids (``Tensor.item``,
+``tolist``, ``__bool__``, ``__float__``, ``__int__``), so a steady-state step
+that passes here issues none of them from Python and takes none of the
+refused paths. The ``cuda_only`` tests capture a whole
 ``DistributedOptimizer`` and ``register_hooks`` step on one GPU (NCCL, one
 rank: the collective is then skipped) and check that replays are bitwise the
 eager steps; their procedure also runs on the CPU, with the capture
@@ -38,29 +40,38 @@ from fusedreduce.local_ranks import run_on_local_ranks
 from harness import run_ranks
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+#: torch functions that make a tensor from host data: on a GPU, inside a
+#: capture, an upload from pageable memory, which CUDA refuses
+HOST_UPLOADS = ("tensor", "as_tensor")
 
 
 @contextlib.contextmanager
 def simulated_capture(forbid_host_reads: bool = True):
-    """While inside: fusedreduce sees a capturing stream, and (with
-    ``forbid_host_reads``) a tensor read on the host raises."""
+    """While inside: fusedreduce sees a capturing stream, a tensor made from
+    host data raises, and (with ``forbid_host_reads``) so does a tensor read
+    on the host."""
     saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    saved_uploads = {name: getattr(torch, name) for name in HOST_UPLOADS}
     saved_capturing = kernel_checks.capturing
 
-    def forbidden(name):
-        def read(self, *args, **kwargs):
-            raise AssertionError(f"Tensor.{name} (a host read) during the simulated capture")
-        return read
+    def forbidden(name, what):
+        def call(*args, **kwargs):
+            raise AssertionError(f"{name} ({what}) during the simulated capture")
+        return call
 
     kernel_checks.capturing = lambda device: True
+    for name in HOST_UPLOADS:
+        setattr(torch, name, forbidden(f"torch.{name}", "an upload on a GPU"))
     if forbid_host_reads:
         for name in HOST_READS:
-            setattr(torch.Tensor, name, forbidden(name))
+            setattr(torch.Tensor, name, forbidden(f"Tensor.{name}", "a host read"))
     try:
         yield
     finally:
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
+        for name, function in saved_uploads.items():
+            setattr(torch, name, function)
         kernel_checks.capturing = saved_capturing
 
 

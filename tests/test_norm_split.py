@@ -18,6 +18,7 @@ from hypothesis import example, given, settings, strategies as st
 from fusedreduce import clipping
 from fusedreduce.kernels._backends import backend_for
 from fusedreduce.kernels._common import share_bounds
+from fusedreduce.kernels.norm import torch_backend as torch_norm
 from test_norm_kernels import NORMS, _buffers, buffer_specs
 
 pytestmark = pytest.mark.device_aware
@@ -73,6 +74,46 @@ def test_the_shares_partials_add_up_to_the_whole_bit_for_bit(backend, device, sp
     b_total, b_scales = ops.clip_buffers(buffers, postscales, 1.0, norm_type)
     assert _bits(a_total.double().reshape(1)) == _bits(b_total.double().reshape(1))
     assert [_bits(s) for s in a_scales] == [_bits(s) for s in b_scales]
+
+
+@settings(max_examples=30, deadline=None)
+@given(specs=buffer_specs, norm_type=st.sampled_from(NORMS), count=st.integers(1, 9),
+       window=st.integers(1, 5), seed=st.integers(0, 2 ** 16))
+def test_the_torch_fallback_s_windows_give_every_share_the_whole_call_s_bits(
+        device, specs, norm_type, count, window, seed):
+    # windows of a few rows, so that shares' edges cut them (on a GPU a window
+    # is 2048 rows, more than these buffers have)
+    buffers = _buffers(device, specs, seed, 1.0)
+    reductions = []  # each call's rows: (address, elements)
+    row_norms_into = torch_norm._row_norms_into
+
+    def recorded(out, part, norm_type):
+        reductions[-1].add((part.data_ptr(), part.numel()))
+        row_norms_into(out, part, norm_type)
+
+    saved = torch_norm.rows_in_windows, torch_norm.WINDOW_ROWS
+    torch_norm.rows_in_windows, torch_norm.WINDOW_ROWS = (lambda device: True), window
+    torch_norm._row_norms_into = recorded
+    try:
+        reductions.append(set())
+        whole = torch_norm.norm_partials(buffers, norm_type)
+        shares = []
+        for r in range(count):
+            reductions.append(set())
+            shares.append(torch_norm.norm_partials(buffers, norm_type, (r, count)))
+    finally:
+        torch_norm.rows_in_windows, torch_norm.WINDOW_ROWS = saved
+        torch_norm._row_norms_into = row_norms_into
+    for r, share in enumerate(shares):
+        lo, hi = share_bounds(whole.numel(), (r, count))
+        assert _bits(share[lo:hi]) == _bits(whole[lo:hi]), r
+        assert torch.cat([share[:lo], share[hi:]]).view(torch.int64).eq(0).all(), r
+        # the invariant a GPU needs: a share reduces only windows the whole call
+        # reduces, at the same addresses (the CPU's bits cannot tell)
+        assert reductions[r + 1] <= reductions[0], r
+    if device.type == "cpu":
+        # a row's reduction there is the same in any window: windows change no bit
+        assert _bits(whole) == _bits(torch_norm.norm_partials(buffers, norm_type))
 
 
 @pytest.mark.parametrize("items, count", [(0, 1), (0, 4), (3, 8), (10, 3), (7, 7), (1000, 6)])

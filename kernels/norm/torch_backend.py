@@ -8,6 +8,15 @@ and adds each buffer's slice of it (its max for the max norm). The power is
 taken on the whole vector, never on a share: torch's vectorised ``pow`` and
 its scalar tail round differently, so where an element sits in the tensor
 could change its bits.
+
+A share of the rows (the clipping norm split across ranks) must give each of
+its rows the bits the whole call gives it. On the CPU a row's reduction is
+the same however many rows one call takes. On a GPU it is not: torch spreads
+a row over more threads when there are fewer rows (seen on an H100). There
+the rows are taken in windows of ``WINDOW_ROWS`` that start at fixed rows of
+each buffer, whatever the share: a share computes every window it overlaps
+whole and keeps its own rows, so every row is reduced by the same call, at
+the same address, in both.
 """
 from __future__ import annotations
 
@@ -37,6 +46,26 @@ def _row_norms_into(out: torch.Tensor, part: torch.Tensor, norm_type: float) -> 
                        .reshape(1))
 
 
+#: rows per window on a GPU (see the module docstring): 4M elements, so a
+#: share reads at most two windows beyond its own rows per buffer
+WINDOW_ROWS = 2048
+
+
+def rows_in_windows(device: torch.device) -> bool:
+    """Whether ``norm_partials`` takes a buffer's rows in fixed windows on
+    ``device`` (see the module docstring): everywhere but the CPU."""
+    return device.type != "cpu"
+
+
+def _windows(start: int, stop: int, count: int, windowed: bool) -> List[Tuple[int, int]]:
+    """The row ranges one reduction each takes to cover rows ``[start, stop)``
+    of a buffer of ``count`` rows."""
+    if not windowed:
+        return [(start, stop)]
+    return [(a, min(a + WINDOW_ROWS, count))
+            for a in range(start - start % WINDOW_ROWS, stop, WINDOW_ROWS)]
+
+
 def norm_partials(buffers: Sequence[torch.Tensor], norm_type: float,
                   share: Tuple[int, int] = (0, 1)) -> torch.Tensor:
     """Every row's norm, as one fp64 vector, for the rows of share ``(index,
@@ -46,14 +75,22 @@ def norm_partials(buffers: Sequence[torch.Tensor], norm_type: float,
     total = sum(counts)
     lo, hi = share_bounds(total, share)
     device = buffers[0].device
+    windowed = rows_in_windows(device)
     partials = (torch.empty if (lo, hi) == (0, total) else torch.zeros)(
         total, dtype=torch.float64, device=device)
     first = 0
     for buffer, count in zip(buffers, counts):
         start, stop = max(lo - first, 0), min(hi - first, count)
-        if start < stop:
-            _row_norms_into(partials[first + start:first + stop],
-                            buffer[start * NORM_ROW:stop * NORM_ROW], norm_type)
+        for a, b in _windows(start, stop, count, windowed) if start < stop else ():
+            rows = buffer[a * NORM_ROW:b * NORM_ROW]
+            if start <= a and b <= stop:
+                _row_norms_into(partials[first + a:first + b], rows, norm_type)
+            else:  # a window the share's edge cuts: computed whole, its share's rows kept
+                window = torch.empty(b - a, dtype=torch.float64, device=device)
+                _row_norms_into(window, rows, norm_type)
+                keep = slice(max(a, start), min(b, stop))
+                partials[first + keep.start:first + keep.stop].copy_(
+                    window[keep.start - a:keep.stop - a])
         first += count
     return partials
 
