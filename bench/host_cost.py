@@ -25,6 +25,11 @@ call moves the kept launch back to the addresses it had before (a kept
 binding, ``kernels/_prepared.py``). In the third, *new*, the calls cycle
 through ``NEW_SETS`` sets, more than a launch keeps, so every call re-points
 it from scratch: the span check and, on Triton, a new table and its upload.
+A fourth, *buffer moved* (``versus_revision``'s rows only), keeps the tensors
+and gives the buffer other memory at every call, cycling through
+``NEW_SETS`` allocations: the same tensor object, as ZeRO-2's buffers, whose
+memory is released after each step and allocated again (the move, one
+``Tensor.set_``, is inside the timed call).
 
 ``python -m fusedreduce.bench.host_cost CASES_JSON`` is the child's entry
 point: it prints ``{case key: [ms, ...]}`` as JSON (a moved case's key ends
@@ -54,6 +59,8 @@ NEW_SETS = 8
 ADDRESS_SETS = {"": 1, MOVED_SUFFIX: 2, NEW_SUFFIX: NEW_SETS}
 #: the same cases as a reader names them (``versus_revision``'s rows)
 ADDRESS_LABELS = {"": "", MOVED_SUFFIX: ", moved", NEW_SUFFIX: ", new addresses"}
+#: ``versus_revision``'s row of calls whose buffer has other memory every call
+BUFFER_MOVED_LABEL = ", buffer moved"
 
 
 def case_key(list_name: str, size: int, dtype: str, direction: str, scale: float) -> str:
@@ -72,29 +79,42 @@ def _time_calls(fn, calls: int) -> List[float]:
 
 
 def time_host(tensors: Sequence, out, dsts: Sequence, direction: str, scale: float,
-              calls: int = CALLS, kernels=None, address_sets: int = 1) -> List[float]:
+              calls: int = CALLS, kernels=None, address_sets: int = 1,
+              buffer_sets: int = 1) -> List[float]:
     """Per-call host times in ms of the Triton path on these buffers (see the module
     docstring). ``kernels``: the kernel package to time (default ``fusedreduce.kernels``;
     ``versus_revision`` passes another revision's). ``address_sets``: how many
     sets of tensors (the given ones and copies elsewhere) the calls cycle
-    through; 1: the same tensors every call."""
+    through; 1: the same tensors every call. ``buffer_sets``: how many
+    allocations ``out`` cycles through, moved before each call (``out`` is
+    back in its own memory after)."""
     if kernels is None:
         from fusedreduce import kernels
 
     mine = tensors if direction == "flatten" else dsts
     sides = itertools.cycle([mine] + [[t.clone() for t in mine]
                                       for _ in range(address_sets - 1)])
+    own = out.untyped_storage()
+    storages = itertools.cycle([own] + [out.clone().untyped_storage()
+                                        for _ in range(buffer_sets - 1)])
+
+    def place():
+        if buffer_sets > 1:
+            out.set_(next(storages), 0, out.shape, out.stride())
 
     if direction == "flatten":
         def call():
+            place()
             kernels.flatten_cast_scale(next(sides), out, scale=scale, backend="triton")
     else:
         def call():
+            place()
             kernels.unflatten_cast_scale(out, next(sides), scale=scale, backend="triton")
     samples = _time_calls(call, calls)
     if out.is_cuda:
         import torch
         torch.cuda.synchronize(out.device)
+    out.set_(own, 0, out.shape, out.stride())
     return samples
 
 

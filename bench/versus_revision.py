@@ -18,7 +18,8 @@ torch's fastest baselines:
   kernel's execution excluded (``TRITON_INTERPRET=1`` and the interpreter's
   kernel runner replaced by a no-op, as in ``host_cost.py``), with the same
   tensors at every call, with tensors that moved between two address sets,
-  and with tensors at new addresses every call (``host_cost.py``).
+  with tensors at new addresses every call, and with the buffer given other
+  memory at every call (``host_cost.py``).
 
 With ``--launch compiled`` (CPU) the host cost is measured without the
 interpreter: a stand-in driver (``recording_driver``) compiles the kernels for
@@ -140,6 +141,10 @@ def host_cost_us(versions, size, calls=300, blocks=4, scale=0.125,
                     samples.setdefault(f"{label} {direction}{what}", []).extend(
                         host_cost.time_host(grads, out, dsts, direction, scale, calls, kernels,
                                             address_sets=sets))
+                samples.setdefault(f"{label} {direction}{host_cost.BUFFER_MOVED_LABEL}",
+                                   []).extend(host_cost.time_host(
+                                       grads, out, dsts, direction, scale, calls, kernels,
+                                       buffer_sets=host_cost.NEW_SETS))
     return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
 
 
@@ -179,7 +184,9 @@ def main(argv=None) -> int:
             # the interpreter: lifted here, in this process only
             for kernels in versions.values():
                 kernels._backends._interpreting = lambda: True
-        print(f"# {common.machine_summary(common.machine_info(device, 'torch', None))}")
+        # the CPU table's kernels are the torch fallback's; on a GPU only Triton's are timed
+        kernels_timed = "triton" if device.type == "cuda" else "torch"
+        print(f"# {common.machine_summary(common.machine_info(device, kernels_timed, None))}")
         if device.type == "cuda":
             size = max(args.sizes)
             print(f"# host µs per steady-state call, compiled kernels launched on "

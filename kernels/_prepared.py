@@ -9,8 +9,8 @@ is worked out by the first call and kept in a ``Prepared`` entry.
 A later call is recognised by its *signature*: for every tensor its address,
 element count (its shape, for the torch fallback), dtype and whether it is
 contiguous (and a non-contiguous one's shape and strides), plus the buffer
-(the same Python object, still at the same address, size and dtype) and the
-offsets. That is exactly what the results and the checks depend on, so a
+(the same Python object, still at the same address, size and dtype; see
+"A moved buffer" below) and the offsets. That is exactly what the results and the checks depend on, so a
 call whose signature equals the kept one runs the kept launch without
 re-validating, and any other call — a tensor moved, resized, re-typed or made
 non-contiguous, another buffer — is validated and prepared afresh. Reading
@@ -39,6 +39,15 @@ the same rule as the full validation, for contiguous tensors), and the kept
 launch is re-pointed instead of prepared again. Anything else is validated and
 prepared afresh, and an overlap is refused by the full validation, naming
 the tensor.
+
+**A moved buffer.** A buffer whose memory is given back between steps and
+allocated again (the same tensor object, its storage resized to nothing and
+back: ZeRO-2's buffers and parts) comes back at another address as often as
+not. A launch that can follow it (``launch.accepts_buffer_at(address)``: the
+Triton kernels, whose table holds every tensor's offset from the buffer,
+when the new address keeps the buffer's alignment) is re-pointed as for
+moved tensors, with the spans checked against the buffer's new bytes; any
+other launch is prepared afresh.
 
 **Address sets seen before.** Where the allocator's order repeats itself
 (gradients that swap addresses swap back at the next step) a moved call is
@@ -132,11 +141,16 @@ class Prepared:
 
     def matches(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets):
         """``(SAME, None)`` when a call with these arguments has exactly the
-        prepared layout, ``(MOVED, addresses)`` when only tensor addresses
-        differ, else ``(MISS, None)``."""
-        if self.buffer_ref() is not buffer or buffer.data_ptr() != self.buffer_ptr \
+        prepared layout, ``(MOVED, addresses)`` when only addresses differ
+        (the tensors', or the buffer's where the launch can follow it), else
+        ``(MISS, None)``."""
+        if self.buffer_ref() is not buffer \
                 or buffer.numel() != self.buffer_numel or buffer.dtype != self.buffer_dtype \
                 or buffer.stride() != self.buffer_stride:
+            return MISS, None
+        buffer_moved = buffer.data_ptr() != self.buffer_ptr
+        if buffer_moved and (self.nbytes is None
+                             or not hasattr(self.launch, "accepts_buffer_at")):
             return MISS, None
         try:
             if offsets is None or self.offsets is None:
@@ -155,37 +169,42 @@ class Prepared:
                 return MISS, None
         except (TypeError, RuntimeError, AttributeError):
             return MISS, None  # not a list of dense tensors: validation names the problem
-        return (SAME, None) if ptrs == self.ptrs else (MOVED, ptrs)
+        return (SAME, None) if ptrs == self.ptrs and not buffer_moved else (MOVED, ptrs)
 
-    def rebind(self, tensors: Sequence[torch.Tensor], ptrs: Sequence[int]) -> bool:
-        """Re-point the launch at moved tensors (``ptrs``, their addresses) if
-        the layout allows it and the tensors' bytes are clear of the buffer
-        (and, for outputs, of each other); whether it did. ``ptrs`` is a list
-        the caller hands over (``matches`` makes it): it is kept. The launch's
-        ``rebind(tensors, addresses)`` gets the addresses as an int64 array.
-        Addresses among the ``RECENT`` kept ones switch back to their binding."""
+    def rebind(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
+               ptrs: Sequence[int]) -> bool:
+        """Re-point the launch at moved tensors (``ptrs``, their addresses) and
+        ``buffer`` where it is now, if the layout allows it and the tensors'
+        bytes are clear of the buffer's (and, for outputs, of each other);
+        whether it did. ``ptrs`` is a list the caller hands over (``matches``
+        makes it): it is kept. The launch's ``rebind(tensors, addresses,
+        buffer_address)`` gets the addresses as an int64 array. Addresses
+        among the ``RECENT`` kept ones switch back to their binding."""
         if self.nbytes is None or len(ptrs) != len(self.nbytes):
             return False
         launch, recent = self.launch, self.recent
+        buffer_ptr = buffer.data_ptr()
+        if buffer_ptr != self.buffer_ptr and not launch.accepts_buffer_at(buffer_ptr):
+            return False
         if recent is not None:
-            for i, (seen, binding) in enumerate(recent):
-                if seen == ptrs:
+            for i, (seen_buffer, seen, binding) in enumerate(recent):
+                if seen_buffer == buffer_ptr and seen == ptrs:
                     launch.bind(binding)
-                    self.ptrs = seen
+                    self.ptrs, self.buffer_ptr = seen, buffer_ptr
                     if i:
                         recent.insert(0, recent.pop(i))
                     return True
-        buffer_end = self.buffer_ptr + self.buffer_numel * self.buffer_dtype.itemsize
+        buffer_end = buffer_ptr + self.buffer_numel * self.buffer_dtype.itemsize
         addresses = np.fromiter(ptrs, dtype=np.int64, count=len(ptrs))
-        if not spans_clear(addresses, self.nbytes, (self.buffer_ptr, buffer_end), self.outputs,
+        if not spans_clear(addresses, self.nbytes, (buffer_ptr, buffer_end), self.outputs,
                            self.live):
             return False
         if recent == []:
-            recent.append((self.ptrs, launch.binding()))
-        launch.rebind(tensors, addresses)
-        self.ptrs = ptrs
+            recent.append((self.buffer_ptr, self.ptrs, launch.binding()))
+        launch.rebind(tensors, addresses, buffer_ptr)
+        self.ptrs, self.buffer_ptr = ptrs, buffer_ptr
         if recent is not None:
-            recent.insert(0, (ptrs, launch.binding()))
+            recent.insert(0, (buffer_ptr, ptrs, launch.binding()))
             del recent[RECENT:]
         return True
 
@@ -247,7 +266,7 @@ class Cache:
                 "gradient_as_bucket_view=True, keeps every gradient at its address")
         if entry is None:
             return None
-        if found == MISS or (found == MOVED and not entry.rebind(tensors, ptrs)):
+        if found == MISS or (found == MOVED and not entry.rebind(buffer, tensors, ptrs)):
             return None
         try:
             self._entries.move_to_end(key)

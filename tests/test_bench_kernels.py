@@ -120,15 +120,17 @@ def test_every_method_computes_the_right_result(direction, dtype, scale):
         check(workload, scale, direction, name, fn())
 
 
-@pytest.mark.parametrize("address_sets", [1, 2, 8])
+@pytest.mark.parametrize("address_sets, buffer_sets", [(1, 1), (2, 1), (8, 1), (1, 8)])
 def test_the_host_rows_time_the_kept_launch_and_the_moved_ones_re_point_it(monkeypatch,
-                                                                          address_sets):
+                                                                          address_sets,
+                                                                          buffer_sets):
     from fusedreduce.bench import host_cost
     from fusedreduce.kernels import _prepared, triton_unavailable_reason
     if triton_unavailable_reason() is not None:
         pytest.skip(f"the host rows time the Triton path: {triton_unavailable_reason()}")
     tensors = [torch.ones(3, dtype=torch.float16), torch.ones(2, 2, dtype=torch.float16)]
     out = torch.zeros(7)
+    own = out.data_ptr()
     dsts = [torch.zeros_like(t) for t in tensors]
     assert host_cost.NEW_SETS == 8 > _prepared.RECENT  # the "new" row's sets are never kept
     repointed, prepared, checked = [], [], []
@@ -143,16 +145,18 @@ def test_the_host_rows_time_the_kept_launch_and_the_moved_ones_re_point_it(monke
     for direction in DIRECTIONS:
         repointed.clear(), prepared.clear(), checked.clear()
         samples = host_cost.time_host(tensors, out, dsts, direction, 0.5, calls=4,
-                                      address_sets=address_sets)
-        assert len(samples) == 4
+                                      address_sets=address_sets, buffer_sets=buffer_sets)
+        assert len(samples) == 4 and out.data_ptr() == own
         # one preparation; then every call of a moved row re-points it: two
         # sets in turn check their spans once (the second set's first call),
         # then switch between kept bindings; sets that are never kept check
-        # them at every call
+        # them at every call (and so does a buffer given other memory at every
+        # call: the launch follows it)
         calls = host_cost.WARMUP + 4
+        sets = max(address_sets, buffer_sets)
         assert len(prepared) == 1, direction
-        assert len(repointed) == (0 if address_sets == 1 else calls - 1), direction
-        assert len(checked) == {1: 0, 2: 1, 8: calls - 1}[address_sets], direction
+        assert len(repointed) == (0 if sets == 1 else calls - 1), direction
+        assert len(checked) == {1: 0, 2: 1, 8: calls - 1}[sets], direction
 
 
 def test_the_result_check_rejects_a_wrong_buffer():

@@ -30,6 +30,7 @@ def test_versus_revision_times_this_checkout_against_another_revision_in_one_run
                     and "elements" in line)
         assert "torch_foreach" in line and "HEAD" in line and "this checkout" in line
     assert "HEAD flatten:" in out and "this checkout unflatten:" in out
+    assert "HEAD flatten, buffer moved:" in out and "this checkout unflatten, buffer moved:" in out
     how = "compiled for sm_90" if "--launch" in extra else "the interpreter"
     assert f"host µs per steady-state call on the Triton path ({how}" in out
 

@@ -264,10 +264,12 @@ def _host_scale(scale) -> float:
     return scale.item()
 
 
-def _reads_tensors_at_launch(tensors, addresses) -> None:
+def _reads_tensors_at_launch(tensors, addresses, buffer_address) -> None:
     """``rebind`` of this backend's launches (``_prepared.py``): they keep views
     of the buffer only and take the tensors at each launch, so moved tensors
-    need nothing."""
+    need nothing. (A moved buffer never comes here: its kept views would
+    miss a buffer given other storage, so the launches do not offer
+    ``accepts_buffer_at``.)"""
 
 
 def _no_binding() -> None:

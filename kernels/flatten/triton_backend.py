@@ -382,14 +382,15 @@ class _Layout:
         self.kind_rows = slice(4 * n + first, 4 * n + first + count)
         self.kind_fixed = self.host_table[self.kind_rows] & ~np.int64(255 << 8)
 
-    def rebind(self, addresses: np.ndarray) -> None:
-        """Point the table at the call's tensors now at ``addresses`` (int64):
-        their rows'
-        aligned offsets and their remainders in ``kind`` (see ``build_table``);
-        every other column, and ``work``, depends on the layout alone. A new
-        device table, never the old one rewritten: launches queued before may
-        still read it."""
-        src = addresses - self.base_addr
+    def rebind(self, addresses: np.ndarray, flat_address: int) -> None:
+        """Point the table at the call's tensors now at ``addresses`` (int64),
+        their offsets taken from the flat buffer now at ``flat_address``:
+        their rows' aligned offsets and their remainders in ``kind`` (see
+        ``build_table``); every other column, and ``work``, depends on the
+        layout alone. A new device table, never the old one rewritten:
+        launches queued before may still read it."""
+        self.base_addr = flat_address
+        src = addresses - flat_address
         remainder = src & (ALIGN_BYTES - 1)  # two's complement: 0..15, as Python's %
         table = self.host_table.copy()
         table[self.address_rows] = src - remainder
@@ -397,14 +398,20 @@ class _Layout:
         self.host_table = table
         self.table = _to_device(table, self.table.device)
 
+    def accepts_flat_at(self, address: int) -> bool:
+        """Whether the flat buffer can move to ``address``: the table assumes
+        an aligned flat buffer (no ``UNALIGNED_FLAT`` bit)."""
+        return address % ALIGN_BYTES == 0
+
     def binding(self):
-        """The tables the launch reads now (see ``_prepared.Prepared.rebind``)."""
-        return self.host_table, self.table
+        """The tables the launch reads now and the flat buffer's address they
+        count from (see ``_prepared.Prepared.rebind``)."""
+        return self.host_table, self.table, self.base_addr
 
     def bind(self, binding) -> None:
         """Read the tables ``binding()`` returned again: neither is ever
         rewritten, so they still hold what they held."""
-        self.host_table, self.table = binding
+        self.host_table, self.table, self.base_addr = binding
 
     def base(self, tensors, flat):
         """The tensor of this call at the table's base address, as bytes."""
@@ -471,9 +478,12 @@ def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
 
 
 def _rebindable(launch: Callable, layout: _Layout) -> Callable:
-    """``launch``, with ``launch.rebind(tensors, ptrs)`` (see ``_prepared.py``)
-    when its layout's offsets all start from the flat buffer and nothing is staged."""
+    """``launch``, with ``launch.rebind(tensors, ptrs, flat_address)`` and
+    ``launch.accepts_buffer_at(address)`` (see ``_prepared.py``) when its
+    layout's offsets all start from the flat buffer and nothing is staged."""
     if layout.base_is_flat and not layout.staged_indices:
-        launch.rebind = lambda tensors, addresses: layout.rebind(addresses)
+        launch.rebind = lambda tensors, addresses, flat_address: layout.rebind(addresses,
+                                                                               flat_address)
+        launch.accepts_buffer_at = layout.accepts_flat_at
         launch.binding, launch.bind = layout.binding, layout.bind
     return launch
