@@ -632,6 +632,19 @@ def _placed(shape, dtype, pad):
                       device=device_mode.DEVICE())[pad:].view(shape)
 
 
+def _round_trip(backend, data, sources, targets, out, what):
+    """Flatten ``sources`` into ``out`` and back into ``targets`` at drawn
+    scales, each result checked bitwise against the reference."""
+    scale, back = data.draw(scales, "scale"), data.draw(scales, "scale back")
+    flatten_cast_scale(sources, out, scale=scale, backend=backend)
+    assert_same_bits(out, reference_flatten([on_cpu(t) for t in sources], out.dtype, scale,
+                                            None, out.numel()), f"{what}: out")
+    unflatten_cast_scale(out, targets, scale=back, backend=backend)
+    wants = reference_unflatten(on_cpu(out), [on_cpu(t) for t in targets], back, False, None)
+    for i, (t, want) in enumerate(zip(targets, wants)):
+        assert_same_bits(t, want, f"{what}: targets[{i}]")
+
+
 @pytest.mark.device_aware
 @given(data=st.data(),
        specs=st.lists(st.tuples(st.sampled_from([(0,), (1,), (7,), (3, 5), (2100,)]),
@@ -659,14 +672,7 @@ def test_moved_contiguous_tensors_are_re_pointed_and_stay_right(backend, data, s
                 sources[i] = _placed(shape, src, data.draw(pads, "pad"))
                 targets[i] = _placed(shape, dst, data.draw(pads, "pad"))
             sources[i].copy_(randn(shape, src, 1000 * step + i))
-        scale, back = data.draw(scales, "scale"), data.draw(scales, "scale back")
-        flatten_cast_scale(sources, out, scale=scale, backend=backend)
-        assert_same_bits(out, reference_flatten([on_cpu(t) for t in sources], flat_dtype,
-                                                scale, None, end), f"round {step}: out")
-        unflatten_cast_scale(out, targets, scale=back, backend=backend)
-        wants = reference_unflatten(on_cpu(out), [on_cpu(t) for t in targets], back, False, None)
-        for i, (t, want) in enumerate(zip(targets, wants)):
-            assert_same_bits(t, want, f"round {step}: targets[{i}]")
+        _round_trip(backend, data, sources, targets, out, f"round {step}")
         now = (kept_launch("flatten", backend, out), kept_launch("unflatten", backend, out))
         if launches is None:
             launches = now
@@ -772,14 +778,7 @@ def test_a_buffer_given_new_memory_is_followed_and_stays_right(backend, data, sp
                 targets = [_placed(t.shape, t.dtype, data.draw(pads, "pad")) for t in targets]
         for i, t in enumerate(sources):
             t.copy_(randn(t.shape, t.dtype, 1000 * step + i))
-        scale, back = data.draw(scales, "scale"), data.draw(scales, "scale back")
-        flatten_cast_scale(sources, out, scale=scale, backend=backend)
-        assert_same_bits(out, reference_flatten([on_cpu(t) for t in sources], flat_dtype,
-                                                scale, None, end), f"round {step}: out")
-        unflatten_cast_scale(out, targets, scale=back, backend=backend)
-        wants = reference_unflatten(on_cpu(out), [on_cpu(t) for t in targets], back, False, None)
-        for i, (t, want) in enumerate(zip(targets, wants)):
-            assert_same_bits(t, want, f"round {step}: targets[{i}]")
+        _round_trip(backend, data, sources, targets, out, f"round {step}")
         now = (kept_launch("flatten", backend, out), kept_launch("unflatten", backend, out))
         # (an empty buffer has no memory to move; a launch prepared for an
         # unaligned buffer counts from one of the tensors, and cannot follow it)
