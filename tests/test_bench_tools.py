@@ -36,6 +36,29 @@ def test_versus_revision_times_this_checkout_against_another_revision_in_one_run
 
 
 @pytest.mark.timeout(TIMEOUT)
+def test_host_parts_times_each_part_of_a_steady_state_call(tmp_path):
+    # on the CPU: compiled for sm_90, a launcher that does nothing
+    import json
+    from fusedreduce.bench import host_parts
+    from fusedreduce.kernels import triton_unavailable_reason
+    if triton_unavailable_reason() is not None:
+        pytest.skip(f"host_parts times the Triton path: {triton_unavailable_reason()}")
+    out = tmp_path / "parts.json"
+    process = subprocess.run(
+        [sys.executable, "-m", "fusedreduce.bench.host_parts", "--size", "100K", "--calls", "20",
+         "--blocks", "2", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+        timeout=TIMEOUT)
+    assert process.returncode == 0, process.stderr
+    figures = json.loads(out.read_text())["us"]
+    for direction in ("flatten", "unflatten"):
+        parts = figures[direction]
+        assert list(parts) == list(host_parts.PARTS), direction
+        assert all(us > 0 for us in parts.values()), parts
+    for part in host_parts.PARTS:
+        assert any(line.startswith(part) for line in process.stdout.splitlines()), part
+
+
+@pytest.mark.timeout(TIMEOUT)
 def test_bucket_view_memory_reports_every_method():
     process = subprocess.run(
         [sys.executable, "-m", "fusedreduce.bench.bucket_view_memory", "--size", "30K",
