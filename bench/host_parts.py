@@ -28,8 +28,9 @@ import argparse
 import json
 import os
 import statistics
-import time
 from typing import Callable, Dict, List
+
+from . import host_cost
 
 #: the parts, in the order a call runs them (the whole call first)
 PARTS = ("whole call", "recognising the layout", "the kept launch", "the compiled launcher",
@@ -99,18 +100,12 @@ def part_calls(direction: str, grads, out, dsts, scale: float) -> Dict[str, Call
 
 def time_parts(parts: Dict[str, Callable], calls: int, blocks: int,
                sync: Callable[[], None]) -> Dict[str, float]:
-    """Median µs per call of each part, timed in alternating blocks."""
+    """Median µs per call of each part, timed in alternating blocks (each
+    block after ``host_cost``'s few warm-up calls)."""
     samples: Dict[str, List[float]] = {name: [] for name in parts}
-    for fn in parts.values():  # warm-up
-        for _ in range(5):
-            fn()
-    sync()
     for _ in range(blocks):
         for name, fn in parts.items():
-            for _ in range(calls):
-                start = time.perf_counter()
-                fn()
-                samples[name].append((time.perf_counter() - start) * 1e6)
+            samples[name].extend(ms * 1e3 for ms in host_cost._time_calls(fn, calls))
             sync()
     return {name: statistics.median(s) for name, s in samples.items()}
 

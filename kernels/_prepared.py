@@ -10,9 +10,9 @@ A later call is recognised by its *signature*: for every tensor its address,
 element count (its shape, for the torch fallback), dtype and whether it is
 contiguous (and a non-contiguous one's shape and strides), plus the buffer
 (the same Python object, still at the same address, size and dtype; see
-"A moved buffer" below) and the offsets. That is exactly what the results and the checks depend on, so a
-call whose signature equals the kept one runs the kept launch without
-re-validating, and any other call — a tensor moved, resized, re-typed or made
+"A moved buffer" below) and the offsets. That is exactly what the results
+and the checks depend on, so a call whose signature equals the kept one runs
+the kept launch without re-validating, and any other call — a tensor moved, resized, re-typed or made
 non-contiguous, another buffer — is validated and prepared afresh. Reading
 the signature is the only per-tensor Python work of a steady-state call: one
 C-level ``map`` pass for the addresses and, for the rest, one call of a
