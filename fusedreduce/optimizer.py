@@ -36,6 +36,7 @@ from .sharded_checkpoint import (ShardSource, check_shapes, make_piece, pieces_b
                                  read_shards, sharded_state, state_over, whole_state_dict)
 from .sharded_optimizer import (ShardedGradReducer, ShardedParameters, check_master_dtype,
                                 check_shardable, master_dtype_of)
+from .torch_clip import track as track_torch_clip
 
 
 def _instance_of_both(wrapper: type, optimizer) -> object:
@@ -90,7 +91,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     parameters it owns wholly, 1-D slices for those a part boundary cuts.
     ``state_dict()`` is then collective and returns the whole, unsharded
     state; ``sharded_state_dict()`` gives this rank's part alone, for one
-    checkpoint file per rank that loads at any world size. Only optimizers whose step is elementwise can be sharded (see
+    checkpoint file per rank that loads at any world size.
+    ``torch.nn.utils.clip_grad_norm_`` left in the loop takes the whole
+    gradient's norm from the shares (collective; torch >= 2.6, see
+    docs/guides/clipping.md), as ``clip_grad_norm_()`` and ``max_grad_norm``
+    do. Only optimizers whose step is elementwise can be sharded (see
     ``assume_elementwise``). On gloo the reduce-scatter is an all-reduce whose
     part is kept (gloo's own reduce-scatter all-reduces inside, slower).
     ``shard_gradients=True`` shards the gradients too (ZeRO-2): each
@@ -305,6 +310,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if shard:
             # masters are taken from the broadcast parameters
             self._take_shards(self.state)
+            if world_size > 1:
+                # torch's clip_grad_norm_ left in the loop: the whole gradient's norm
+                track_torch_clip(self)
 
     @property
     def grad_norm(self) -> Optional[torch.Tensor]:
