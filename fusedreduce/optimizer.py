@@ -163,8 +163,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             pass that writes them back (``DistributedGradReducer``'s
             option; with ``shard=True`` the norm of every rank's part and one
             small all-reduce). ``grad_norm`` then holds the total norm before
-            clipping. None (default): no clipping; ``math.inf``: the norm
-            measured into ``grad_norm``, the gradients unchanged.
+            clipping (fp32, or fp64 when a parameter is fp64, as torch's).
+            None (default): no clipping; ``math.inf``: the norm measured into
+            ``grad_norm``, the gradients unchanged.
         norm_type: the clipping norm's order (``math.inf`` or ``'inf'``: the max
             norm), positive: ``clipping.check_norm_type``.
         error_if_nonfinite: raise from the backward pass if the total norm is
@@ -317,9 +318,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def grad_norm(self) -> Optional[torch.Tensor]:
         """With ``max_grad_norm``: the total norm of the gradients the last
-        reducing backward produced, before clipping (0-d fp32 on their
-        device, the same bits on every rank, as ``clip_grad_norm_`` returns
-        it); None before the first one, or without clipping."""
+        reducing backward produced, before clipping (0-d on their device,
+        fp32, or fp64 when a parameter is fp64, the same bits on every rank,
+        as ``clip_grad_norm_`` returns it: ``clipping.norm_dtype_of``); None
+        before the first one, or without clipping."""
         return self.reducer.grad_norm
 
     @property
@@ -532,7 +534,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         each rank holds its share: the norm is taken over the shares and
         combined with one scalar all-reduce (collective: every rank calls
         it), so it is the whole gradient's norm, bitwise the same on every
-        rank, and each share is scaled by the same coefficient.
+        rank, and each share is scaled by the same coefficient. Each share's
+        norm is taken in its dtype, as torch takes each gradient's, and they
+        are combined in fp64; the norm and the coefficient are fp32, or fp64
+        when a parameter is fp64, as torch's.
 
         ``norm_type`` may be ``'inf'``, as torch's; orders of 0 and below are
         refused (see ``clipping.check_norm_type``). ``foreach`` goes to
@@ -540,7 +545,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         with one foreach multiply.
 
         Returns:
-            The total norm (a 0-d tensor, as torch's).
+            The total norm (a 0-d tensor, as torch's; 0 with no gradients).
 
         Raises:
             TypeError: ``max_norm`` or ``norm_type`` is not a number (or

@@ -26,7 +26,7 @@ from .allreduce import (PendingBucket, finish_bucket, start_all_reduce, start_bu
 from .bucket_views import BucketViews
 from .buckets import BucketPlan, storage_bytes
 from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers, clip_scales,
-                       norm_split_for, raise_if_nonfinite)
+                       norm_dtype_of, norm_split_for, raise_if_nonfinite, warn_if_exhausted)
 from .overlap import BackwardOverlap
 from .precision import communication_dtype, split_scale
 from .process_group import backend_to_compare, require_process_group, verify_same_on_all_ranks
@@ -63,9 +63,13 @@ class DistributedGradReducer:
             ``torch.nn.utils.clip_grad_norm_`` would, in the pass that writes
             them back (``fusedreduce.clipping``): the norm comes from the
             reduced flat buffers and the coefficient stays on the device.
-            ``grad_norm`` then holds the total norm before clipping (0-d
-            fp32), the same bits on every rank. None (default): no clipping;
-            ``math.inf``: the norm measured, the gradients unchanged (bitwise).
+            ``grad_norm`` then holds the total norm before clipping (0-d,
+            fp32, or fp64 when a gradient is fp64: ``clipping.norm_dtype_of``;
+            0 where there are no gradients, as torch's), the same bits on
+            every rank. None (default): no clipping; ``math.inf``: the norm
+            measured, the gradients unchanged (bitwise). An empty generator
+            of parameters (an exhausted ``model.parameters()``) warns, as
+            torch's ``clip_grad_norm_`` does.
         norm_type: the norm's order (``math.inf`` or ``'inf'``: the max
             norm), positive: ``clipping.check_norm_type``.
         error_if_nonfinite: raise if the total norm is inf or NaN (reads it on
@@ -114,10 +118,16 @@ class DistributedGradReducer:
         self.parameters: List[torch.Tensor] = tensor_list(parameters, "parameters")
         self.max_grad_norm, self.norm_type = check_clipping(max_grad_norm, norm_type,
                                                             error_if_nonfinite)
+        if self.max_grad_norm is not None:
+            warn_if_exhausted(parameters, self.parameters)
         check_split_norm(split_norm)
         self.error_if_nonfinite = error_if_nonfinite
+        # the norm's dtype, as torch's stack of per-dtype norms promotes it
+        self._norm_dtype = norm_dtype_of(p.dtype for p in self.parameters
+                                         if isinstance(p, torch.Tensor))
         #: the total norm of the last reduced gradients, before clipping
-        #: (with ``max_grad_norm``): a 0-d fp32 tensor on their device
+        #: (with ``max_grad_norm``): a 0-d tensor on their device, fp32 or
+        #: fp64 (``clipping.norm_dtype_of`` the parameters' dtypes)
         self.grad_norm: Optional[torch.Tensor] = None
         #: with ``max_grad_norm`` under a GradScaler: the scale the gradients
         #: carry (a number, or a one-element tensor on their device, read
@@ -349,11 +359,18 @@ class DistributedGradReducer:
         for p in pending:
             wait_for(p)
         if not pending:
+            self._no_gradients()
             return []
         return self._kept_norm(clip_buffers(
             [p.flat[:p.bucket.size] for p in pending], self._postscales_of(pending),
             self.max_grad_norm, self.norm_type, self.loss_scale, backend=self.backend,
-            split=self.norm_split))
+            split=self.norm_split, norm_dtype=self._norm_dtype))
+
+    def _no_gradients(self) -> None:
+        """A reduction of no gradients (no parameters, or none produced one):
+        ``grad_norm`` is 0, as torch's ``clip_grad_norm_`` of no gradients."""
+        device = self.parameters[0].device if self.parameters else torch.device("cpu")
+        self.grad_norm = torch.zeros((), dtype=self._norm_dtype, device=device)
 
     def _postscales_of(self, pending: Sequence[PendingBucket]) -> List[float]:
         return [self._scales[p.bucket.index][1] for p in pending]
@@ -363,7 +380,8 @@ class DistributedGradReducer:
         (``clipping.norm_powers``, a float64 vector), already computed."""
         return self._kept_norm(clip_scales(powers, self._postscales_of(pending),
                                            self.max_grad_norm, self.norm_type,
-                                           self.loss_scale, backend=self.backend))
+                                           self.loss_scale, backend=self.backend,
+                                           norm_dtype=self._norm_dtype))
 
     def _kept_norm(self, clipped) -> List:
         """The scales of ``clipped`` (``(total_norm, scales)``), its norm kept

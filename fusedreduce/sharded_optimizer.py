@@ -36,7 +36,7 @@ from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_
                      adasum_tree_share)
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
 from .buckets import Bucket, BucketPlan
-from .clipping import max_over_ranks, norm_powers
+from .clipping import max_over_ranks, norm_dtype_of, norm_powers
 from .process_group import comm_device
 from .reducer import DistributedGradReducer
 from .sharded import (PartRange, _all_gather, broadcast_slots, ranges_between,
@@ -885,25 +885,29 @@ class ShardedParameters:
 
     def grad_norm(self, norm_type: float) -> torch.Tensor:
         """The norm of order ``norm_type`` of the whole reduced gradient, from
-        this rank's owned slices and one scalar all-reduce (fp32 on the
-        gradients' device; the same bits on every rank)."""
+        this rank's owned slices and one scalar all-reduce, on the gradients'
+        device, the same bits on every rank: fp32, or fp64 when a parameter
+        is fp64 (``clipping.norm_dtype_of``, as torch's ``clip_grad_norm_``)."""
         slices = [_slice_of(s.param.grad, s) for s in self.by_param.values()
                   if s.param.grad is not None]
         device = self.params[0].device if self.params else torch.device("cpu")
-        if slices:
-            norms = torch._foreach_norm(slices, norm_type)
-            local = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
-        else:
-            local = torch.zeros((), dtype=torch.float32, device=device)
+        # every rank's parameters, not its slices: the ranks agree on the dtype
+        dtype = norm_dtype_of(p.dtype for p in self.params)
+        # each slice's norm in its dtype, as torch takes each gradient's (its
+        # fast path for p = 2 on a CPU); the rest in fp64: fp32 p-th powers
+        # overflow from |x| ~ 1.8e19 for p = 2 (torch's 2e22 row)
+        norms = torch.stack([n.double() for n in torch._foreach_norm(slices, norm_type)]) \
+            if slices else torch.zeros(1, dtype=torch.float64, device=device)
         if norm_type == math.inf:
+            local = norms.max()  # NaN propagates
             if self.world_size > 1:
                 local = max_over_ranks(local, self.group, self.world_size)
-            return local
+            return local.to(dtype)
         # sums of p-th powers add across the ranks; the root is taken once
-        power = local.double() ** norm_type
+        power = norms.pow(norm_type).sum()
         if self.world_size > 1:
             dist.all_reduce(power, group=self.group)
-        return (power ** (1.0 / norm_type)).float()
+        return power.pow(1.0 / norm_type).to(dtype)
 
     # ------------------------------------------------------------- state
     def take_state(self, state: Dict[torch.Tensor, dict]) -> Dict[torch.Tensor, dict]:
