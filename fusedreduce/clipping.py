@@ -32,6 +32,7 @@ and writes them back with one unflatten launch per bucket anyway, so here:
 from __future__ import annotations
 
 import math
+import sys
 import types
 import warnings
 from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple
@@ -56,7 +57,8 @@ __all__ = ["EMPTY_GENERATOR", "NORM_ROW", "NormSplit", "SPLIT_NORM_MIN_SPARED",
            "check_clipping", "check_error_if_nonfinite", "check_limit", "check_norm_type",
            "check_split_norm", "clip_buffers", "clip_scales", "clip_shared", "norm_dtype_of",
            "norm_powers", "max_over_ranks", "norm_split_for", "raise_if_nonfinite",
-           "share_norm", "warn_if_exhausted"]
+           "share_norm", "stepping_grad_scaler", "warn_if_exhausted",
+           "refuse_scaled_clip"]
 
 
 class NormSplit(NamedTuple):
@@ -290,3 +292,41 @@ def raise_if_nonfinite(total: torch.Tensor, norm_type: float) -> None:
             f"it cannot be clipped; the gradients were not written back. Pass "
             f"error_if_nonfinite=False to clip anyway (they become NaN or zero, and a "
             f"GradScaler skips the step)")
+
+
+def stepping_grad_scaler(frames: int = 4) -> Optional["torch.amp.GradScaler"]:
+    """The ``torch.amp.GradScaler`` whose ``step()`` called the caller of the
+    function that calls this, if any: ``scaler.step(opt)`` reaches
+    ``opt.step()`` through its ``_maybe_opt_step`` (and torch's step
+    wrapper), a few frames up. Reads frames only: no sync, nothing changed."""
+    frame = sys._getframe(2)
+    for _ in range(frames):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.amp.GradScaler):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def refuse_scaled_clip(scaler: Optional["torch.amp.GradScaler"], max_grad_norm: Optional[float],
+                       loss_scale, owner: str) -> None:
+    """Raise where a finite ``max_grad_norm`` clipped gradients that ``scaler``
+    scaled without being told the scale (``loss_scale`` None): the limit then
+    applied to the scaled norm, so every step would be the scale times too
+    small, silently. Reads the scaler's scale once (one host sync)."""
+    if scaler is None or loss_scale is not None or max_grad_norm is None or \
+            math.isinf(max_grad_norm) or not scaler.is_enabled():
+        return
+    scale = scaler.get_scale()
+    if scale == 1.0:
+        return
+    raise RuntimeError(
+        f"{owner}(max_grad_norm={max_grad_norm}) is stepped by a GradScaler (scale {scale:g}) "
+        f"but its loss_scale is not set: the gradients were clipped while scaled, so the limit "
+        f"applied to the scaled norm and the step would be {scale:g} times too small. Set "
+        f"optimizer.loss_scale = scaler.scale(torch.ones((), device=...)) before each "
+        f"backward (the gradients stay scaled for scaler.step), or leave max_grad_norm out "
+        f"and call scaler.unscale_(optimizer) then optimizer.clip_grad_norm_(...); nothing "
+        f"was stepped")

@@ -29,7 +29,8 @@ from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
 from .broadcast import broadcast_tensors
 from .buckets import storage_bytes
 from .clipping import (check_clipping, check_error_if_nonfinite, check_limit,
-                       check_norm_type, check_split_norm)
+                       check_norm_type, check_split_norm, refuse_scaled_clip,
+                       stepping_grad_scaler)
 from .process_group import require_process_group, verify_same_on_all_ranks
 from .reducer import DistributedGradReducer
 from .sharded_checkpoint import (ShardSource, check_shapes, make_piece, pieces_by_index,
@@ -294,6 +295,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.overlap_param_gather = bool(overlap_param_gather)
         self._trainable = self._trainable_now()
         self._steps = 0
+        # a finite clip under a GradScaler needs loss_scale: looked at (the
+        # calling frames) until the first step on reduced gradients
+        self._scaler_unchecked = max_grad_norm is not None and max_grad_norm != float("inf")
         self.sharded: Optional[ShardedParameters] = None
         # the reducer checks the parameters (before any collective)
         self.reducer = self._sharded_reducer() if shard else self._hooked_reducer()
@@ -629,7 +633,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 accumulated (``backward_passes_per_step`` > 1, or ``no_sync()``);
                 or parameters were frozen or unfrozen between the backward
                 passes of one step; ``bcast_period`` > 0 during CUDA graph
-                capture (see docs/guides/cuda-graphs.md).
+                capture (see docs/guides/cuda-graphs.md); a finite
+                ``max_grad_norm`` without ``loss_scale``, stepped by an
+                enabled ``GradScaler`` whose scale is not 1 (checked at the
+                first step: the gradients were clipped while scaled, so the
+                limit applied to the scaled norm); nothing is stepped.
 
         Examples:
             >>> def closure():                                   # doctest: +SKIP
@@ -646,6 +654,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"choice)",
                     "pass bcast_period=0 or -1, and call broadcast_parameters() between "
                     "replays when the replicas should be re-synchronised")
+        if self._scaler_unchecked and self.reducer.reduced:
+            self._scaler_unchecked = False
+            refuse_scaled_clip(stepping_grad_scaler(), self.reducer.max_grad_norm,
+                               self.reducer.loss_scale, "DistributedOptimizer")
         self._follow_requires_grad()
         if closure is None and not self.reducer.reduced and self._initialising_state():
             self._initialise_state()

@@ -11,8 +11,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from harness import ROOT
+import fusedreduce
+from harness import ROOT, run_ranks
 
 GPT = "examples/train_gpt.py"
 #: how far a way whose clipping norm is summed in another order may drift from
@@ -68,3 +70,43 @@ def test_the_gpt_loop_with_the_fused_clip_trains_as_ddp(tmp_path):
     for way in ("optimizer", "sharded", "zero2"):
         assert runs[way]["clip"] == "fused"
         _assert_trains_as(runs[way], runs["ddp"], table)
+
+
+def _scaled_clipped_step(rank, world_size, tell_loss_scale, max_grad_norm):
+    """One GradScaler step of a clipped DistributedOptimizer; what happened."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = fusedreduce.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                 max_grad_norm=max_grad_norm)
+    scaler = torch.amp.GradScaler("cpu")
+    if tell_loss_scale:
+        optimizer.loss_scale = scaler.scale(torch.ones(()))
+    scaler.scale(model(torch.randn(3, 4, generator=torch.Generator().manual_seed(rank)))
+                 .sum()).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        scaler.step(optimizer)
+    except RuntimeError as exc:
+        return "raised", str(exc), all(map(torch.equal, before, model.parameters()))
+    return "stepped", "", all(map(torch.equal, before, model.parameters()))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_fused_clip_under_a_gradscaler_without_loss_scale_is_refused_at_the_first_step(
+        world_size):
+    # the scripts' smallest change: torch's clip line replaced by max_grad_norm=,
+    # the GradScaler kept; the clip saw the scaled norm, so the step would be
+    # 65536 times too small
+    for outcome, message, unchanged in run_ranks(_scaled_clipped_step, world_size, False, 0.5):
+        assert outcome == "raised" and unchanged, (outcome, message)
+        assert "loss_scale is not set" in message and "scale 65536" in message
+        assert "optimizer.loss_scale = scaler.scale(" in message
+
+
+@pytest.mark.parametrize("tell_loss_scale, max_grad_norm", [(True, 0.5), (False, None),
+                                                            (False, float("inf"))])
+def test_a_gradscaler_step_goes_on_with_loss_scale_set_or_without_a_finite_clip(
+        tell_loss_scale, max_grad_norm):
+    for outcome, message, unchanged in run_ranks(_scaled_clipped_step, 2, tell_loss_scale,
+                                                 max_grad_norm):
+        assert outcome == "stepped" and not unchanged, message
