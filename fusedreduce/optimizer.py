@@ -30,7 +30,7 @@ from .broadcast import broadcast_tensors
 from .buckets import storage_bytes
 from .clipping import (check_clipping, check_error_if_nonfinite, check_limit,
                        check_norm_type, check_split_norm)
-from .process_group import require_process_group, verify_same_on_all_ranks
+from .process_group import require_process_group, value_checksums, verify_same_on_all_ranks
 from .reducer import DistributedGradReducer
 from .sharded_checkpoint import (ShardSource, check_shapes, make_piece, pieces_by_index,
                                  read_shards, sharded_state, state_over, whole_state_dict)
@@ -108,7 +108,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         group: the process group; default: the world.
         bcast_period: ``0``: broadcast the parameters from rank 0 of ``group``
             (a group rank) once, now; ``k > 0``: also every ``k`` steps
-            (restores diverged replicas); ``-1``: never.
+            (restores diverged replicas); ``-1``: never: the parameters must
+            then be equal already, which this constructor checks (a checksum
+            in the rank check it makes anyway) and raises on every rank if
+            not.
         param_pack: fuse gradients into buckets (``False``: one all-reduce per
             gradient).
         param_pack_thd: the byte cap of a fused bucket.
@@ -188,10 +191,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``shard``, ``shard_gradients`` or ``find_unused_parameters`` is
             not a bool; ``master_dtype`` is not a floating dtype.
         RuntimeError: torch.distributed is not initialised; the ranks of
-            ``group`` pass different ``bcast_period`` values (raised on every
-            rank, before any broadcast; the other options are compared at the
-            first reducing backward, before any gradient is written), or
-            different parameter shapes to the first broadcast.
+            ``group`` pass different ``bcast_period`` values, parameter
+            shapes, or (with ``bcast_period=-1``) parameter values (raised on
+            every rank, before any broadcast; the other options are compared
+            at the first reducing backward, before any gradient is written).
 
     Examples:
         >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # doctest: +SKIP
@@ -259,6 +262,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         max_grad_norm, norm_type = check_clipping(max_grad_norm, norm_type, error_if_nonfinite)
         check_split_norm(split_norm)
         world_size = require_process_group(group)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
         if reduce_method == "adasum":
             # checked here too, before the optimizer's state is taken over
             check_local_size(local_size, world_size)
@@ -270,10 +274,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         # param_pack=False: a one-byte cap puts every gradient in its own bucket
         cap_bytes = param_pack_thd if param_pack else 1
+        # the replicas are made equal here (broadcast), or checked here
+        # (bcast_period=-1): the reducers need not check them again
         self._reducer_args = dict(group=group, bucket_cap_mb=cap_bytes / 2 ** 20,
                                   reduce_dtype=reduce_dtype, max_grad_norm=max_grad_norm,
                                   norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
-                                  split_norm=split_norm)
+                                  split_norm=split_norm, initial_parameters="unchecked")
         if reduce_method == "adasum":
             self._reducer_class = AdaSumReducer
             self._reducer_args["local_size"] = local_size
@@ -295,8 +301,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if world_size > 1:
                 # before the first broadcast: a rank that skips it (-1), or
                 # broadcasts at other steps, would leave the others waiting in
-                # a collective it never starts
-                verify_same_on_all_ranks([], [], group, options=[("bcast_period", bcast_period)])
+                # a collective it never starts. Without a broadcast the
+                # replicas must be equal already: their checksums ride in the
+                # same all-reduce
+                verify_same_on_all_ranks(
+                    [(tuple(p.shape), str(p.dtype)) for p in params],
+                    [f"parameters[{i}] {tuple(p.shape)} {p.dtype}" for i, p in enumerate(params)],
+                    group, what="tensor", options=[("bcast_period", bcast_period)],
+                    values=value_checksums(params) if bcast_period == -1 else (),
+                    values_remedy="bcast_period=-1 skips the broadcast that makes the replicas "
+                                  "equal: pass bcast_period=0 (the default), or copy rank 0's "
+                                  "parameters first (fusedreduce.parameter_broadcast(model))")
             if bcast_period != -1:
                 self.broadcast_parameters()
         except Exception:
