@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -26,12 +26,12 @@ from ._checks import check_instance, check_int
 from .kernels._checks import refuse_in_capture
 from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
                      check_local_size)
-from .broadcast import broadcast_tensors
+from .broadcast import PackedBroadcast, broadcast_tensors
 from .buckets import storage_bytes
 from .clipping import (check_clipping, check_error_if_nonfinite, check_limit,
                        check_norm_type, check_split_norm, refuse_scaled_clip,
                        stepping_grad_scaler)
-from .process_group import require_process_group, verify_same_on_all_ranks
+from .process_group import require_process_group, value_checksums, verify_same_on_all_ranks
 from .reducer import DistributedGradReducer
 from .sharded_checkpoint import (ShardSource, check_shapes, make_piece, pieces_by_index,
                                  read_shards, sharded_state, state_over, whole_state_dict)
@@ -112,9 +112,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             AdaSum's tree during backward, bitwise ``adasum_allreduce`` of the
             gradients (per-parameter coefficients).
         group: the process group; default: the world.
-        bcast_period: ``0``: broadcast the parameters from rank 0 of ``group``
-            (a group rank) once, now; ``k > 0``: also every ``k`` steps
-            (restores diverged replicas); ``-1``: never.
+        bcast_period: ``0``: broadcast the parameters (and ``buffers``) from
+            rank 0 of ``group`` (a group rank) once, now; ``k > 0``: the
+            parameters also every ``k`` steps (restores diverged replicas);
+            ``-1``: never, neither parameters nor buffers: the parameters
+            must then be equal already, which this constructor checks (a
+            checksum in the rank check it makes anyway) and raises on every
+            rank if not. ``buffers`` are broadcast after every step unless
+            ``-1``.
         param_pack: fuse gradients into buckets (``False``: one all-reduce per
             gradient).
         param_pack_thd: the byte cap of a fused bucket.
@@ -182,6 +187,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             a rank contributes zeros and gets a zero ``.grad`` (the optimizer
             then steps it: weight decay, momentum), with a warning the first
             time.
+        buffers: tensors to keep equal to group rank 0's, as DDP's
+            ``broadcast_buffers=True`` does: ``model.buffers()`` (BatchNorm's
+            running statistics, which each rank's forward updates from its
+            own batch). Broadcast now and after every ``step()`` (all of
+            them packed into one broadcast, bitwise; ``broadcast_buffers()``
+            does it on demand), unless ``bcast_period`` is -1. The
+            optimizer never sees the module, so the default ``None`` keeps
+            none in sync: each rank's statistics stay its own.
 
     Raises:
         ValueError: ``reduce_method`` is not "sum", "mean" or "adasum"; a bad
@@ -190,15 +203,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             world size; a 16-bit ``reduce_dtype`` with AdaSum; ``shard=True``
             with an optimizer not known to be elementwise (LBFGS, ...) unless
             ``assume_elementwise``, or with ``gradient_as_bucket_view``;
-            ``overlap_param_gather`` or ``shard_gradients`` without ``shard``.
+            ``overlap_param_gather`` or ``shard_gradients`` without ``shard``;
+            a tensor twice in ``buffers``, or one of the parameters there.
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``;
             ``shard``, ``shard_gradients`` or ``find_unused_parameters`` is
-            not a bool; ``master_dtype`` is not a floating dtype.
+            not a bool; ``master_dtype`` is not a floating dtype;
+            ``buffers`` is not an iterable of dense tensors (a module, say).
         RuntimeError: torch.distributed is not initialised; the ranks of
-            ``group`` pass different ``bcast_period`` values (raised on every
-            rank, before any broadcast; the other options are compared at the
-            first reducing backward, before any gradient is written), or
-            different parameter shapes to the first broadcast.
+            ``group`` pass different ``bcast_period`` values, parameter or
+            ``buffers`` shapes, or (with ``bcast_period=-1``) parameter
+            values (raised on every rank, before any broadcast; the other
+            options are compared at the first reducing backward, before any
+            gradient is written).
 
     Examples:
         >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # doctest: +SKIP
@@ -206,6 +222,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         >>> zero = DistributedOptimizer(torch.optim.AdamW(model.parameters()), shard=True)  # doctest: +SKIP
         >>> zero2 = DistributedOptimizer(torch.optim.AdamW(model.parameters()), shard=True,
         ...                              shard_gradients=True)  # doctest: +SKIP
+        >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                            buffers=model.buffers())  # doctest: +SKIP
     """
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args, **kwargs):
@@ -234,6 +252,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         error_if_nonfinite: bool = False,
         find_unused_parameters: bool = True,
         split_norm: Optional[bool] = None,
+        buffers: Optional[Iterable[torch.Tensor]] = None,
     ) -> None:
         if not isinstance(shard, bool):
             raise TypeError(f"shard must be True or False, got {shard!r}")
@@ -266,6 +285,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         max_grad_norm, norm_type = check_clipping(max_grad_norm, norm_type, error_if_nonfinite)
         check_split_norm(split_norm)
         world_size = require_process_group(group)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        buffer_sync = self._buffer_sync_of(buffers, params, group)
         if reduce_method == "adasum":
             # checked here too, before the optimizer's state is taken over
             check_local_size(local_size, world_size)
@@ -277,10 +298,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         # param_pack=False: a one-byte cap puts every gradient in its own bucket
         cap_bytes = param_pack_thd if param_pack else 1
+        # the replicas are made equal here (broadcast), or checked here
+        # (bcast_period=-1): the reducers need not check them again
         self._reducer_args = dict(group=group, bucket_cap_mb=cap_bytes / 2 ** 20,
                                   reduce_dtype=reduce_dtype, max_grad_norm=max_grad_norm,
                                   norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
-                                  split_norm=split_norm)
+                                  split_norm=split_norm, initial_parameters="unchecked")
         if reduce_method == "adasum":
             self._reducer_class = AdaSumReducer
             self._reducer_args["local_size"] = local_size
@@ -299,16 +322,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # calling frames) until the first step on reduced gradients
         self._scaler_unchecked = max_grad_norm is not None and max_grad_norm != float("inf")
         self.sharded: Optional[ShardedParameters] = None
+        self._buffer_sync = buffer_sync
         # the reducer checks the parameters (before any collective)
         self.reducer = self._sharded_reducer() if shard else self._hooked_reducer()
         try:
             if world_size > 1:
                 # before the first broadcast: a rank that skips it (-1), or
-                # broadcasts at other steps, would leave the others waiting in
-                # a collective it never starts
-                verify_same_on_all_ranks([], [], group, options=[("bcast_period", bcast_period)])
+                # broadcasts at other steps or other buffers, would leave the
+                # others waiting in a collective it never starts. Without a
+                # broadcast the replicas must be equal already: their
+                # checksums ride in the same all-reduce
+                names = [f"parameters[{i}] {tuple(p.shape)} {p.dtype}"
+                         for i, p in enumerate(params)]
+                verify_same_on_all_ranks(
+                    [(tuple(p.shape), str(p.dtype)) for p in params] + buffer_sync.description(),
+                    names + buffer_sync.names(), group, what="tensor",
+                    options=[("bcast_period", bcast_period)],
+                    values=value_checksums(params) if bcast_period == -1 else (),
+                    values_remedy="bcast_period=-1 skips the broadcast that makes the replicas "
+                                  "equal: pass bcast_period=0 (the default), or copy rank 0's "
+                                  "parameters first (fusedreduce.parameter_broadcast(model))")
             if bcast_period != -1:
                 self.broadcast_parameters()
+                self.broadcast_buffers()
         except Exception:
             self.reducer.remove_hooks()  # the caller's parameters keep no hook of ours
             raise
@@ -496,6 +532,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p, g in zip(unseen, grads):
                 p.grad = g
 
+    @staticmethod
+    def _buffer_sync_of(buffers, params, group) -> PackedBroadcast:
+        """The broadcast that keeps ``buffers`` equal to group rank 0's
+        (checked: a module, a non-tensor, a tensor twice or a parameter are
+        refused before anything is taken over)."""
+        if buffers is None:
+            buffers = ()
+        elif isinstance(buffers, torch.nn.Module):
+            raise TypeError("buffers must be an iterable of tensors, got a "
+                            f"{type(buffers).__name__} module: pass model.buffers()")
+        sync = PackedBroadcast(buffers, 0, group=group, name="buffers")
+        trained = {id(p) for p in params}
+        for i, b in enumerate(sync.tensors):
+            if id(b) in trained:
+                raise ValueError(f"buffers[{i}] is one of the optimizer's parameters: pass "
+                                 f"model.buffers(), which the parameters are not part of")
+        return sync
+
+    def broadcast_buffers(self) -> None:
+        """Copy the ``buffers`` of rank 0 of the optimizer's group to every
+        rank of it (one fused broadcast, bitwise exact; collective). ``step()``
+        does it after every step unless ``bcast_period`` is -1; call it
+        yourself between the replays of a captured step, or with
+        ``bcast_period=-1`` when the buffers should agree. Without
+        ``buffers`` it does nothing.
+
+        Examples:
+            >>> opt.broadcast_buffers(); model.eval()   # rank 0's statistics  # doctest: +SKIP
+        """
+        self._buffer_sync()
+
     def broadcast_parameters(self, src: int = 0) -> None:
         """Copy the parameters of rank ``src`` of the optimizer's group (a group
         rank) to every rank of it (fused, bitwise exact)."""
@@ -658,6 +725,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._scaler_unchecked = False
             refuse_scaled_clip(stepping_grad_scaler(), self.reducer.max_grad_norm,
                                self.reducer.loss_scale, "DistributedOptimizer")
+        syncs_buffers = self.bcast_period != -1 and self._buffer_sync.communicates
+        if syncs_buffers:
+            refuse_in_capture(
+                self._buffer_sync.buffer.device,
+                "a step that broadcasts buffers= (rank 0's buffers after every step)",
+                "pass bcast_period=-1 to the optimizer you capture, and call "
+                "broadcast_buffers() between replays")
         self._follow_requires_grad()
         if closure is None and not self.reducer.reduced and self._initialising_state():
             self._initialise_state()
@@ -686,6 +760,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._steps += 1
         if self.bcast_period > 0 and self._steps % self.bcast_period == 0:
             self.broadcast_parameters()
+        if syncs_buffers:
+            self._buffer_sync()
         return loss
 
     def _initialising_state(self) -> bool:

@@ -29,7 +29,20 @@ from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers
                        norm_dtype_of, norm_split_for, raise_if_nonfinite, warn_if_exhausted)
 from .overlap import BackwardOverlap
 from .precision import communication_dtype, split_scale
-from .process_group import backend_to_compare, require_process_group, verify_same_on_all_ranks
+from .broadcast import broadcast_tensors
+from .process_group import (backend_to_compare, require_process_group, value_checksums,
+                            verify_same_on_all_ranks)
+
+#: what ``initial_parameters`` accepts (see ``DistributedGradReducer``)
+INITIAL_PARAMETERS = ("verify", "broadcast", "unchecked")
+
+#: the fix that the first reduction's error gives for replicas that differ
+REPLICAS_REMEDY = (
+    "The replicas did not start equal (a different seed per rank?), and a reduced gradient "
+    "applied to different parameters trains different models. Copy rank 0's parameters to "
+    "every rank before training: fusedreduce.parameter_broadcast(model) or "
+    "fusedreduce.broadcast_tensors(params, src=0), or pass initial_parameters='broadcast' "
+    "(DDP's behaviour); initial_parameters='unchecked' if they are not replicas")
 
 
 class DistributedGradReducer:
@@ -82,6 +95,16 @@ class DistributedGradReducer:
             small collective. None (default): split where that spares each
             rank at least ``clipping.SPLIT_NORM_MIN_SPARED`` elements (8M on
             the CPU, 64M on a GPU).
+        initial_parameters: the replicas must start equal, as under DDP.
+            ``"verify"`` (default): the first reduction checks that every
+            rank holds group rank 0's values (a checksum of each parameter's
+            bits rides in the layout check that reduction makes anyway: no
+            extra collective, nothing later) and raises on every rank,
+            before any gradient is written, if not. ``"broadcast"``: copy
+            group rank 0's parameters to every rank now, in place, as DDP's
+            constructor does. ``"unchecked"``: neither (``parameters`` are
+            not replicas: placeholders whose values mean nothing, or tensors
+            whose gradients are averaged although they differ by rank).
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
@@ -89,7 +112,11 @@ class DistributedGradReducer:
             is a single tensor, or a bad ``reduce_dtype``/``fusion_type`` type.
         ValueError: ``degree`` is not a positive int (as in MindSpore), a
             parameter passed twice, a bad ``fusion_type`` length,
-            ``bucket_cap_mb`` or ``prescale``.
+            ``bucket_cap_mb`` or ``prescale``; ``initial_parameters`` is not
+            one of ``INITIAL_PARAMETERS`` (a TypeError if not a string).
+        RuntimeError: (at the first reduction, on every rank, with
+            ``initial_parameters="verify"``) a rank's parameters differ from
+            group rank 0's.
 
     Examples:
         >>> reducer = DistributedGradReducer(model.parameters())          # doctest: +SKIP
@@ -114,8 +141,15 @@ class DistributedGradReducer:
         norm_type: Union[float, str] = 2.0,
         error_if_nonfinite: bool = False,
         split_norm: Optional[bool] = None,
+        initial_parameters: str = "verify",
     ) -> None:
         self.parameters: List[torch.Tensor] = tensor_list(parameters, "parameters")
+        if not isinstance(initial_parameters, str):
+            raise TypeError(f"initial_parameters must be one of {INITIAL_PARAMETERS}, got "
+                            f"{type(initial_parameters).__name__}")
+        if initial_parameters not in INITIAL_PARAMETERS:
+            raise ValueError(f"initial_parameters must be one of {INITIAL_PARAMETERS}, got "
+                             f"{initial_parameters!r}")
         self.max_grad_norm, self.norm_type = check_clipping(max_grad_norm, norm_type,
                                                             error_if_nonfinite)
         if self.max_grad_norm is not None:
@@ -201,6 +235,14 @@ class DistributedGradReducer:
         self._grads_guard = False
         self._overlap = BackwardOverlap([self.parameters[i] for i in self._order], self.plan,
                                         self._start, self._finish, self._verify_once)
+        # checked at the first reduction (where the layout check is made
+        # anyway), unless they are made equal now or are not replicas
+        self._verify_values = initial_parameters == "verify"
+        if initial_parameters == "broadcast" and self.world_size > 1:
+            with torch.no_grad():
+                broadcast_tensors([p.detach() for p in self.parameters], 0, group=group,
+                                  bucket_cap_mb=bucket_cap_mb, backend=backend,
+                                  names=[f"parameters[{i}]" for i in range(n)])
 
     def _plan_shards(self) -> int:
         """How many parts each bucket splits into (1: the all-reduce path)."""
@@ -236,7 +278,10 @@ class DistributedGradReducer:
                      getattr(self, "local_size", 1),
                      self._overlap.passes_per_sync if hooked else None,
                      self.unused_grads_to_none if hooked else None)
+        # the values last: a layout that differs is named as such first
+        values = value_checksums(self.parameters) if self._verify_values else ()
         verify_same_on_all_ranks(description, names, self.group, what="parameter",
+                                 values=values, values_remedy=REPLICAS_REMEDY,
                                  bucket_layout=self.plan.layout() + [clipping, backend,
                                                                      reduction],
                                  bucket_layout_hint="pass the same bucket_cap_mb, fusion_type, "

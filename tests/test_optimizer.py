@@ -175,11 +175,12 @@ def _replicas(rank, world_size):
     for k in range(4):
         step(model, opt, k)
     seen["0: 4 steps after a later divergence"] = _params(model)
-    # -1: never
+    # -1: never (replicas that differ at construction are refused:
+    # tests/test_replicas.py)
     model = _mlp(dtype)
+    opt = DistributedOptimizer(_make("sgd", model.parameters()), bcast_period=-1)
     if rank == 1:
         _perturb(model)
-    opt = DistributedOptimizer(_make("sgd", model.parameters()), bcast_period=-1)
     seen["-1: after construction"] = _params(model)
     for k in range(4):
         step(model, opt, k)
