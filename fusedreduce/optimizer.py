@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from datetime import timedelta
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
@@ -28,6 +29,7 @@ from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
                      check_local_size)
 from .broadcast import PackedBroadcast, broadcast_tensors
 from .buckets import storage_bytes
+from .checkpoint_group import check_timeout, checkpoint_group, meet_for, rank_in
 from .clipping import (check_clipping, check_error_if_nonfinite, check_limit,
                        check_norm_type, check_split_norm, refuse_scaled_clip,
                        stepping_grad_scaler)
@@ -195,6 +197,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             does it on demand), unless ``bcast_period`` is -1. The
             optimizer never sees the module, so the default ``None`` keeps
             none in sync: each rank's statistics stay its own.
+        checkpoint_timeout: with ``shard=True``, how long (seconds, or a
+            ``datetime.timedelta``) a collective checkpoint call
+            (``state_dict()``, ``add_param_group()``) waits for the other
+            ranks to call it too before it raises, and the most each of its
+            operations may take. None (default): 60 s. Those calls
+            communicate on a gloo group of their own over the same ranks
+            (made here, under NCCL too), never between the training
+            collectives of ranks that did not make the call.
 
     Raises:
         ValueError: ``reduce_method`` is not "sum", "mean" or "adasum"; a bad
@@ -203,11 +213,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             world size; a 16-bit ``reduce_dtype`` with AdaSum; ``shard=True``
             with an optimizer not known to be elementwise (LBFGS, ...) unless
             ``assume_elementwise``, or with ``gradient_as_bucket_view``;
-            ``overlap_param_gather`` or ``shard_gradients`` without ``shard``;
-            a tensor twice in ``buffers``, or one of the parameters there.
+            ``overlap_param_gather``, ``shard_gradients`` or
+            ``checkpoint_timeout`` without ``shard``; ``checkpoint_timeout``
+            not above zero; a tensor twice in ``buffers``, or one of the
+            parameters there.
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``;
             ``shard``, ``shard_gradients`` or ``find_unused_parameters`` is
             not a bool; ``master_dtype`` is not a floating dtype;
+            ``checkpoint_timeout`` is neither seconds nor a timedelta;
             ``buffers`` is not an iterable of dense tensors (a module, say).
         RuntimeError: torch.distributed is not initialised; the ranks of
             ``group`` pass different ``bcast_period`` values, parameter or
@@ -253,6 +266,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         find_unused_parameters: bool = True,
         split_norm: Optional[bool] = None,
         buffers: Optional[Iterable[torch.Tensor]] = None,
+        checkpoint_timeout: Union[float, timedelta, None] = None,
     ) -> None:
         if not isinstance(shard, bool):
             raise TypeError(f"shard must be True or False, got {shard!r}")
@@ -271,6 +285,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "each .grad receives this rank's share in one write-back launch already")
         elif overlap_param_gather:
             raise ValueError("overlap_param_gather=True applies to shard=True only")
+        elif checkpoint_timeout is not None:
+            raise ValueError("checkpoint_timeout applies to shard=True only (without it no "
+                             "checkpoint call communicates)")
         elif shard_gradients:
             raise ValueError("shard_gradients=True applies to shard=True only (the gradients "
                              "are sharded along the optimizer state)")
@@ -284,6 +301,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_int(backward_passes_per_step, "backward_passes_per_step")
         max_grad_norm, norm_type = check_clipping(max_grad_norm, norm_type, error_if_nonfinite)
         check_split_norm(split_norm)
+        timeout = check_timeout(checkpoint_timeout, "checkpoint_timeout")
         world_size = require_process_group(group)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         buffer_sync = self._buffer_sync_of(buffers, params, group)
@@ -345,6 +363,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if bcast_period != -1:
                 self.broadcast_parameters()
                 self.broadcast_buffers()
+            # made here, where every rank is: making a group is collective
+            self._checkpoint_group = checkpoint_group(group, timeout) if shard else None
+            self._checkpoint_timeout = timeout
         except Exception:
             self.reducer.remove_hooks()  # the caller's parameters keep no hook of ours
             raise
@@ -472,7 +493,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             RuntimeError: called between the backward passes of one step
                 (inside ``no_sync()``, or before the last of
-                ``backward_passes_per_step``); nothing is changed.
+                ``backward_passes_per_step``); nothing is changed. With
+                ``shard=True``, not every rank called it within
+                ``checkpoint_timeout`` (as ``state_dict()``); nothing is
+                changed.
             TypeError, ValueError: as ``torch.optim.Optimizer.add_param_group``
                 raises them.
 
@@ -490,7 +514,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "the reduced gradients are laid out for the current parameters; call it after "
                 "step() (or after zero_grad())")
         self.finish_param_gather()
-        full_state = self._full_state() if self.shard else None
+        full_state = self._full_state(
+            "DistributedOptimizer.add_param_group() with shard=True",
+            "Call it on every rank alike") if self.shard else None
         super().add_param_group(param_group)
         added = self.param_groups[-1]["params"]
         self._trainable = self._trainable_now()
@@ -813,17 +839,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.reducer.no_sync()
 
     # ------------------------------------------------------------ checkpoints
-    def _full_state(self, to: Optional[int] = None,
+    def _full_state(self, call: str, fix: str, to: Optional[int] = None,
                     cpu_offload: bool = False) -> Optional[dict]:
         """With ``shard=True``: every rank's part of the state put together
-        (collective), keyed by parameter; None on ranks other than ``to``."""
-        part = self.sharded.part_to_send(self.state)
+        (collective, on the checkpoint group only), keyed by parameter; None
+        on ranks other than ``to``. ``call`` and ``fix`` make the error of a
+        call the other ranks do not make (``meet_for``)."""
         if self.reducer.world_size == 1:
-            return self.sharded.whole_state([part], cpu_offload)
+            return self.sharded.whole_state([self.sharded.part_to_send(self.state)],
+                                            cpu_offload)
+        checkpoint = self._checkpoint_group
+        meet_for(checkpoint, self._checkpoint_timeout, call, fix)
         # ranks passing different ``to`` would meet an all-gather with a
         # gather, or gathers to different ranks, and wait in them
-        verify_same_on_all_ranks([], [], self.group, options=[("state_dict(to=...)", to)])
-        parts = self.sharded.gather_parts(part, to)
+        verify_same_on_all_ranks([], [], checkpoint, options=[("state_dict(to=...)", to)])
+        parts = self.sharded.gather_parts(self.sharded.part_to_send(self.state), checkpoint,
+                                          None if to is None else rank_in(checkpoint,
+                                                                          self.group, to))
         return None if parts is None else self.sharded.whole_state(parts, cpu_offload)
 
     def state_dict(self, *, to: Optional[int] = None,
@@ -834,10 +866,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         must call it, and each gets the same full dict, with the keys and
         shapes the wrapped optimizer would have without fusedreduce (plus,
         for 16-bit parameters that have state, their fp32 master copy under
-        ``"master_weight"``). ``if rank == 0: opt.state_dict()`` would hang
-        the other ranks' next collective: call it on every rank, and save on
-        one. ``to=k`` materialises the dict on group rank ``k`` only (the
-        others get None), saving the others' memory. Without sharding the
+        ``"master_weight"``). Call it on every rank and save on one:
+        ``if rank == 0: opt.state_dict()`` raises a ``RuntimeError`` on rank
+        0 once ``checkpoint_timeout`` (constructor; default 60 s) has passed
+        without the other ranks calling it, and leaves their training
+        untouched: the call first meets the other ranks on a gloo group of
+        its own, and everything it sends goes through that group, never the
+        training group. ``to=k`` materialises the dict on group rank ``k``
+        only (the others get None), saving the others' memory. Without sharding the
         state is already whole on every rank and nothing is communicated;
         ``to=k`` still gives None on the other ranks, so that
         ``if state is not None: torch.save(state, path)`` saves once in
@@ -850,9 +886,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the host, as torch's ``StateDictOptions(cpu_offload=True)`` does
         (tensors already there are returned as they are); with
         ``shard=True`` the whole state is then put together on the host and
-        never sits in device memory: the ranks' parts travel in rounds of at
-        most ``GATHER_CHUNK_BYTES`` per rank
-        (``fusedreduce.sharded_optimizer``).
+        never sits in device memory. The ranks' parts travel through host
+        memory (under NCCL too), in rounds of at most
+        ``GATHER_CHUNK_BYTES`` per rank (``fusedreduce.sharded_optimizer``).
 
         Args:
             to: the group rank that gets the dict (the others get None);
@@ -863,12 +899,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ValueError: ``to`` is not a rank of the group.
             TypeError: ``cpu_offload`` is not a bool.
             RuntimeError: with ``shard=True``, the ranks pass different
-                ``to`` (raised on every rank, before the state is gathered).
+                ``to`` (raised on every rank, before the state is gathered);
+                or not every rank called it within ``checkpoint_timeout``, or
+                a rank has left the job (``DistributedOptimizer.state_dict()
+                with shard=True is collective: ...``, with the fix, raised on
+                the ranks that called it; the checkpoint's connections are
+                closed after it, so later collective checkpoint calls fail
+                too, while training goes on).
 
         Examples:
-            >>> state = opt.state_dict()                      # on every rank  # doctest: +SKIP
-            >>> if dist.get_rank() == 0: torch.save(state, "opt.pt")          # doctest: +SKIP
-            >>> state = opt.state_dict(to=0, cpu_offload=True)  # rank 0's host only  # doctest: +SKIP
+            >>> state = opt.state_dict(to=0, cpu_offload=True)  # on every rank  # doctest: +SKIP
+            >>> if state is not None: torch.save(state, "opt.pt")  # rank 0 only  # doctest: +SKIP
         """
         if to is not None:
             check_int(to, "to", minimum=0)
@@ -884,7 +925,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             whole = super().state_dict()
             return _on_host(whole) if cpu_offload else whole
         self.finish_param_gather()
-        full = self._full_state(to, cpu_offload)
+        full = self._full_state("DistributedOptimizer.state_dict() with shard=True",
+                                _STATE_DICT_FIX, to, cpu_offload)
         if full is None:
             return None
         local, self.state = self.state, full
@@ -1063,6 +1105,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         f"state_dict's state[{key!r}][{name!r}] has shape {tuple(value.shape)} "
                         f"but the parameter it belongs to has {tuple(p.shape)}: a state dict "
                         f"of another model")
+
+
+#: what a rank that calls the collective ``state_dict()`` alone is told to do
+_STATE_DICT_FIX = ("Call `state = opt.state_dict(to=0)` on every rank and save it on one "
+                   "(`if state is not None: torch.save(state, path)`), or save "
+                   "`opt.sharded_state_dict()` on every rank, one file per rank (not collective)")
 
 
 def _on_host(state_dict: dict) -> dict:

@@ -37,7 +37,7 @@ from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
 from .buckets import Bucket, BucketPlan
 from .clipping import max_over_ranks, norm_dtype_of, norm_powers
-from .process_group import comm_device
+from .process_group import comm_device, global_rank
 from .reducer import DistributedGradReducer
 from .sharded import (PartRange, _all_gather, broadcast_slots, ranges_between,
                       start_bucket_reduce_scatter)
@@ -975,64 +975,46 @@ class ShardedParameters:
                      if isinstance(value, torch.Tensor) and value.device.type != "cpu"}
         return {"state": pack_pieces(pieces), "on_device": sorted(on_device)}
 
-    def gather_parts(self, part: dict, to: Optional[int] = None, *,
-                     chunk_bytes: int = 0, staged: Optional[bool] = None
-                     ) -> Optional[List[dict]]:
-        """Every rank's ``part_to_send`` (collective), in rank order, on every
-        rank (``to`` None) or on group rank ``to`` only (None elsewhere).
+    def gather_parts(self, part: dict, group, to: Optional[int] = None, *,
+                     chunk_bytes: int = 0) -> Optional[List[dict]]:
+        """Every rank's ``part_to_send`` (collective over ``group``, a gloo
+        group over the same ranks: ``checkpoint_group``), in ``group``'s rank
+        order, on every rank (``to`` None) or on ``group``'s rank ``to`` only
+        (None elsewhere).
 
-        The tensors travel as bytes through the group's own collectives, in
-        rounds of at most ``chunk_bytes`` (default ``GATHER_CHUNK_BYTES``)
-        per rank: on NCCL only ``world_size`` such chunks sit in device
-        memory at a time, however large the state (an object collective
-        would stage every rank's whole pickled part there), and nothing is
-        pickled but the layout. What arrives is kept on the host. The
-        rounds go through buffers on the communication device (``staged``;
-        default: when that is not the host, where gloo reads and writes the
-        host buffers themselves)."""
+        The tensors travel as bytes, from and into host buffers, in rounds of
+        at most ``chunk_bytes`` (default ``GATHER_CHUNK_BYTES``) per rank, so
+        that each collective ends within the group's timeout however large
+        the state; nothing is pickled but the layout."""
         chunk_bytes = chunk_bytes or GATHER_CHUNK_BYTES
+        world_size = dist.get_world_size(group)
         state, tensors = _without_data(part["state"])
-        layouts = [None] * self.world_size
-        receiving = to is None or dist.get_rank(self.group) == to
+        layouts = [None] * world_size
+        receiving = to is None or dist.get_rank(group) == to
         layout = {"state": state, "on_device": part["on_device"],
                   "specs": [(t.dtype, t.numel()) for t in tensors]}
         if to is None:
-            dist.all_gather_object(layouts, layout, group=self.group)
+            dist.all_gather_object(layouts, layout, group=group)
         else:
-            dst = dist.get_global_rank(self.group, to) if self.group is not None else to
-            dist.gather_object(layout, layouts if receiving else None, dst=dst,
-                               group=self.group)
+            dst = global_rank(group, to)
+            dist.gather_object(layout, layouts if receiving else None, dst=dst, group=group)
         offsets, size = _offsets(layout["specs"])
         # the ranks other than ``to`` have no layouts: the sizes come apart
-        sizes = _all_gather_sizes(size, self.group, self.world_size)
+        sizes = _all_gather_sizes(size, group, world_size)
         chunk = min(chunk_bytes, max(sizes))
         rounds = -(-max(sizes) // chunk) if chunk else 0
-        device = comm_device(self.group)
         stream = torch.empty(rounds * chunk, dtype=torch.uint8)
         for at, t in zip(offsets, tensors):
             stream[at:at + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
         received = [torch.empty(rounds * chunk, dtype=torch.uint8)
-                    for _ in range(self.world_size)] if receiving else None
-        if staged is None:
-            staged = device.type != "cpu"
-        if staged:
-            send = torch.empty(chunk, dtype=torch.uint8, device=device)
-            outs = [torch.empty(chunk, dtype=torch.uint8, device=device)
-                    for _ in range(self.world_size)] if receiving else None
+                    for _ in range(world_size)] if receiving else None
         for j in range(rounds):
             at = slice(j * chunk, (j + 1) * chunk)
-            if staged:
-                send.copy_(stream[at])
-            else:  # gloo reads and writes the host buffers themselves
-                send = stream[at]
-                outs = [r[at] for r in received] if receiving else None
+            outs = [r[at] for r in received] if receiving else None
             if to is None:
-                dist.all_gather(outs, send, group=self.group)
+                dist.all_gather(outs, stream[at], group=group)
             else:
-                dist.gather(send, outs, dst=dst, group=self.group)
-            if staged and receiving:
-                for r, out in zip(received, outs):
-                    r[at].copy_(out)
+                dist.gather(stream[at], outs, dst=dst, group=group)
         if not receiving:
             return None
         return [{"state": _with_data(got["state"], _read_stream(stream_r, got["specs"])),
@@ -1060,8 +1042,8 @@ class ShardedParameters:
         return full
 
 
-#: bytes per rank per round of the collective ``state_dict()``'s gather: on
-#: NCCL the gather holds ``world_size`` times this in device memory
+#: bytes per rank per round of the collective ``state_dict()``'s gather: each
+#: round must end within the checkpoint group's timeout (``checkpoint_timeout``)
 GATHER_CHUNK_BYTES = 64 * 2 ** 20
 
 

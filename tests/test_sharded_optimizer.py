@@ -577,8 +577,8 @@ def _checkpoints(rank, world_size):
 def _gathered_in_rounds(rank, world_size):
     """The collective state_dict()'s gather (``gather_parts``) in many
     rounds of a few bytes (cutting elements apart; ranks holding different
-    byte counts), through staging buffers (NCCL's way, here on the host) or
-    into the host buffers themselves, to every rank and to one: per case,
+    byte counts), on the optimizer's checkpoint group, to every rank and to
+    one: per case,
     whether the state put together is bitwise (dtypes too) the one-round
     gather's, and None where the rank gets nothing."""
     model = _model()
@@ -589,25 +589,25 @@ def _gathered_in_rounds(rank, world_size):
         optimizer.zero_grad()
     sharded = optimizer.sharded
     part = sharded.part_to_send(optimizer.state)
-    want = sharded.whole_state(sharded.gather_parts(part))
+    checkpoint = optimizer._checkpoint_group
+    want = sharded.whole_state(sharded.gather_parts(part, checkpoint))
     sizes = [None] * world_size
     dist.all_gather_object(sizes, sum(t.numel() * t.element_size() for entry in
                                       part["state"]["slices"].values() for t in entry["data"]))
     seen = {"sizes": sizes}
     for chunk in (7, 100, 10 ** 6):
-        for staged in (False, True):
-            for to in (None, world_size - 1):
-                parts = sharded.gather_parts(part, to, chunk_bytes=chunk, staged=staged)
-                if to is not None and rank != to:
-                    seen[(chunk, staged, to)] = None if parts is None else "got parts"
-                    continue
-                got = sharded.whole_state(parts)
-                seen[(chunk, staged, to)] = list(got) == list(want) and all(
-                    list(got[p]) == list(entry) and all(
-                        not isinstance(v, torch.Tensor) or
-                        (got[p][k].dtype == v.dtype and torch.equal(got[p][k], v))
-                        for k, v in entry.items())
-                    for p, entry in want.items())
+        for to in (None, world_size - 1):
+            parts = sharded.gather_parts(part, checkpoint, to, chunk_bytes=chunk)
+            if to is not None and rank != to:
+                seen[(chunk, to)] = None if parts is None else "got parts"
+                continue
+            got = sharded.whole_state(parts)
+            seen[(chunk, to)] = list(got) == list(want) and all(
+                list(got[p]) == list(entry) and all(
+                    not isinstance(v, torch.Tensor) or
+                    (got[p][k].dtype == v.dtype and torch.equal(got[p][k], v))
+                    for k, v in entry.items())
+                for p, entry in want.items())
     return seen
 
 
@@ -1645,10 +1645,10 @@ def test_the_state_gathers_alike_in_any_number_of_rounds(ranks_once, world_size)
         assert len(set(results[0]["sizes"])) > 1, results[0]["sizes"]
     for rank, seen in enumerate(results):
         cases = {k: v for k, v in seen.items() if k != "sizes"}
-        assert len(cases) == 12
-        for (chunk, staged, to), outcome in cases.items():
+        assert len(cases) == 6
+        for (chunk, to), outcome in cases.items():
             want = None if to is not None and rank != to else True
-            assert outcome is want, (rank, chunk, staged, to, outcome)
+            assert outcome is want, (rank, chunk, to, outcome)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
