@@ -30,7 +30,8 @@ the GradScaler's scale at each iteration (DDP's ways keep torch's). With a
 ``optimizer.state_dict(to=0)`` on every rank, rank 0 saving it: with
 ``shard=True`` the call is collective. ``--checkpoint-as-written`` keeps the
 script's ``optimizer.state_dict()`` inside ``if master_process:``, to show
-what that does.
+what that does: with ``shard=True`` rank 0 raises a RuntimeError naming the
+call and the fix after ``--checkpoint-timeout`` seconds.
 
 Rank 0 prints, per way, the final loss, how far its losses came from DDP's,
 a digest of the final weights and whether the ranks' weights are bitwise
@@ -141,7 +142,8 @@ def train(way: str, args, text: torch.Tensor, vocabulary: int, directory: str) -
         optimizer = fusedreduce.DistributedOptimizer(
             optimizer, backward_passes_per_step=args.accumulation,
             shard=way in ("sharded", "zero2"), shard_gradients=way == "zero2",
-            max_grad_norm=args.grad_clip if fused_clip else None)
+            max_grad_norm=args.grad_clip if fused_clip else None,
+            checkpoint_timeout=args.checkpoint_timeout if way in ("sharded", "zero2") else None)
     scaler = torch.amp.GradScaler("cpu", enabled=args.scaler)
     losses = []
     for iteration in range(args.iterations):
@@ -242,6 +244,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="iterations between checkpoints (0: none)")
     parser.add_argument("--checkpoint-as-written", action="store_true",
                         help="keep optimizer.state_dict() inside 'if master_process:'")
+    parser.add_argument("--checkpoint-timeout", type=float, default=None, metavar="SECONDS",
+                        help="the sharded ways' checkpoint_timeout (default: the library's)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     args.way = [w.strip() for w in args.way.split(",") if w.strip()]

@@ -72,6 +72,22 @@ def test_the_gpt_loop_with_the_fused_clip_trains_as_ddp(tmp_path):
         _assert_trains_as(runs[way], runs["ddp"], table)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("way", ["sharded", "zero2"])
+def test_the_scripts_own_checkpoint_on_the_master_rank_raises_a_named_error_not_an_abort(way):
+    # `if master_process: torch.save({..., "optimizer": optimizer.state_dict()})`
+    # with shard=True: rank 0 alone in a collective call, rank 1 training on
+    process = subprocess.run([sys.executable, GPT, "--world-size", "2", "--way", way,
+                              "--iterations", "12", "--checkpoint-every", "5",
+                              "--checkpoint-as-written", "--checkpoint-timeout", "3"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+    output = process.stdout + process.stderr
+    assert process.returncode != 0, output
+    assert "DistributedOptimizer.state_dict() with shard=True is collective" in output, output
+    assert "state_dict(to=0)" in output and "sharded_state_dict()" in output, output
+    assert "EnforceNotMet" not in output and "SIGABRT" not in output, output
+
+
 def _scaled_clipped_step(rank, world_size, tell_loss_scale, max_grad_norm):
     """One GradScaler step of a clipped DistributedOptimizer; what happened."""
     torch.manual_seed(0)
