@@ -155,7 +155,7 @@ def test_torch_ops_are_offered_and_forced_on_a_training_layout(src, dst, scale, 
 
 
 @pytest.mark.parametrize("flat_dtype, dst, scale, offered", [
-    (F32, F16, 0.125, {"per_tensor"}),  # torch.mul(out=): one rounding from fp32
+    (F32, F16, 0.125, set()),  # a copy then a scale would round twice
     (F32, BF16, 1.0, {"foreach", "per_tensor"}),
     (F32, F32, 1 / 3, {"foreach", "concat", "per_tensor"}),
     (F32, F64, -0.7, {"foreach", "per_tensor"}),
@@ -182,8 +182,28 @@ def test_16_bit_destinations_with_a_scale_are_not_offered_a_copy_then_a_scale():
     # copy then scale would round twice (to fp16, then the fp16 product)
     tensors = [torch.zeros(5, dtype=F16)]
     launch = unflatten_launch(torch.zeros(5), tensors)
-    assert "foreach" not in launch.choice.candidates[False]
+    assert list(launch.choice.candidates[False]) == ["routes"]
     assert "foreach" in launch.choice.candidates[True]
+
+
+@pytest.mark.parametrize("routes_s, other_s, kept", [(1.0, 0.9, "foreach"),
+                                                     (1.0, 0.97, "routes"),
+                                                     (1.0, 1.2, "routes")])
+def test_another_strategy_replaces_routes_only_when_clearly_faster(monkeypatch, routes_s,
+                                                                   other_s, kept):
+    # a fake clock: each run "takes" its candidate's time
+    now = [0.0]
+    monkeypatch.setattr(torch_backend.time, "perf_counter", lambda: now[0])
+
+    def taking(seconds):
+        def fn(tensors, scale):
+            now[0] += seconds
+        return fn
+    choice = Choice({False: {"routes": taking(routes_s), "foreach": taking(other_s)}},
+                    forced=None, trial=True)
+    choice.run(False, [], 0.5)
+    choice.run(False, [], 0.5)
+    assert choice.chosen[False] == kept
 
 
 # ------------------------------------------------------------- chosen once, kept

@@ -62,6 +62,11 @@ STRATEGIES = ("routes", "foreach", "concat", "per_tensor")
 #: ~10 ms at 25.6M, so 10 rounds in ~4 ms, or 2 rounds in ~80 ms)
 TRIAL_ROUNDS = (2, 10)
 TRIAL_BUDGET_S = 0.02
+#: another strategy replaces ``routes`` only when its shortest run is shorter
+#: by more than this fraction: on a busy CPU one candidate's runs vary by
+#: more than the few percent that separate close candidates, and a choice
+#: made on noise would be kept for good
+TRIAL_MARGIN = 0.05
 
 _WIDENS_TO = {
     torch.float16: {torch.float32, torch.float64},
@@ -283,7 +288,8 @@ class Choice:
     is kept. Otherwise the first call of a kind runs ``routes`` and the
     second times every candidate, round-robin (``TRIAL_ROUNDS``,
     ``TRIAL_BUDGET_S``; the candidates' runs write that call's result), and
-    keeps the one of the shortest run for every later call.
+    keeps the one of the shortest run (``routes`` unless another beats it by
+    ``TRIAL_MARGIN``) for every later call.
     Waiting for the second call means a launch made for one call (a
     flatten with ``out=None``) never pays for a trial, and the trial runs
     on warm caches. ``chosen``: ``{kind: name}``; ``trial_s``: ``{kind:
@@ -332,8 +338,10 @@ class Choice:
             if rounds >= fewest and clock() - started > TRIAL_BUDGET_S:
                 break
         self.trial_s[kind] = clock() - started
-        # min keeps the first of equal times: routes, then the order above
-        self._keep(kind, min(best, key=best.get))
+        fastest = min(best, key=best.get)
+        if best[fastest] >= best["routes"] * (1 - TRIAL_MARGIN):
+            fastest = "routes"
+        self._keep(kind, fastest)
 
 
 def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
@@ -551,11 +559,13 @@ def _unflatten_candidates(plan: CopyPlan, segments, narrowing, packed: Optional[
                           numels: Sequence[int]):
     """``{kind: {name: fn(tensors, scale)}}``: the strategies that write the
     segments into the tensors exactly as ``routes`` does. torch's ops are
-    offered where every pair takes one ``_foreach_copy_`` (scale 1), a copy
+    offered where every pair takes one ``_foreach_copy_`` (scale 1) or a copy
     then a scale of the destinations in their own dtype (the compute dtype:
-    ``_foreach_mul_`` rounds the scale to it, as the rule says), or, for
-    16-bit destinations, ``torch.mul(out=)`` (one rounding from the fp32
-    product). Accumulating has ``routes`` alone: a trial would add more than once."""
+    ``_foreach_mul_`` rounds the scale to it, as the rule says). A scaled
+    16-bit destination has ``routes`` alone: a copy then a scale would round
+    twice, and the one-rounding ``torch.mul(out=)`` per pair is what
+    ``ScaledNarrowing`` exists to beat. Accumulating has ``routes`` alone: a
+    trial would add more than once."""
 
     def routes(tensors, scale):
         plan.run(tensors, segments, scale, products=narrowing)
@@ -570,10 +580,6 @@ def _unflatten_candidates(plan: CopyPlan, segments, narrowing, packed: Optional[
                 torch._foreach_mul_(tensors, scale)
         return fn
 
-    def products(tensors, scale):
-        for t, view in zip(tensors, segments):
-            torch.mul(view, scale, out=t)
-
     copies = {
         "foreach": lambda tensors: torch._foreach_copy_(tensors, segments),
         "per_tensor": lambda tensors: [t.copy_(view) for t, view in zip(tensors, segments)],
@@ -587,8 +593,6 @@ def _unflatten_candidates(plan: CopyPlan, segments, narrowing, packed: Optional[
         candidates[unit] = {"routes": routes}
         if segments and len(plan.routes(unit)[route]) == len(segments):
             candidates[unit].update((name, scaled(copy)) for name, copy in copies.items())
-    if segments and len(plan.routes(False)[2]) == len(segments):
-        candidates[False]["per_tensor"] = products
     return candidates
 
 
