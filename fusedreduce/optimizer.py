@@ -71,16 +71,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     the reduction (and broadcasts the new parameters unless ``bcast_period``
     is -1), and parameters frozen or unfrozen with ``requires_grad_`` are
     followed at the next ``step()`` (see ``add_param_group`` and ``step``).
-    A parameter that no rank gave a gradient in a step keeps ``.grad = None``
-    on every rank, so the wrapped optimizer skips it as torch does (as
-    ``DistributedDataParallel(find_unused_parameters=True)`` leaves it). Each
-    bucket's all-reduce carries, in one spare element, how many ranks missed
-    one of its gradients, and one host read after backward checks it; only a
-    backward where some rank missed one adds a small all-reduce that counts
-    who had each gradient (AdaSum, whose combine is not a sum, adds it at
-    every backward). ``find_unused_parameters=False`` drops the check and
-    its host read when every parameter has a gradient in every step (what
-    DDP's default assumes); capturing the step in a CUDA graph needs it.
+    A parameter without a gradient on some rank in a step (a branch not
+    taken there) contributes zeros to the reduction, as in DDP. By default
+    (``find_unused_parameters=False``, DDP's default too) nothing is checked
+    beyond that: a parameter that *no* rank gave a gradient gets a zero
+    ``.grad``, so the wrapped optimizer steps it (weight decay, momentum),
+    and the first backward in which this rank misses a gradient warns
+    (decided locally: no read, no collective). ``find_unused_parameters=True``
+    leaves such a parameter ``.grad = None`` on every rank, so the wrapped
+    optimizer skips it as torch does (as
+    ``DistributedDataParallel(find_unused_parameters=True)`` leaves it).
+    ``None`` against a tensor is a decision the host makes, so it needs the
+    ranks' answer on the host: each bucket's all-reduce carries, in one spare
+    element, how many ranks missed one of its gradients, and one host read
+    after backward checks it (on a GPU, a synchronisation at every backward,
+    and no CUDA graph capture); a backward where some rank missed one adds a
+    small all-reduce that counts who had each gradient (AdaSum, whose combine
+    is not a sum, adds it at every backward). That per-step cost is why it is
+    not the default.
 
     ``shard=True`` (ZeRO on the fused buckets): each bucket is split into one
     contiguous part per rank (padding at bucket ends only); during backward
@@ -183,12 +191,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             clipping norm (None: when they are large enough). With
             ``shard=True`` the norm is always split so (each rank reads its
             part); the argument changes nothing there.
-        find_unused_parameters: ``True`` (default): find the parameters no
-            rank gave a gradient in a step and leave their ``.grad`` None
-            (above). ``False``: no count; a parameter without a gradient on
-            a rank contributes zeros and gets a zero ``.grad`` (the optimizer
-            then steps it: weight decay, momentum), with a warning the first
-            time.
+        find_unused_parameters: ``False`` (default, as DDP's): no count; a
+            parameter without a gradient on a rank contributes zeros, one
+            that no rank had a gradient for gets a zero ``.grad`` (the
+            optimizer then steps it: weight decay, momentum), and the first
+            backward where this rank misses one warns. ``True``: find the
+            parameters no rank gave a gradient in a step and leave their
+            ``.grad`` None (above), at one host read per backward.
         buffers: tensors to keep equal to group rank 0's, as DDP's
             ``broadcast_buffers=True`` does: ``model.buffers()`` (BatchNorm's
             running statistics, which each rank's forward updates from its
@@ -263,7 +272,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         max_grad_norm: Optional[float] = None,
         norm_type: Union[float, str] = 2.0,
         error_if_nonfinite: bool = False,
-        find_unused_parameters: bool = True,
+        find_unused_parameters: bool = False,
         split_norm: Optional[bool] = None,
         buffers: Optional[Iterable[torch.Tensor]] = None,
         checkpoint_timeout: Union[float, timedelta, None] = None,

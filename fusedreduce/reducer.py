@@ -463,8 +463,9 @@ class DistributedGradReducer:
 
         Without ``unused_grads_to_none`` a parameter missing on this rank
         contributes zeros and keeps its zero ``.grad``; the first time, a
-        ``warn_missing`` reducer says so (the check and its host read are what
-        ``find_unused_parameters=False`` saves)."""
+        ``warn_missing`` reducer says so, from what this rank knows (the
+        check and its host read are what ``find_unused_parameters=False``,
+        the default, saves)."""
         self.unused_slots = []
         if not self.unused_grads_to_none and self.warn_missing and self._overlap.missing \
                 and not self._warned_missing:
@@ -473,10 +474,11 @@ class DistributedGradReducer:
                       for slot in self._overlap.missing[:5]]
             warnings.warn(
                 f"{len(self._overlap.missing)} parameters (shapes {shapes}...) had no gradient on "
-                f"this rank in this backward pass; with find_unused_parameters=False they "
-                f"contribute zeros and keep a zero .grad, so the optimizer steps them (weight "
-                f"decay, momentum). Pass find_unused_parameters=True to leave .grad None, as "
-                f"torch does, when no rank has one", RuntimeWarning, stacklevel=2)
+                f"this rank in this backward pass; with find_unused_parameters=False (the "
+                f"default) they contribute zeros, and one that no rank had a gradient for gets a "
+                f"zero .grad, so the optimizer steps it (weight decay, momentum). Pass "
+                f"find_unused_parameters=True to leave .grad None, as torch does, when no rank "
+                f"has one (one host read per backward)", RuntimeWarning, stacklevel=2)
         slots = len(self.parameters) if self.unused_grads_to_none else 0
         if extra is None and slots == 0:
             return None

@@ -196,8 +196,8 @@ def capture_on_rank(rank, world_size):
         runs = []
         for capture_from in (None, 2):
             model = _Net()
-            optimizer = DistributedOptimizer(sgd(model), param_pack_thd=150,
-                                             find_unused_parameters=False, **options)
+            # the default options otherwise: their steady state reads nothing
+            optimizer = DistributedOptimizer(sgd(model), param_pack_thd=150, **options)
             # the GPU's kernels (under Triton's interpreter): the torch
             # fallback reads a tensor scale on the host, which is refused
             optimizer.reducer.backend = "triton"
@@ -205,7 +205,8 @@ def capture_on_rank(rank, world_size):
             runs.append([p.detach().clone() for p in model.parameters()])
         results[name] = runs
     results["refused"] = {
-        "find_unused": _refusal(rank, lambda m: DistributedOptimizer(sgd(m))),
+        "find_unused": _refusal(rank, lambda m: DistributedOptimizer(
+            sgd(m), find_unused_parameters=True)),
         "error_if_nonfinite": _refusal(rank, lambda m: DistributedOptimizer(
             sgd(m), find_unused_parameters=False, max_grad_norm=1.0, error_if_nonfinite=True)),
         "shard": _refusal(rank, lambda m: DistributedOptimizer(
