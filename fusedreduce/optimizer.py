@@ -356,15 +356,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if world_size > 1:
                 # before the first broadcast: a rank that skips it (-1), or
                 # broadcasts at other steps or other buffers, would leave the
-                # others waiting in a collective it never starts. Without a
-                # broadcast the replicas must be equal already: their
+                # others waiting in a collective it never starts; so would a
+                # rank alone making the sharded mode's checkpoint group. Without
+                # a broadcast the replicas must be equal already: their
                 # checksums ride in the same all-reduce
                 names = [f"parameters[{i}] {tuple(p.shape)} {p.dtype}"
                          for i, p in enumerate(params)]
                 verify_same_on_all_ranks(
                     [(tuple(p.shape), str(p.dtype)) for p in params] + buffer_sync.description(),
                     names + buffer_sync.names(), group, what="tensor",
-                    options=[("bcast_period", bcast_period)],
+                    options=[("bcast_period", bcast_period), ("shard", shard)],
                     values=value_checksums(params) if bcast_period == -1 else (),
                     values_remedy="bcast_period=-1 skips the broadcast that makes the replicas "
                                   "equal: pass bcast_period=0 (the default), or copy rank 0's "
