@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ._checks import check_instance, check_int
+from ._checks import check_bool, check_instance, check_int
 from .kernels._checks import refuse_in_capture
 from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
                      check_local_size)
@@ -185,8 +185,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``assume_elementwise``, or with ``gradient_as_bucket_view``;
             ``overlap_param_gather`` or ``shard_gradients`` without ``shard``.
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``;
-            ``shard``, ``shard_gradients`` or ``find_unused_parameters`` is
-            not a bool; ``master_dtype`` is not a floating dtype.
+            ``shard``, ``shard_gradients``, ``find_unused_parameters``,
+            ``param_pack``, ``gradient_as_bucket_view``,
+            ``assume_elementwise`` or ``overlap_param_gather`` is not a bool
+            (a string ``"False"`` included); ``master_dtype`` is not a
+            floating dtype (with or without ``shard``).
         RuntimeError: torch.distributed is not initialised; the ranks of
             ``group`` pass different ``bcast_period`` values (raised on every
             rank, before any broadcast; the other options are compared at the
@@ -235,9 +238,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(find_unused_parameters, bool):
             raise TypeError(f"find_unused_parameters must be True or False, got "
                             f"{find_unused_parameters!r}")
+        for name, value in (("param_pack", param_pack),
+                            ("gradient_as_bucket_view", gradient_as_bucket_view),
+                            ("assume_elementwise", assume_elementwise),
+                            ("overlap_param_gather", overlap_param_gather)):
+            check_bool(value, name)  # a string such as "False" would be true
+        # its Raises holds with or without shard
+        check_master_dtype(master_dtype)
         if shard:
             check_shardable(optimizer, assume_elementwise)
-            check_master_dtype(master_dtype)
             if gradient_as_bucket_view:
                 raise ValueError(
                     "gradient_as_bucket_view=True does not combine with shard=True: the flat "

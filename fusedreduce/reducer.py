@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from . import kernels
 from .kernels._checks import metadata_guard, refuse_in_capture
-from ._checks import check_distinct, check_int, check_prescale, tensor_list
+from ._checks import (check_bool, check_distinct, check_int, check_loss_scale, check_prescale,
+                      tensor_list)
 from .allreduce import (PendingBucket, finish_bucket, start_all_reduce, start_bucket_all_reduce,
                         wait_for)
 from .bucket_views import BucketViews
@@ -82,7 +83,8 @@ class DistributedGradReducer:
     Raises:
         RuntimeError: torch.distributed is not initialised.
         TypeError: a parameter is not a dense floating tensor, ``parameters``
-            is a single tensor, or a bad ``reduce_dtype``/``fusion_type`` type.
+            is a single tensor, a bad ``reduce_dtype``/``fusion_type`` type,
+            or ``mean``/``check_finite`` is not a bool.
         ValueError: ``degree`` is not a positive int (as in MindSpore), a
             parameter passed twice, a bad ``fusion_type`` length,
             ``bucket_cap_mb`` or ``prescale``.
@@ -112,6 +114,8 @@ class DistributedGradReducer:
         split_norm: Optional[bool] = None,
     ) -> None:
         self.parameters: List[torch.Tensor] = tensor_list(parameters, "parameters")
+        check_bool(mean, "mean")  # a string such as "False" would be true
+        check_bool(check_finite, "check_finite")
         self.max_grad_norm, self.norm_type = check_clipping(max_grad_norm, norm_type,
                                                             error_if_nonfinite)
         check_split_norm(split_norm)
@@ -119,10 +123,7 @@ class DistributedGradReducer:
         #: the total norm of the last reduced gradients, before clipping
         #: (with ``max_grad_norm``): a 0-d fp32 tensor on their device
         self.grad_norm: Optional[torch.Tensor] = None
-        #: with ``max_grad_norm`` under a GradScaler: the scale the gradients
-        #: carry (a number, or a one-element tensor on their device, read
-        #: there at each reduction), so the limit applies to the unscaled norm
-        self.loss_scale: Optional[Union[float, torch.Tensor]] = None
+        self._loss_scale: Optional[Union[float, torch.Tensor]] = None
         for i, p in enumerate(self.parameters):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"parameters[{i}] must be a tensor, got {type(p).__name__}")
@@ -591,6 +592,27 @@ class DistributedGradReducer:
     def syncing(self) -> bool:
         """False inside ``no_sync()``."""
         return self._overlap.sync_enabled
+
+    @property
+    def loss_scale(self) -> Optional[Union[float, torch.Tensor]]:
+        """With ``max_grad_norm`` under a GradScaler: the scale the gradients
+        carry (a number, or a one-element floating tensor read on their
+        device at each reduction: no host sync), so the limit applies to the
+        unscaled norm. None: unscaled gradients. Checked when set; a tensor's
+        value is not read: one that is not finite and > 0 makes
+        ``grad_norm`` NaN (see the clipping guide).
+
+        Raises:
+            TypeError: not None, a Python number (bools excluded) or a
+                floating tensor.
+            ValueError: a number that is not finite and > 0; a tensor of
+                more than one element or on the meta device.
+        """
+        return self._loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value) -> None:
+        self._loss_scale = check_loss_scale(value)
 
     def _held_buffers(self) -> List[torch.Tensor]:
         """What this reducer keeps between calls for its own use."""
