@@ -889,7 +889,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                       for i, p in enumerate(params)
                       if i % world_size == rank and self.state.get(p)}
         return sharded_state(rank, world_size, [p.shape for p in params],
-                             self._param_groups_only(), pieces)
+                             self._param_groups_only(), pieces, steps=self._steps)
 
     def _param_groups_only(self) -> list:
         """``state_dict()["param_groups"]``, without gathering any state."""
