@@ -356,7 +356,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         carry (set it before each backward to
         ``scaler.scale(torch.ones((), device=...))``, a device tensor: no host
         sync), so the limit applies to the unscaled norm; the gradients stay
-        scaled for ``scaler.step``. None: unscaled gradients."""
+        scaled for ``scaler.step``. None: unscaled gradients.
+
+        Raises:
+            TypeError: when set to anything but None, a Python number (bools
+                excluded) or a floating tensor.
+            ValueError: when set to a number that is not finite and > 0, or a
+                tensor of more than one element or on the meta device. A
+                tensor's value is not read: one that is not finite and > 0
+                makes ``grad_norm`` NaN (see the clipping guide).
+        """
         return self.reducer.loss_scale
 
     @loss_scale.setter
