@@ -144,7 +144,8 @@ def _with_unscale(grads: List[torch.Tensor], plain: DistributedGradReducer,
     the fused clip of the scaled gradients followed by the unscale."""
     scaler = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE, growth_interval=10 ** 9)
     optimizer = torch.optim.SGD(holders, lr=0.0)  # what unscale_ walks
-    clipping = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB, max_grad_norm=MAX_NORM)
+    clipping = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB, max_grad_norm=MAX_NORM,
+                                      initial_parameters="unchecked")
     clipping.loss_scale = scaler.scale(torch.ones((), device=device))
 
     def unscale(outputs):
@@ -169,11 +170,13 @@ def rank_measure(rank: int, world_size: int, device: torch.device, case: dict,
     out = {}
     for model in MODELS:
         grads = gradients(model, case["size"], dtype, device, seed=rank)
-        plain = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB)
-        clipping = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB,
-                                          max_grad_norm=MAX_NORM, split_norm=False)
-        split = DistributedGradReducer(grads, bucket_cap_mb=BUCKET_CAP_MB,
-                                       max_grad_norm=MAX_NORM, split_norm=True)
+        # the gradients stand for the parameters: they differ by rank
+        unchecked = {"bucket_cap_mb": BUCKET_CAP_MB, "initial_parameters": "unchecked"}
+        plain = DistributedGradReducer(grads, **unchecked)
+        clipping = DistributedGradReducer(grads, max_grad_norm=MAX_NORM, split_norm=False,
+                                          **unchecked)
+        split = DistributedGradReducer(grads, max_grad_norm=MAX_NORM, split_norm=True,
+                                       **unchecked)
 
         holders = _gradient_holders(grads)
 

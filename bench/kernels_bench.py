@@ -32,8 +32,12 @@ scaled to each ``--sizes`` entry), input dtype and scale there are two cases:
 (``_unflatten_dense_tensors(flat * s, ts)`` then one ``copy_`` per tensor),
 ``scale_then_views`` (one ``mul`` unless s is 1, then one ``copy_`` per
 tensor), ``torch_foreach`` (``_foreach_copy_`` out of the views, then
-``_foreach_mul_`` of the outputs unless s is 1: the fastest torch order
-measured here, though it rounds twice), ``torch_split_copy`` (only where the
+``_foreach_mul_`` of the outputs unless s is 1: what a loop over
+``_foreach_*`` ops writes, though into 16 bits it rounds twice),
+``torch_scale_then_foreach`` (only where s is not 1: one ``torch.mul(flat, s,
+out=scratch)`` into a kept fp32 buffer, then ``_foreach_copy_`` out of its
+views: one rounding, and on the CPU much faster than a 16-bit
+``_foreach_mul_``), ``torch_split_copy`` (only where the
 outputs have the buffer's dtype: ``torch.split_with_sizes_copy(flat, sizes,
 out=views)``, what FSDP2 copies out with, then ``_foreach_mul_`` unless s is
 1) and ``fusedreduce`` (``unflatten_cast_scale(flat, ts, scale=s)``).
@@ -86,6 +90,7 @@ DEFAULT_SIZES = [1_000_000, 4_000_000, 25_600_000]
 QUICK_SIZES = [250_000, 1_000_000]
 ROLES = {"copy": "reference", "naive": "baseline", "views_then_scale": "baseline",
          "scale_then_views": "baseline", "torch_foreach": "baseline", "torch_cat": "baseline",
+         "torch_scale_then_foreach": "baseline",
          "torch_chunk_cat": "baseline",
          "torch_split_copy": "baseline", "fusedreduce": "ours",
          "fusedreduce_fresh_out": "ours", "fusedreduce_host": "host",
@@ -122,6 +127,8 @@ class Workload:
         # unflatten: an fp32 flat buffer into tensors of the input dtype
         self.flat = torch.randn(self.n_elements, device=device)
         self.flat_views = list(torch.split(self.flat, self.numels))
+        self.scratch = torch.empty_like(self.flat)
+        self.scratch_views = list(torch.split(self.scratch, self.numels))
         self.back_dst = torch.empty(self.n_elements, dtype=dtype, device=device)
         self.dsts = [torch.empty_like(t) for t in self.tensors]
         self.dst_views = [t.view(-1) for t in self.dsts]
@@ -188,6 +195,11 @@ def unflatten_methods(w: Workload, scale: float) -> Dict[str, Callable[[], objec
             torch._foreach_mul_(w.dst_views, scale)
         return w.dsts
 
+    def torch_scale_then_foreach():
+        torch.mul(w.flat, scale, out=w.scratch)
+        torch._foreach_copy_(w.dst_views, w.scratch_views)
+        return w.dsts
+
     def torch_split_copy():
         torch.split_with_sizes_copy(w.flat, w.numels, out=w.dst_views)
         if scale != 1.0:
@@ -199,8 +211,10 @@ def unflatten_methods(w: Workload, scale: float) -> Dict[str, Callable[[], objec
         return w.dsts
 
     fns = {"copy": copy, "naive": naive, "scale_then_views": scale_then_views,
-           "torch_foreach": torch_foreach, "torch_split_copy": torch_split_copy,
-           "fusedreduce": fusedreduce}
+           "torch_foreach": torch_foreach, "torch_scale_then_foreach": torch_scale_then_foreach,
+           "torch_split_copy": torch_split_copy, "fusedreduce": fusedreduce}
+    if scale == 1.0:  # torch_foreach without its multiply
+        del fns["torch_scale_then_foreach"]
     if w.dtype != FLAT_DTYPE:  # split_with_sizes_copy cannot cast
         del fns["torch_split_copy"]
     return fns

@@ -9,6 +9,10 @@ its tensor count and its mix of large and small tensors:
   first block) and the fc layer. ``ResNet50`` is the trainable module,
   ``resnet50_shapes`` its parameter shapes.
 - ``transformer``: a GPT-2-style decoder's parameter shapes (147 tensors).
+- ``linear-stack``: few large tensors, a transformer's MLPs alone: 3 blocks
+  of ``Linear(d, 4d)`` and ``Linear(4d, d)`` (12 tensors; at d=512 six
+  512x2048 weights, 6,299,136 elements). ``LinearStack`` is the trainable
+  module (the sharded benchmark's); it is not in ``TENSOR_LISTS``.
 
 ``resnet50_for_size`` / ``transformer_for_size`` pick the width whose
 parameter count is nearest a requested element count (the CLI's ``--sizes``);
@@ -27,6 +31,8 @@ Shape = Tuple[int, ...]
 
 RESNET50_FULL_WIDTH = 64
 TRANSFORMER_FULL_WIDTH = 384
+LINEAR_STACK_FULL_WIDTH = 512
+LINEAR_STACK_BLOCKS = 3
 
 
 class Bottleneck(nn.Module):
@@ -166,6 +172,55 @@ def transformer_shapes_for_size(n: int) -> List[Shape]:
         return n_elements(transformer_shapes(d, vocab=transformer_vocab(d)))
     d = _nearest_width(count, n, TRANSFORMER_FULL_WIDTH, count(TRANSFORMER_FULL_WIDTH))
     return transformer_shapes(d, vocab=transformer_vocab(d))
+
+
+class MLPBlock(nn.Module):
+    """``x + Linear(4d, d)(gelu(Linear(d, 4d)(x)))``: a transformer's MLP."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(x)))
+
+
+class LinearStack(nn.Module):
+    """``n_blocks`` ``MLPBlock``s of width ``d``: few large tensors, the shape
+    on which a sharded step's cost is its elements, not its tensor count."""
+
+    def __init__(self, d: int = LINEAR_STACK_FULL_WIDTH,
+                 n_blocks: int = LINEAR_STACK_BLOCKS) -> None:
+        super().__init__()
+        self.width = d
+        self.blocks = nn.Sequential(*(MLPBlock(d) for _ in range(n_blocks)))
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def linear_stack_shapes(d: int = LINEAR_STACK_FULL_WIDTH,
+                        n_blocks: int = LINEAR_STACK_BLOCKS) -> List[Shape]:
+    """The parameter shapes of ``LinearStack(d, n_blocks)``: per block the
+    ``4d x d`` weight and bias, the ``d x 4d`` weight and bias."""
+    return [(4 * d, d), (4 * d,), (d, 4 * d), (d,)] * n_blocks
+
+
+def linear_stack_width_for_size(n: int) -> int:
+    """The ``LinearStack`` width whose parameter count is nearest ``n`` elements."""
+    def count(d: int) -> int:
+        return n_elements(linear_stack_shapes(d))
+    return _nearest_width(count, n, LINEAR_STACK_FULL_WIDTH, count(LINEAR_STACK_FULL_WIDTH))
+
+
+def linear_stack_for_size(n: int) -> LinearStack:
+    """A ``LinearStack`` with about ``n`` parameters (12 tensors at any size)."""
+    return LinearStack(linear_stack_width_for_size(n))
+
+
+def linear_stack_shapes_for_size(n: int) -> List[Shape]:
+    return linear_stack_shapes(linear_stack_width_for_size(n))
 
 
 # the kernel benchmark's tensor lists: name -> shapes for a target element count

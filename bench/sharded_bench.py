@@ -1,10 +1,12 @@
 """``fusedreduce-bench sharded``: sharded optimizers against DDP: step time and memory per rank.
 
 One training step (``zero_grad()``, forward, backward, ``step()``) of AdamW
-on the same gloo CPU ranks, for a ResNet-50 (``models.ResNet50``) and a
+on the same gloo CPU ranks, for a ResNet-50 (``models.ResNet50``), a
 GPT-2-style decoder (``Decoder``, the parameter list of
-``models.transformer_shapes``), each scaled to the ``--sizes`` entry, with
-float32 or bfloat16 parameters, under seven methods:
+``models.transformer_shapes``) and, with ``--models linear-stack``, a stack
+of few large tensors (``models.LinearStack``: 3 blocks of ``Linear(d, 4d)``
+and ``Linear(4d, d)``, d=512 at 6.3M parameters), each scaled to the
+``--sizes`` entry, with float32 or bfloat16 parameters, under seven methods:
 
 - ``ddp_adamw`` (baseline): ``DistributedDataParallel(model)`` and
   ``torch.optim.AdamW``; every ``ratio`` is its time over the method's.
@@ -97,7 +99,8 @@ from fusedreduce import DistributedOptimizer
 from fusedreduce.kernels import resolve_backend
 
 from . import common, plot, ranks, timing
-from .models import (TENSOR_LISTS, Bottleneck, n_elements, resnet50_for_size,
+from .models import (TENSOR_LISTS, Bottleneck, MLPBlock, linear_stack_for_size,
+                     linear_stack_shapes_for_size, n_elements, resnet50_for_size,
                      transformer_shapes_for_size)
 
 NAME = "sharded"
@@ -113,7 +116,11 @@ SHARDED_OVERLAP = "fused_sharded_overlap_adamw"
 SHARDED_GRADS = "fused_sharded_grads_adamw"
 #: the methods with shard=True
 SHARDED_METHODS = (SHARDED, SHARDED_OVERLAP, SHARDED_GRADS)
-MODELS = ("resnet50", "transformer")
+MODELS = ("resnet50", "transformer", "linear-stack")
+#: what runs without --models
+DEFAULT_MODELS = ("resnet50", "transformer")
+#: each model's parameter shapes at a size
+MODEL_SHAPES = {**TENSOR_LISTS, "linear-stack": linear_stack_shapes_for_size}
 DTYPES = ("float32", "bfloat16")
 DEFAULT_WORLD_SIZES, QUICK_WORLD_SIZES = [2, 3, 4], [2]
 DEFAULT_SIZES, QUICK_SIZES = [4_000_000], [30_000]
@@ -176,6 +183,8 @@ def decoder_for_size(n: int) -> Decoder:
 
 
 def _model(name: str, size: int) -> nn.Module:
+    if name == "linear-stack":
+        return linear_stack_for_size(size)
     return resnet50_for_size(size) if name == "resnet50" else decoder_for_size(size)
 
 
@@ -186,6 +195,10 @@ def _batch(name: str, model: nn.Module, dtype: torch.dtype, rank: int, config: d
         image = config["image"]
         return (torch.randn(BATCH, 3, image, image, generator=gen).to(dtype),
                 torch.randint(0, model.num_classes, (BATCH,), generator=gen))
+    if name == "linear-stack":  # `tokens` vectors, each classified into `width` classes
+        shape = (BATCH, config["tokens"])
+        return (torch.randn(*shape, model.width, generator=gen).to(dtype),
+                torch.randint(0, model.width, shape, generator=gen))
     tokens = torch.randint(0, model.vocab, (BATCH, config["tokens"] + 1), generator=gen)
     return tokens[:, :-1], tokens[:, 1:]
 
@@ -212,7 +225,7 @@ def _build(method: str, name: str, size: int, dtype: torch.dtype,
                 ZeroRedundancyOptimizer(model.parameters(), optimizer_class=adamw))
     if method == "fsdp2_adamw":
         for block in model.modules():
-            if isinstance(block, (Bottleneck, DecoderBlock)):
+            if isinstance(block, (Bottleneck, DecoderBlock, MLPBlock)):
                 fully_shard(block, reshard_after_forward=False)
         fully_shard(model, reshard_after_forward=False)
         return model, model, adamw(model.parameters())
@@ -457,7 +470,7 @@ def rank_measure(rank: int, world_size: int, case: dict, config: dict) -> dict:
     full = _full_state(built[SHARDED][2]) if SHARDED in built else None
     checkpoint = checkpoint_costs(built[SHARDED][2], config["repeats"]) \
         if SHARDED in built else None
-    shapes = TENSOR_LISTS[name](case["size"])
+    shapes = MODEL_SHAPES[name](case["size"])
     return {"samples": samples, "memory": memory, "full": full, "checkpoint": checkpoint,
             "not_run": not_run,
             "n_tensors": len(shapes), "n_elements": n_elements(shapes),
@@ -721,8 +734,11 @@ def add_parser(subparsers) -> None:
                              f"2 ranks, {QUICK_REPEATS} repeats: well under a minute on 2 cores")
     parser.add_argument("--world-sizes", type=_world_sizes, metavar="N,N",
                         help="spawn this many gloo workers, in turn (default 2,3,4; --quick 2)")
-    parser.add_argument("--models", type=common.csv_choices(MODELS), default=list(MODELS),
-                        help="comma-separated (default resnet50,transformer)")
+    parser.add_argument("--models", type=common.csv_choices(MODELS),
+                        default=list(DEFAULT_MODELS),
+                        help=f"comma-separated, of {','.join(MODELS)} (default "
+                             f"{','.join(DEFAULT_MODELS)}); linear-stack: few large tensors "
+                             "(at --sizes 6.3M, six 512x2048 linears)")
     parser.add_argument("--dtypes", type=common.csv_choices(DTYPES), default=list(DTYPES),
                         help="parameter dtypes, comma-separated (default float32,bfloat16)")
     parser.add_argument("--sizes", type=common.parse_sizes,

@@ -2,7 +2,10 @@
 
 ``broadcast_tensors`` is the mechanism: floating tensors flattened into
 buckets of their own dtype, one ``broadcast`` per bucket, unflattened (no
-cast, so the copy is exact). ``parameter_broadcast`` is the PyTorch
+cast, so the copy is exact). ``PackedBroadcast`` is the same for a set of
+small tensors broadcast again and again (``DistributedOptimizer``'s
+``buffers``): their bytes packed into one kept buffer, one ``broadcast`` per
+call whatever their dtypes. ``parameter_broadcast`` is the PyTorch
 counterpart of MindSpore's ``parameter_broadcast(net, layout, cur_rank,
 initial_rank)``; ``broadcast_optimizer_state`` follows Horovod's: ranks whose
 optimizer has no state yet (nothing stepped) receive the source's full state.
@@ -17,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from ._checks import check_instance, tensor_list
+from ._checks import check_distinct, check_instance, tensor_list
 from .buckets import BucketPlan
 from .process_group import (check_rank, comm_device, global_rank, refuse_one_shot_in_capture,
                             require_process_group, verify_same_on_all_ranks)
@@ -87,6 +90,79 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *,
             for t in same:
                 t.copy_(flat[start:start + t.numel()].view(t.shape))
                 start += t.numel()
+
+
+class PackedBroadcast:
+    """Make ``tensors`` (any dtypes and devices) equal to group rank ``src``'s
+    at every call: rank ``src`` packs their bytes into one kept buffer, one
+    ``broadcast`` sends it, the other ranks unpack it. Bitwise exact (bytes
+    are copied, never cast), one collective whatever the dtypes (BatchNorm's
+    float statistics and int64 counters travel together), two multi-tensor
+    copies and no host work beyond the calls. Building it communicates
+    nothing: the caller checks that every rank passes the same shapes and
+    dtypes (``description()`` for ``verify_same_on_all_ranks``) before the
+    first call.
+
+    Raises:
+        TypeError: ``tensors`` is not an iterable of dense tensors (naming
+            ``name`` and the index).
+        ValueError: a tensor appears twice; ``src`` is not a rank of ``group``.
+
+    Examples:
+        >>> sync = PackedBroadcast(model.buffers(), name="buffers")   # doctest: +SKIP
+        >>> sync()   # every rank's buffers are rank 0's                # doctest: +SKIP
+    """
+
+    #: each tensor's bytes start at a multiple of this, so that its slice of
+    #: the byte buffer can be viewed in its own dtype (complex128: 16 bytes)
+    ALIGN = 16
+
+    def __init__(self, tensors: Iterable[torch.Tensor], src: int = 0, *,
+                 group: Optional[dist.ProcessGroup] = None, name: str = "tensors") -> None:
+        self.tensors: List[torch.Tensor] = tensor_list(tensors, name)
+        for i, t in enumerate(self.tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}[{i}] must be a tensor, got {type(t).__name__}")
+            if t.layout != torch.strided:
+                raise TypeError(f"{name}[{i}] is a {t.layout} tensor; only dense tensors can "
+                                f"be broadcast")
+        check_distinct(self.tensors, name)
+        world_size = require_process_group(group)
+        check_rank(src, "src", world_size)
+        self.name, self.group = name, group
+        #: whether a call communicates (another rank, and something to send)
+        self.communicates = world_size > 1 and bool(self.tensors)
+        self._src = global_rank(group, src)
+        self._sends = dist.get_rank(group) == src
+        sizes = [t.numel() * t.element_size() for t in self.tensors]
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + -(-size // self.ALIGN) * self.ALIGN)
+        #: the bytes that travel (kept: allocated once)
+        self.buffer = torch.empty(starts[-1], dtype=torch.uint8, device=comm_device(group))
+        self._views = [self.buffer[start:start + size].view(t.dtype).view(t.shape)
+                       for t, start, size in zip(self.tensors, starts, sizes)]
+
+    def description(self) -> List[tuple]:
+        """What every rank must agree on before the first call: each tensor's
+        shape and dtype (the bytes each rank sends or expects follow)."""
+        return [(tuple(t.shape), str(t.dtype)) for t in self.tensors]
+
+    def names(self) -> List[str]:
+        """How an error names each tensor."""
+        return [f"{self.name}[{i}] {tuple(t.shape)} {t.dtype}"
+                for i, t in enumerate(self.tensors)]
+
+    def __call__(self) -> None:
+        """Copy group rank ``src``'s tensors into every rank's (collective)."""
+        if not self.communicates:
+            return
+        with torch.no_grad():
+            if self._sends:
+                torch._foreach_copy_(self._views, self.tensors)
+            dist.broadcast(self.buffer, self._src, group=self.group)
+            if not self._sends:
+                torch._foreach_copy_(self.tensors, self._views)
 
 
 def parameter_broadcast(

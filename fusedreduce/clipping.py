@@ -13,10 +13,11 @@ and writes them back with one unflatten launch per bucket anyway, so here:
   count. The kernels are ``fusedreduce.kernels.norm``'s: on the Triton backend
   the norm, the coefficient and every bucket's scale take two launches, on the
   torch fallback a few ops per bucket;
-- the clip coefficient ``min(1, max_norm / (norm + 1e-6))`` is torch's,
-  computed in fp32 on the device, and multiplied into each bucket's
-  postscale as a one-element fp64 tensor the unflatten kernel reads: no host
-  sync, no extra pass over the gradients;
+- the norm and the clip coefficient ``min(1, max_norm / (norm + 1e-6))`` are
+  torch's, in the dtype torch returns the norm in (``norm_dtype_of``: fp32,
+  or fp64 where a gradient is fp64), computed on the device; the coefficient
+  is multiplied into each bucket's postscale as a one-element fp64 tensor
+  the unflatten kernel reads: no host sync, no extra pass over the gradients;
 - under a GradScaler the gradients are scaled: ``loss_scale`` (the scaler's
   current scale as a device tensor, ``scaler.scale(torch.ones(()))``) divides
   the norm, so the limit applies to the true gradients, and the written
@@ -31,7 +32,10 @@ and writes them back with one unflatten launch per bucket anyway, so here:
 from __future__ import annotations
 
 import math
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+import sys
+import types
+import warnings
+from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,10 +53,12 @@ from .kernels._common import NORM_ROW
 #: all-reduce's latency and the host's cost of one more collective
 SPLIT_NORM_MIN_SPARED = {"cpu": 1 << 23, "cuda": 1 << 26}
 
-__all__ = ["NORM_ROW", "NormSplit", "SPLIT_NORM_MIN_SPARED", "check_clipping",
-           "check_error_if_nonfinite", "check_limit", "check_norm_type", "check_split_norm",
-           "clip_buffers", "clip_scales", "clip_shared", "norm_powers", "max_over_ranks",
-           "norm_split_for", "raise_if_nonfinite", "share_norm"]
+__all__ = ["EMPTY_GENERATOR", "NORM_ROW", "NormSplit", "SPLIT_NORM_MIN_SPARED",
+           "check_clipping", "check_error_if_nonfinite", "check_limit", "check_norm_type",
+           "check_split_norm", "clip_buffers", "clip_scales", "clip_shared", "norm_dtype_of",
+           "norm_powers", "max_over_ranks", "norm_split_for", "raise_if_nonfinite",
+           "share_norm", "stepping_grad_scaler", "warn_if_exhausted",
+           "refuse_scaled_clip"]
 
 
 class NormSplit(NamedTuple):
@@ -161,6 +167,38 @@ def norm_split_for(split_norm: Optional[bool], group, world_size: int, elements:
     return NormSplit(group, dist.get_rank(group), world_size)
 
 
+#: torch's ``clip_grad_norm_`` warning for an exhausted parameter generator
+EMPTY_GENERATOR = "`parameters` is an empty generator, no gradient clipping will occur."
+
+
+def warn_if_exhausted(given, parameters: Sequence[torch.Tensor]) -> None:
+    """torch's warning where ``given`` (the caller's ``parameters``) was a
+    generator that gave nothing (``parameters``, its list, empty): usually a
+    ``model.parameters()`` already iterated. An empty list or tuple is a
+    choice and does not warn, as in torch."""
+    if isinstance(given, types.GeneratorType) and not parameters:
+        warnings.warn(EMPTY_GENERATOR, stacklevel=3)
+
+
+def norm_dtype_of(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype of the clipping norm of gradients of ``dtypes``, and of its
+    coefficient: fp64 where any gradient is fp64, else fp32.
+
+    torch's ``clip_grad_norm_`` takes a norm per (device, dtype) group in
+    that dtype and stacks them, which promotes: fp64 beside fp32 gives an fp64
+    norm. It would return an fp16 or bf16 norm for 16-bit gradients alone;
+    here those get fp32 (a 16-bit norm overflows at 65504, or rounds to 3
+    digits), as before. No gradients at all: fp32, torch's ``tensor(0.)``.
+
+    Examples:
+        >>> norm_dtype_of([torch.float32, torch.float64])
+        torch.float64
+        >>> norm_dtype_of([torch.bfloat16])
+        torch.float32
+    """
+    return torch.float64 if torch.float64 in set(dtypes) else torch.float32
+
+
 def norm_powers(buffers: Sequence[torch.Tensor], norm_type: float,
                 backend: str = "auto") -> torch.Tensor:
     """Each buffer's sum of ``|x| ** norm_type`` (max ``|x|`` for ``math.inf``),
@@ -169,23 +207,27 @@ def norm_powers(buffers: Sequence[torch.Tensor], norm_type: float,
 
 
 def clip_scales(powers: torch.Tensor, postscales: Sequence[float], max_norm: float,
-                norm_type: float, loss_scale=None,
-                backend: str = "auto") -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                norm_type: float, loss_scale=None, backend: str = "auto",
+                norm_dtype: torch.dtype = torch.float32,
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``(total_norm, scales)`` from the buffers' ``norm_powers`` and the
     postscale each buffer's unflatten applies: the norm of the written
     gradients divided by ``loss_scale`` (a number or a one-element tensor;
-    None: 1), as a 0-d fp32 tensor like torch's ``clip_grad_norm_`` returns,
-    and, per buffer, the postscale times the clip coefficient (one-element
-    fp64 tensors on the device: the unflatten's scale). The gradients keep
-    their loss scale: a GradScaler unscales them as usual."""
+    None: 1), as a 0-d tensor of ``norm_dtype`` (``norm_dtype_of`` the
+    gradients: fp32, or fp64) like torch's ``clip_grad_norm_`` returns, and,
+    per buffer, the postscale times the clip coefficient (taken in
+    ``norm_dtype``; one-element fp64 tensors on the device: the unflatten's
+    scale). The gradients keep their loss scale: a GradScaler unscales them
+    as usual."""
     return backend_for(backend, powers.device).clip_scales(powers, postscales, max_norm,
-                                                           norm_type, loss_scale)
+                                                           norm_type, loss_scale, norm_dtype)
 
 
 def clip_buffers(buffers: Sequence[torch.Tensor], postscales: Sequence[float],
                  max_norm: float, norm_type: float, loss_scale=None,
-                 backend: str = "auto",
-                 split: Optional[NormSplit] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                 backend: str = "auto", split: Optional[NormSplit] = None,
+                 norm_dtype: torch.dtype = torch.float32,
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``clip_scales`` of the buffers' ``norm_powers``: on the Triton backend
     two launches in all, whatever the number of buffers.
 
@@ -197,10 +239,11 @@ def clip_buffers(buffers: Sequence[torch.Tensor], postscales: Sequence[float],
     """
     if split is None or split.world_size == 1:
         return backend_for(backend, buffers[0].device).clip_buffers(
-            buffers, postscales, max_norm, norm_type, loss_scale)
+            buffers, postscales, max_norm, norm_type, loss_scale, norm_dtype)
     partials, work = share_norm(buffers, norm_type, split, backend)
     work.wait()
-    return clip_shared(partials, buffers, postscales, max_norm, norm_type, loss_scale, backend)
+    return clip_shared(partials, buffers, postscales, max_norm, norm_type, loss_scale, backend,
+                       norm_dtype)
 
 
 def share_norm(buffers: Sequence[torch.Tensor], norm_type: float, split: NormSplit,
@@ -216,10 +259,12 @@ def share_norm(buffers: Sequence[torch.Tensor], norm_type: float, split: NormSpl
 
 def clip_shared(partials: torch.Tensor, buffers: Sequence[torch.Tensor],
                 postscales: Sequence[float], max_norm: float, norm_type: float,
-                loss_scale=None, backend: str = "auto") -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                loss_scale=None, backend: str = "auto",
+                norm_dtype: torch.dtype = torch.float32,
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``clip_buffers``' result from the all-reduced ``partials`` of ``share_norm``."""
     return backend_for(backend, buffers[0].device).clip_partials(
-        partials, buffers, postscales, max_norm, norm_type, loss_scale)
+        partials, buffers, postscales, max_norm, norm_type, loss_scale, norm_dtype)
 
 
 def max_over_ranks(values: torch.Tensor, group, world_size: int) -> torch.Tensor:
@@ -247,3 +292,41 @@ def raise_if_nonfinite(total: torch.Tensor, norm_type: float) -> None:
             f"it cannot be clipped; the gradients were not written back. Pass "
             f"error_if_nonfinite=False to clip anyway (they become NaN or zero, and a "
             f"GradScaler skips the step)")
+
+
+def stepping_grad_scaler(frames: int = 4) -> Optional["torch.amp.GradScaler"]:
+    """The ``torch.amp.GradScaler`` whose ``step()`` called the caller of the
+    function that calls this, if any: ``scaler.step(opt)`` reaches
+    ``opt.step()`` through its ``_maybe_opt_step`` (and torch's step
+    wrapper), a few frames up. Reads frames only: no sync, nothing changed."""
+    frame = sys._getframe(2)
+    for _ in range(frames):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.amp.GradScaler):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def refuse_scaled_clip(scaler: Optional["torch.amp.GradScaler"], max_grad_norm: Optional[float],
+                       loss_scale, owner: str) -> None:
+    """Raise where a finite ``max_grad_norm`` clipped gradients that ``scaler``
+    scaled without being told the scale (``loss_scale`` None): the limit then
+    applied to the scaled norm, so every step would be the scale times too
+    small, silently. Reads the scaler's scale once (one host sync)."""
+    if scaler is None or loss_scale is not None or max_grad_norm is None or \
+            math.isinf(max_grad_norm) or not scaler.is_enabled():
+        return
+    scale = scaler.get_scale()
+    if scale == 1.0:
+        return
+    raise RuntimeError(
+        f"{owner}(max_grad_norm={max_grad_norm}) is stepped by a GradScaler (scale {scale:g}) "
+        f"but its loss_scale is not set: the gradients were clipped while scaled, so the limit "
+        f"applied to the scaled norm and the step would be {scale:g} times too small. Set "
+        f"optimizer.loss_scale = scaler.scale(torch.ones((), device=...)) before each "
+        f"backward (the gradients stay scaled for scaler.step), or leave max_grad_norm out "
+        f"and call scaler.unscale_(optimizer) then optimizer.clip_grad_norm_(...); nothing "
+        f"was stepped")

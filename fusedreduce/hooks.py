@@ -33,7 +33,7 @@ from ._checks import check_int, check_loss_scale, check_prescale
 from .adasum import adasum_allreduce_plan, adasum_flat_unchecked, check_local_size
 from .buckets import BucketPlan, TensorSpec
 from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers, clip_shared,
-                       norm_split_for, raise_if_nonfinite, share_norm)
+                       norm_dtype_of, norm_split_for, raise_if_nonfinite, share_norm)
 from .kernels._checks import refuse_in_capture
 from .precision import communication_dtype, split_scale
 from .process_group import (backend_to_compare, global_ranks, require_process_group,
@@ -72,7 +72,8 @@ class HookState:
             in the pass that writes each bucket back (its postscale or its
             cast back; AdaSum's 16-bit buckets take one extra multiply).
             ``grad_norm`` then holds the total norm of the last iteration
-            (divided by ``loss_scale`` when that is set: under a GradScaler).
+            (divided by ``loss_scale`` when that is set: under a GradScaler),
+            fp32, or fp64 when a bucket's gradients are fp64, as torch's.
             None (default): no clipping; ``math.inf``: the norm measured into
             ``grad_norm``, the gradients unchanged.
         norm_type: the clipping norm's order (``math.inf`` or ``'inf'``: the max
@@ -123,7 +124,8 @@ class HookState:
         self.error_if_nonfinite = error_if_nonfinite
         self.split_norm = split_norm
         #: with ``max_grad_norm``: the total norm before clipping of the last
-        #: iteration's reduced buckets (0-d fp32), or None
+        #: iteration's reduced buckets (0-d, fp32, or fp64 when a bucket's
+        #: gradients are fp64: ``clipping.norm_dtype_of``), or None
         self.grad_norm: Optional[torch.Tensor] = None
         self._loss_scale: Optional[Union[float, torch.Tensor]] = None
         self._clipping: list = []  # this iteration's buckets so far
@@ -300,7 +302,9 @@ class HookState:
         device = bucket.buffer().device
         out = torch.futures.Future(devices=[device]) if device.type == "cuda" \
             else torch.futures.Future()
-        self._clipping.append((reduced, flat_of, postscale, write_back, out))
+        # the bucket's gradients' dtype decides the norm's (``norm_dtype_of``)
+        self._clipping.append((reduced, flat_of, postscale, bucket.buffer().dtype, write_back,
+                               out))
         if bucket.is_last():
             entries, self._clipping = self._clipping, []
             torch.futures.collect_all([e[0] for e in entries]).then(
@@ -317,7 +321,7 @@ class HookState:
             if split is None:
                 self._write_clipped(entries, clip_buffers(
                     buffers, postscales, self.max_grad_norm, self.norm_type, self.loss_scale,
-                    backend=self.backend))
+                    backend=self.backend, norm_dtype=norm_dtype_of(e[3] for e in entries)))
                 return
             # a collective from a future's callback: started, never waited on here
             partials, work = share_norm(buffers, self.norm_type, split, self.backend)
@@ -341,7 +345,8 @@ class HookState:
             done.value()  # raises if the collective failed
             self._write_clipped(entries, clip_shared(
                 partials, buffers, postscales, self.max_grad_norm, self.norm_type,
-                self.loss_scale, backend=self.backend))
+                self.loss_scale, backend=self.backend,
+                norm_dtype=norm_dtype_of(e[3] for e in entries)))
         except Exception as exc:  # noqa: BLE001 (every bucket's future must complete)
             self._fail(entries, exc)
 
@@ -352,8 +357,7 @@ class HookState:
         self.grad_norm, scales = clipped
         if self.error_if_nonfinite:
             raise_if_nonfinite(self.grad_norm, self.norm_type)
-        results = [write_back(scale) for (_, _, _, write_back, _), scale
-                   in zip(entries, scales)]
+        results = [write_back(scale) for (*_, write_back, _), scale in zip(entries, scales)]
         for (*_, out), result in zip(entries, results):
             out.set_result(result)
 

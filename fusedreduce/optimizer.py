@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import Optional, Sequence, Union
+from datetime import timedelta
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -26,16 +27,19 @@ from ._checks import check_bool, check_instance, check_int
 from .kernels._checks import refuse_in_capture
 from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
                      check_local_size)
-from .broadcast import broadcast_tensors
+from .broadcast import PackedBroadcast, broadcast_tensors
 from .buckets import storage_bytes
+from .checkpoint_group import check_timeout, checkpoint_group, meet_for, rank_in
 from .clipping import (check_clipping, check_error_if_nonfinite, check_limit,
-                       check_norm_type, check_split_norm)
-from .process_group import require_process_group, verify_same_on_all_ranks
+                       check_norm_type, check_split_norm, refuse_scaled_clip,
+                       stepping_grad_scaler)
+from .process_group import require_process_group, value_checksums, verify_same_on_all_ranks
 from .reducer import DistributedGradReducer
 from .sharded_checkpoint import (ShardSource, check_shapes, make_piece, pieces_by_index,
                                  read_shards, sharded_state, state_over, whole_state_dict)
 from .sharded_optimizer import (ShardedGradReducer, ShardedParameters, check_master_dtype,
                                 check_shardable, master_dtype_of)
+from .torch_clip import track as track_torch_clip
 
 
 def _instance_of_both(wrapper: type, optimizer) -> object:
@@ -67,16 +71,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     the reduction (and broadcasts the new parameters unless ``bcast_period``
     is -1), and parameters frozen or unfrozen with ``requires_grad_`` are
     followed at the next ``step()`` (see ``add_param_group`` and ``step``).
-    A parameter that no rank gave a gradient in a step keeps ``.grad = None``
-    on every rank, so the wrapped optimizer skips it as torch does (as
-    ``DistributedDataParallel(find_unused_parameters=True)`` leaves it). Each
-    bucket's all-reduce carries, in one spare element, how many ranks missed
-    one of its gradients, and one host read after backward checks it; only a
-    backward where some rank missed one adds a small all-reduce that counts
-    who had each gradient (AdaSum, whose combine is not a sum, adds it at
-    every backward). ``find_unused_parameters=False`` drops the check and
-    its host read when every parameter has a gradient in every step (what
-    DDP's default assumes); capturing the step in a CUDA graph needs it.
+    A parameter without a gradient on some rank in a step (a branch not
+    taken there) contributes zeros to the reduction, as in DDP. By default
+    (``find_unused_parameters=False``, DDP's default too) nothing is checked
+    beyond that: a parameter that *no* rank gave a gradient gets a zero
+    ``.grad``, so the wrapped optimizer steps it (weight decay, momentum),
+    and the first backward in which this rank misses a gradient warns
+    (decided locally: no read, no collective). ``find_unused_parameters=True``
+    leaves such a parameter ``.grad = None`` on every rank, so the wrapped
+    optimizer skips it as torch does (as
+    ``DistributedDataParallel(find_unused_parameters=True)`` leaves it).
+    ``None`` against a tensor is a decision the host makes, so it needs the
+    ranks' answer on the host: each bucket's all-reduce carries, in one spare
+    element, how many ranks missed one of its gradients, and one host read
+    after backward checks it (on a GPU, a synchronisation at every backward,
+    and no CUDA graph capture); a backward where some rank missed one adds a
+    small all-reduce that counts who had each gradient (AdaSum, whose combine
+    is not a sum, adds it at every backward). That per-step cost is why it is
+    not the default.
 
     ``shard=True`` (ZeRO on the fused buckets): each bucket is split into one
     contiguous part per rank (padding at bucket ends only); during backward
@@ -90,7 +102,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     parameters it owns wholly, 1-D slices for those a part boundary cuts.
     ``state_dict()`` is then collective and returns the whole, unsharded
     state; ``sharded_state_dict()`` gives this rank's part alone, for one
-    checkpoint file per rank that loads at any world size. Only optimizers whose step is elementwise can be sharded (see
+    checkpoint file per rank that loads at any world size.
+    ``torch.nn.utils.clip_grad_norm_`` left in the loop takes the whole
+    gradient's norm from the shares (collective; torch >= 2.6, see
+    docs/guides/clipping.md), as ``clip_grad_norm_()`` and ``max_grad_norm``
+    do. Only optimizers whose step is elementwise can be sharded (see
     ``assume_elementwise``). On gloo the reduce-scatter is an all-reduce whose
     part is kept (gloo's own reduce-scatter all-reduces inside, slower).
     ``shard_gradients=True`` shards the gradients too (ZeRO-2): each
@@ -106,9 +122,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             AdaSum's tree during backward, bitwise ``adasum_allreduce`` of the
             gradients (per-parameter coefficients).
         group: the process group; default: the world.
-        bcast_period: ``0``: broadcast the parameters from rank 0 of ``group``
-            (a group rank) once, now; ``k > 0``: also every ``k`` steps
-            (restores diverged replicas); ``-1``: never.
+        bcast_period: ``0``: broadcast the parameters (and ``buffers``) from
+            rank 0 of ``group`` (a group rank) once, now; ``k > 0``: the
+            parameters also every ``k`` steps (restores diverged replicas);
+            ``-1``: never, neither parameters nor buffers: the parameters
+            must then be equal already, which this constructor checks (a
+            checksum in the rank check it makes anyway) and raises on every
+            rank if not. ``buffers`` are broadcast after every step unless
+            ``-1``.
         param_pack: fuse gradients into buckets (``False``: one all-reduce per
             gradient).
         param_pack_thd: the byte cap of a fused bucket.
@@ -158,8 +179,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             pass that writes them back (``DistributedGradReducer``'s
             option; with ``shard=True`` the norm of every rank's part and one
             small all-reduce). ``grad_norm`` then holds the total norm before
-            clipping. None (default): no clipping; ``math.inf``: the norm
-            measured into ``grad_norm``, the gradients unchanged.
+            clipping (fp32, or fp64 when a parameter is fp64, as torch's).
+            None (default): no clipping; ``math.inf``: the norm measured into
+            ``grad_norm``, the gradients unchanged.
         norm_type: the clipping norm's order (``math.inf`` or ``'inf'``: the max
             norm), positive: ``clipping.check_norm_type``.
         error_if_nonfinite: raise from the backward pass if the total norm is
@@ -169,12 +191,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
             clipping norm (None: when they are large enough). With
             ``shard=True`` the norm is always split so (each rank reads its
             part); the argument changes nothing there.
-        find_unused_parameters: ``True`` (default): find the parameters no
-            rank gave a gradient in a step and leave their ``.grad`` None
-            (above). ``False``: no count; a parameter without a gradient on
-            a rank contributes zeros and gets a zero ``.grad`` (the optimizer
-            then steps it: weight decay, momentum), with a warning the first
-            time.
+        find_unused_parameters: ``False`` (default, as DDP's): no count; a
+            parameter without a gradient on a rank contributes zeros, one
+            that no rank had a gradient for gets a zero ``.grad`` (the
+            optimizer then steps it: weight decay, momentum), and the first
+            backward where this rank misses one warns. ``True``: find the
+            parameters no rank gave a gradient in a step and leave their
+            ``.grad`` None (above), at one host read per backward.
+        buffers: tensors to keep equal to group rank 0's, as DDP's
+            ``broadcast_buffers=True`` does: ``model.buffers()`` (BatchNorm's
+            running statistics, which each rank's forward updates from its
+            own batch). Broadcast now and after every ``step()`` (all of
+            them packed into one broadcast, bitwise; ``broadcast_buffers()``
+            does it on demand), unless ``bcast_period`` is -1. The
+            optimizer never sees the module, so the default ``None`` keeps
+            none in sync: each rank's statistics stay its own.
+        checkpoint_timeout: with ``shard=True``, how long (seconds, or a
+            ``datetime.timedelta``) a collective checkpoint call
+            (``state_dict()``, ``add_param_group()``) waits for the other
+            ranks to call it too before it raises, and the most each of its
+            operations may take. None (default): 60 s. Those calls
+            communicate on a gloo group of their own over the same ranks
+            (made here, under NCCL too), never between the training
+            collectives of ranks that did not make the call.
 
     Raises:
         ValueError: ``reduce_method`` is not "sum", "mean" or "adasum"; a bad
@@ -183,18 +222,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             world size; a 16-bit ``reduce_dtype`` with AdaSum; ``shard=True``
             with an optimizer not known to be elementwise (LBFGS, ...) unless
             ``assume_elementwise``, or with ``gradient_as_bucket_view``;
-            ``overlap_param_gather`` or ``shard_gradients`` without ``shard``.
+            ``overlap_param_gather``, ``shard_gradients`` or
+            ``checkpoint_timeout`` without ``shard``; ``checkpoint_timeout``
+            not above zero; a tensor twice in ``buffers``, or one of the
+            parameters there.
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``;
             ``shard``, ``shard_gradients``, ``find_unused_parameters``,
             ``param_pack``, ``gradient_as_bucket_view``,
             ``assume_elementwise`` or ``overlap_param_gather`` is not a bool
             (a string ``"False"`` included); ``master_dtype`` is not a
-            floating dtype (with or without ``shard``).
+            floating dtype (with or without ``shard``);
+            ``checkpoint_timeout`` is neither seconds nor a timedelta;
+            ``buffers`` is not an iterable of dense tensors (a module, say).
         RuntimeError: torch.distributed is not initialised; the ranks of
-            ``group`` pass different ``bcast_period`` values (raised on every
-            rank, before any broadcast; the other options are compared at the
-            first reducing backward, before any gradient is written), or
-            different parameter shapes to the first broadcast.
+            ``group`` pass different ``bcast_period`` values, parameter or
+            ``buffers`` shapes, or (with ``bcast_period=-1``) parameter
+            values (raised on every rank, before any broadcast; the other
+            options are compared at the first reducing backward, before any
+            gradient is written).
 
     Examples:
         >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # doctest: +SKIP
@@ -202,6 +247,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         >>> zero = DistributedOptimizer(torch.optim.AdamW(model.parameters()), shard=True)  # doctest: +SKIP
         >>> zero2 = DistributedOptimizer(torch.optim.AdamW(model.parameters()), shard=True,
         ...                              shard_gradients=True)  # doctest: +SKIP
+        >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                            buffers=model.buffers())  # doctest: +SKIP
     """
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args, **kwargs):
@@ -228,8 +275,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         max_grad_norm: Optional[float] = None,
         norm_type: Union[float, str] = 2.0,
         error_if_nonfinite: bool = False,
-        find_unused_parameters: bool = True,
+        find_unused_parameters: bool = False,
         split_norm: Optional[bool] = None,
+        buffers: Optional[Iterable[torch.Tensor]] = None,
+        checkpoint_timeout: Union[float, timedelta, None] = None,
     ) -> None:
         if not isinstance(shard, bool):
             raise TypeError(f"shard must be True or False, got {shard!r}")
@@ -254,6 +303,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "each .grad receives this rank's share in one write-back launch already")
         elif overlap_param_gather:
             raise ValueError("overlap_param_gather=True applies to shard=True only")
+        elif checkpoint_timeout is not None:
+            raise ValueError("checkpoint_timeout applies to shard=True only (without it no "
+                             "checkpoint call communicates)")
         elif shard_gradients:
             raise ValueError("shard_gradients=True applies to shard=True only (the gradients "
                              "are sharded along the optimizer state)")
@@ -267,7 +319,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_int(backward_passes_per_step, "backward_passes_per_step")
         max_grad_norm, norm_type = check_clipping(max_grad_norm, norm_type, error_if_nonfinite)
         check_split_norm(split_norm)
+        timeout = check_timeout(checkpoint_timeout, "checkpoint_timeout")
         world_size = require_process_group(group)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        buffer_sync = self._buffer_sync_of(buffers, params, group)
         if reduce_method == "adasum":
             # checked here too, before the optimizer's state is taken over
             check_local_size(local_size, world_size)
@@ -279,10 +334,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         # param_pack=False: a one-byte cap puts every gradient in its own bucket
         cap_bytes = param_pack_thd if param_pack else 1
+        # the replicas are made equal here (broadcast), or checked here
+        # (bcast_period=-1): the reducers need not check them again
         self._reducer_args = dict(group=group, bucket_cap_mb=cap_bytes / 2 ** 20,
                                   reduce_dtype=reduce_dtype, max_grad_norm=max_grad_norm,
                                   norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
-                                  split_norm=split_norm)
+                                  split_norm=split_norm, initial_parameters="unchecked")
         if reduce_method == "adasum":
             self._reducer_class = AdaSumReducer
             self._reducer_args["local_size"] = local_size
@@ -297,30 +354,53 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.overlap_param_gather = bool(overlap_param_gather)
         self._trainable = self._trainable_now()
         self._steps = 0
+        # a finite clip under a GradScaler needs loss_scale: looked at (the
+        # calling frames) until the first step on reduced gradients
+        self._scaler_unchecked = max_grad_norm is not None and max_grad_norm != float("inf")
         self.sharded: Optional[ShardedParameters] = None
+        self._buffer_sync = buffer_sync
         # the reducer checks the parameters (before any collective)
         self.reducer = self._sharded_reducer() if shard else self._hooked_reducer()
         try:
             if world_size > 1:
                 # before the first broadcast: a rank that skips it (-1), or
-                # broadcasts at other steps, would leave the others waiting in
-                # a collective it never starts
-                verify_same_on_all_ranks([], [], group, options=[("bcast_period", bcast_period)])
+                # broadcasts at other steps or other buffers, would leave the
+                # others waiting in a collective it never starts. Without a
+                # broadcast the replicas must be equal already: their
+                # checksums ride in the same all-reduce
+                names = [f"parameters[{i}] {tuple(p.shape)} {p.dtype}"
+                         for i, p in enumerate(params)]
+                verify_same_on_all_ranks(
+                    [(tuple(p.shape), str(p.dtype)) for p in params] + buffer_sync.description(),
+                    names + buffer_sync.names(), group, what="tensor",
+                    options=[("bcast_period", bcast_period)],
+                    values=value_checksums(params) if bcast_period == -1 else (),
+                    values_remedy="bcast_period=-1 skips the broadcast that makes the replicas "
+                                  "equal: pass bcast_period=0 (the default), or copy rank 0's "
+                                  "parameters first (fusedreduce.parameter_broadcast(model))")
             if bcast_period != -1:
                 self.broadcast_parameters()
+                self.broadcast_buffers()
+            # made here, where every rank is: making a group is collective
+            self._checkpoint_group = checkpoint_group(group, timeout) if shard else None
+            self._checkpoint_timeout = timeout
         except Exception:
             self.reducer.remove_hooks()  # the caller's parameters keep no hook of ours
             raise
         if shard:
             # masters are taken from the broadcast parameters
             self._take_shards(self.state)
+            if world_size > 1:
+                # torch's clip_grad_norm_ left in the loop: the whole gradient's norm
+                track_torch_clip(self)
 
     @property
     def grad_norm(self) -> Optional[torch.Tensor]:
         """With ``max_grad_norm``: the total norm of the gradients the last
-        reducing backward produced, before clipping (0-d fp32 on their
-        device, the same bits on every rank, as ``clip_grad_norm_`` returns
-        it); None before the first one, or without clipping."""
+        reducing backward produced, before clipping (0-d on their device,
+        fp32, or fp64 when a parameter is fp64, the same bits on every rank,
+        as ``clip_grad_norm_`` returns it: ``clipping.norm_dtype_of``); None
+        before the first one, or without clipping."""
         return self.reducer.grad_norm
 
     @property
@@ -440,7 +520,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             RuntimeError: called between the backward passes of one step
                 (inside ``no_sync()``, or before the last of
-                ``backward_passes_per_step``); nothing is changed.
+                ``backward_passes_per_step``); nothing is changed. With
+                ``shard=True``, not every rank called it within
+                ``checkpoint_timeout`` (as ``state_dict()``); nothing is
+                changed.
             TypeError, ValueError: as ``torch.optim.Optimizer.add_param_group``
                 raises them.
 
@@ -458,7 +541,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "the reduced gradients are laid out for the current parameters; call it after "
                 "step() (or after zero_grad())")
         self.finish_param_gather()
-        full_state = self._full_state() if self.shard else None
+        full_state = self._full_state(
+            "DistributedOptimizer.add_param_group() with shard=True",
+            "Call it on every rank alike") if self.shard else None
         super().add_param_group(param_group)
         added = self.param_groups[-1]["params"]
         self._trainable = self._trainable_now()
@@ -499,6 +584,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
             grads = once([p.grad if p.grad is not None else torch.zeros_like(p) for p in unseen])
             for p, g in zip(unseen, grads):
                 p.grad = g
+
+    @staticmethod
+    def _buffer_sync_of(buffers, params, group) -> PackedBroadcast:
+        """The broadcast that keeps ``buffers`` equal to group rank 0's
+        (checked: a module, a non-tensor, a tensor twice or a parameter are
+        refused before anything is taken over)."""
+        if buffers is None:
+            buffers = ()
+        elif isinstance(buffers, torch.nn.Module):
+            raise TypeError("buffers must be an iterable of tensors, got a "
+                            f"{type(buffers).__name__} module: pass model.buffers()")
+        sync = PackedBroadcast(buffers, 0, group=group, name="buffers")
+        trained = {id(p) for p in params}
+        for i, b in enumerate(sync.tensors):
+            if id(b) in trained:
+                raise ValueError(f"buffers[{i}] is one of the optimizer's parameters: pass "
+                                 f"model.buffers(), which the parameters are not part of")
+        return sync
+
+    def broadcast_buffers(self) -> None:
+        """Copy the ``buffers`` of rank 0 of the optimizer's group to every
+        rank of it (one fused broadcast, bitwise exact; collective). ``step()``
+        does it after every step unless ``bcast_period`` is -1; call it
+        yourself between the replays of a captured step, or with
+        ``bcast_period=-1`` when the buffers should agree. Without
+        ``buffers`` it does nothing.
+
+        Examples:
+            >>> opt.broadcast_buffers(); model.eval()   # rank 0's statistics  # doctest: +SKIP
+        """
+        self._buffer_sync()
 
     def broadcast_parameters(self, src: int = 0) -> None:
         """Copy the parameters of rank ``src`` of the optimizer's group (a group
@@ -542,7 +658,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         each rank holds its share: the norm is taken over the shares and
         combined with one scalar all-reduce (collective: every rank calls
         it), so it is the whole gradient's norm, bitwise the same on every
-        rank, and each share is scaled by the same coefficient.
+        rank, and each share is scaled by the same coefficient. Each share's
+        norm is taken in its dtype, as torch takes each gradient's, and they
+        are combined in fp64; the norm and the coefficient are fp32, or fp64
+        when a parameter is fp64, as torch's.
 
         ``norm_type`` may be ``'inf'``, as torch's; orders of 0 and below are
         refused (see ``clipping.check_norm_type``). ``foreach`` goes to
@@ -550,7 +669,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         with one foreach multiply.
 
         Returns:
-            The total norm (a 0-d tensor, as torch's).
+            The total norm (a 0-d tensor, as torch's; 0 with no gradients).
 
         Raises:
             TypeError: ``max_norm`` or ``norm_type`` is not a number (or
@@ -634,7 +753,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 accumulated (``backward_passes_per_step`` > 1, or ``no_sync()``);
                 or parameters were frozen or unfrozen between the backward
                 passes of one step; ``bcast_period`` > 0 during CUDA graph
-                capture (see docs/guides/cuda-graphs.md).
+                capture (see docs/guides/cuda-graphs.md); a finite
+                ``max_grad_norm`` without ``loss_scale``, stepped by an
+                enabled ``GradScaler`` whose scale is not 1 (checked at the
+                first step: the gradients were clipped while scaled, so the
+                limit applied to the scaled norm); nothing is stepped.
 
         Examples:
             >>> def closure():                                   # doctest: +SKIP
@@ -651,6 +774,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"choice)",
                     "pass bcast_period=0 or -1, and call broadcast_parameters() between "
                     "replays when the replicas should be re-synchronised")
+        if self._scaler_unchecked and self.reducer.reduced:
+            self._scaler_unchecked = False
+            refuse_scaled_clip(stepping_grad_scaler(), self.reducer.max_grad_norm,
+                               self.reducer.loss_scale, "DistributedOptimizer")
+        syncs_buffers = self.bcast_period != -1 and self._buffer_sync.communicates
+        if syncs_buffers:
+            refuse_in_capture(
+                self._buffer_sync.buffer.device,
+                "a step that broadcasts buffers= (rank 0's buffers after every step)",
+                "pass bcast_period=-1 to the optimizer you capture, and call "
+                "broadcast_buffers() between replays")
         self._follow_requires_grad()
         if closure is None and not self.reducer.reduced and self._initialising_state():
             self._initialise_state()
@@ -679,6 +813,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._steps += 1
         if self.bcast_period > 0 and self._steps % self.bcast_period == 0:
             self.broadcast_parameters()
+        if syncs_buffers:
+            self._buffer_sync()
         return loss
 
     def _initialising_state(self) -> bool:
@@ -730,17 +866,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.reducer.no_sync()
 
     # ------------------------------------------------------------ checkpoints
-    def _full_state(self, to: Optional[int] = None,
+    def _full_state(self, call: str, fix: str, to: Optional[int] = None,
                     cpu_offload: bool = False) -> Optional[dict]:
         """With ``shard=True``: every rank's part of the state put together
-        (collective), keyed by parameter; None on ranks other than ``to``."""
-        part = self.sharded.part_to_send(self.state)
+        (collective, on the checkpoint group only), keyed by parameter; None
+        on ranks other than ``to``. ``call`` and ``fix`` make the error of a
+        call the other ranks do not make (``meet_for``)."""
         if self.reducer.world_size == 1:
-            return self.sharded.whole_state([part], cpu_offload)
+            return self.sharded.whole_state([self.sharded.part_to_send(self.state)],
+                                            cpu_offload)
+        checkpoint = self._checkpoint_group
+        meet_for(checkpoint, self._checkpoint_timeout, call, fix)
         # ranks passing different ``to`` would meet an all-gather with a
         # gather, or gathers to different ranks, and wait in them
-        verify_same_on_all_ranks([], [], self.group, options=[("state_dict(to=...)", to)])
-        parts = self.sharded.gather_parts(part, to)
+        verify_same_on_all_ranks([], [], checkpoint, options=[("state_dict(to=...)", to)])
+        parts = self.sharded.gather_parts(self.sharded.part_to_send(self.state), checkpoint,
+                                          None if to is None else rank_in(checkpoint,
+                                                                          self.group, to))
         return None if parts is None else self.sharded.whole_state(parts, cpu_offload)
 
     def state_dict(self, *, to: Optional[int] = None,
@@ -751,10 +893,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         must call it, and each gets the same full dict, with the keys and
         shapes the wrapped optimizer would have without fusedreduce (plus,
         for 16-bit parameters that have state, their fp32 master copy under
-        ``"master_weight"``). ``if rank == 0: opt.state_dict()`` would hang
-        the other ranks' next collective: call it on every rank, and save on
-        one. ``to=k`` materialises the dict on group rank ``k`` only (the
-        others get None), saving the others' memory. Without sharding the
+        ``"master_weight"``). Call it on every rank and save on one:
+        ``if rank == 0: opt.state_dict()`` raises a ``RuntimeError`` on rank
+        0 once ``checkpoint_timeout`` (constructor; default 60 s) has passed
+        without the other ranks calling it, and leaves their training
+        untouched: the call first meets the other ranks on a gloo group of
+        its own, and everything it sends goes through that group, never the
+        training group. ``to=k`` materialises the dict on group rank ``k``
+        only (the others get None), saving the others' memory. Without sharding the
         state is already whole on every rank and nothing is communicated;
         ``to=k`` still gives None on the other ranks, so that
         ``if state is not None: torch.save(state, path)`` saves once in
@@ -767,9 +913,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the host, as torch's ``StateDictOptions(cpu_offload=True)`` does
         (tensors already there are returned as they are); with
         ``shard=True`` the whole state is then put together on the host and
-        never sits in device memory: the ranks' parts travel in rounds of at
-        most ``GATHER_CHUNK_BYTES`` per rank
-        (``fusedreduce.sharded_optimizer``).
+        never sits in device memory. The ranks' parts travel through host
+        memory (under NCCL too), in rounds of at most
+        ``GATHER_CHUNK_BYTES`` per rank (``fusedreduce.sharded_optimizer``).
 
         Args:
             to: the group rank that gets the dict (the others get None);
@@ -780,12 +926,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ValueError: ``to`` is not a rank of the group.
             TypeError: ``cpu_offload`` is not a bool.
             RuntimeError: with ``shard=True``, the ranks pass different
-                ``to`` (raised on every rank, before the state is gathered).
+                ``to`` (raised on every rank, before the state is gathered);
+                or not every rank called it within ``checkpoint_timeout``, or
+                a rank has left the job (``DistributedOptimizer.state_dict()
+                with shard=True is collective: ...``, with the fix, raised on
+                the ranks that called it; the checkpoint's connections are
+                closed after it, so later collective checkpoint calls fail
+                too, while training goes on).
 
         Examples:
-            >>> state = opt.state_dict()                      # on every rank  # doctest: +SKIP
-            >>> if dist.get_rank() == 0: torch.save(state, "opt.pt")          # doctest: +SKIP
-            >>> state = opt.state_dict(to=0, cpu_offload=True)  # rank 0's host only  # doctest: +SKIP
+            >>> state = opt.state_dict(to=0, cpu_offload=True)  # on every rank  # doctest: +SKIP
+            >>> if state is not None: torch.save(state, "opt.pt")  # rank 0 only  # doctest: +SKIP
         """
         if to is not None:
             check_int(to, "to", minimum=0)
@@ -801,7 +952,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             whole = super().state_dict()
             return _on_host(whole) if cpu_offload else whole
         self.finish_param_gather()
-        full = self._full_state(to, cpu_offload)
+        full = self._full_state("DistributedOptimizer.state_dict() with shard=True",
+                                _STATE_DICT_FIX, to, cpu_offload)
         if full is None:
             return None
         local, self.state = self.state, full
@@ -980,6 +1132,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         f"state_dict's state[{key!r}][{name!r}] has shape {tuple(value.shape)} "
                         f"but the parameter it belongs to has {tuple(p.shape)}: a state dict "
                         f"of another model")
+
+
+#: what a rank that calls the collective ``state_dict()`` alone is told to do
+_STATE_DICT_FIX = ("Call `state = opt.state_dict(to=0)` on every rank and save it on one "
+                   "(`if state is not None: torch.save(state, path)`), or save "
+                   "`opt.sharded_state_dict()` on every rank, one file per rank (not collective)")
 
 
 def _on_host(state_dict: dict) -> dict:

@@ -96,9 +96,10 @@ def backend_to_compare(backend: str, device: torch.device) -> Tuple[str, Optiona
 def verify_same_on_all_ranks(description: Sequence[Any], names: Sequence[str], group=None,
                              what: str = "parameter", bucket_layout: Any = None,
                              bucket_layout_hint: str = "", remedy: str = "",
-                             options: Sequence[Tuple[str, Any]] = ()) -> None:
+                             options: Sequence[Tuple[str, Any]] = (),
+                             values: Sequence[int] = (), values_remedy: str = "") -> None:
     """Raise on every rank unless all ranks hold the same ``options``,
-    ``description`` and ``bucket_layout``.
+    ``description``, ``bucket_layout`` and ``values``.
 
     ``options`` are ``(name, value)`` pairs of single arguments (a broadcast's
     source, say), compared first: a differing one is named as such, whatever
@@ -106,22 +107,28 @@ def verify_same_on_all_ranks(description: Sequence[Any], names: Sequence[str], g
     entry ``i`` in the error); ``bucket_layout`` (``BucketPlan.layout()``) is
     compared after it, so a differing tensor is always reported as such, not
     as a layout change; ``remedy`` ends a tensor's error (default: every rank
-    must pass the same ``what``s in the same order). Costs one all-reduce of
-    two int64s when the ranks agree; only on a mismatch are the descriptions
-    gathered, to name the first entry that differs.
+    must pass the same ``what``s in the same order). ``values``
+    (``value_checksums``, one per tensor named in ``names``) are compared
+    last, so a differing value is reported only among tensors alike in
+    everything else, ending with ``values_remedy``. Costs one all-reduce of
+    two int64s when the ranks agree, whatever is compared; only on a
+    mismatch are the descriptions gathered, to name the first entry that
+    differs.
 
     Raises:
         RuntimeError: the ranks disagree; names the first differing option,
             or the first differing ``what`` (``names[i]``), and what each rank
             has there, or, when every entry agrees, says the bucket layouts
-            differ (with ``bucket_layout_hint``); or called during CUDA graph
-            capture (the check reads its all-reduce on the host).
+            differ (with ``bucket_layout_hint``), or, when that agrees too,
+            names the ``what``s whose ``values`` differ from rank 0's and the
+            ranks holding them; or called during CUDA graph capture (the
+            check reads its all-reduce on the host).
     """
     refuse_in_capture(comm_device(group),
                       f"checking that every rank passes the same {what}s (the check's "
                       f"all-reduce is read on the host)", ONE_SHOT_REMEDY)
     options = [tuple(option) for option in options]
-    mine = (options, list(description), bucket_layout)
+    mine = (options, list(description), bucket_layout, list(values))
     digest = hashlib.sha256(pickle.dumps(mine)).digest()
     value = int.from_bytes(digest[:7], "little")  # 56 bits: exact in int64 arithmetic
     extremes = torch.tensor([value, -value], dtype=torch.int64, device=comm_device(group))
@@ -129,27 +136,58 @@ def verify_same_on_all_ranks(description: Sequence[Any], names: Sequence[str], g
     if int(extremes[0]) == -int(extremes[1]):
         return
     everyone: List[Any] = [None] * dist.get_world_size(group)
-    # (options, description, bucket layout, names) of every rank
+    # (options, description, bucket layout, values, names) of every rank
     dist.all_gather_object(everyone, (*mine, list(names)), group=group)
     for i, (name, _) in enumerate(options):
-        values = [theirs[i][1] if i < len(theirs) else "<missing>"
-                  for theirs, _, _, _ in everyone]
-        if any(v != values[0] for v in values):
-            per_rank = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        chosen = [theirs[i][1] if i < len(theirs) else "<missing>"
+                  for theirs, _, _, _, _ in everyone]
+        if any(v != chosen[0] for v in chosen):
+            per_rank = "; ".join(f"rank {r}: {v}" for r, v in enumerate(chosen))
             raise RuntimeError(f"ranks disagree on {name}: {per_rank}. Every rank must pass "
                                f"the same {name}")
-    longest = max(len(d) for _, d, _, _ in everyone)
+    longest = max(len(d) for _, d, _, _, _ in everyone)
     for i in range(longest):
-        entries = [d[i] if i < len(d) else "<missing>" for _, d, _, _ in everyone]
+        entries = [d[i] if i < len(d) else "<missing>" for _, d, _, _, _ in everyone]
         if any(e != entries[0] for e in entries):
-            name = next(n[i] for _, d, _, n in everyone if i < len(n))
+            name = next(n[i] for _, d, _, _, n in everyone if i < len(n))
             per_rank = "; ".join(f"rank {r}: {e}" for r, e in enumerate(entries))
             remedy = remedy or f"Every rank must pass the same {what}s in the same order"
             raise RuntimeError(f"ranks disagree on {what} {i} ({name}): {per_rank}. {remedy}")
-    per_rank = "; ".join(f"rank {r}: {lay}" for r, (_, _, lay, _) in enumerate(everyone))
-    hint = f" ({bucket_layout_hint})" if bucket_layout_hint else ""
-    raise RuntimeError(f"ranks agree on every {what} but not on the bucket layout{hint}: "
-                       f"{per_rank}")
+    first = everyone[0][3]
+    ranks = [r for r, (_, _, _, theirs, _) in enumerate(everyone) if theirs != first]
+    if not ranks or any(lay != everyone[0][2] for _, _, lay, _, _ in everyone):
+        per_rank = "; ".join(f"rank {r}: {lay}" for r, (_, _, lay, _, _) in enumerate(everyone))
+        hint = f" ({bucket_layout_hint})" if bucket_layout_hint else ""
+        raise RuntimeError(f"ranks agree on every {what} but not on the bucket layout{hint}: "
+                           f"{per_rank}")
+    differing = sorted({i for _, _, _, theirs, _ in everyone
+                        for i, v in enumerate(theirs) if i >= len(first) or v != first[i]})
+    shown = ", ".join(names[i] if i < len(names) else f"{what} {i}" for i in differing[:3])
+    if len(differing) > 3:
+        shown += ", ..."
+    raise RuntimeError(f"ranks {ranks} hold other values than rank 0 in {len(differing)} of "
+                       f"{len(first)} {what}s ({shown}). {values_remedy}")
+
+
+#: an integer dtype of each element size, to read a tensor's bits as integers
+_BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def value_checksums(tensors: Sequence[torch.Tensor]) -> List[int]:
+    """One integer per tensor for ``verify_same_on_all_ranks``'s ``values``:
+    the sum of its elements' bit patterns read as integers (int64
+    arithmetic, which wraps). Integer sums do not depend on the summation
+    order, so ranks holding the same bits get the same numbers on any
+    device; replicas initialised from different seeds differ in every sum
+    but with a chance of 2**-64. One pass over the tensors and one host read.
+    """
+    if not tensors:
+        return []
+    with torch.no_grad():
+        device = tensors[0].device
+        sums = [t.detach().view(_BITS_OF_SIZE[t.element_size()]).sum(dtype=torch.int64)
+                for t in tensors]
+        return torch.stack([s.to(device) for s in sums]).tolist()
 
 
 # held weakly, by the parent group object: a kept gloo group's threads outlive

@@ -27,10 +27,23 @@ from .allreduce import (PendingBucket, finish_bucket, start_all_reduce, start_bu
 from .bucket_views import BucketViews
 from .buckets import BucketPlan, storage_bytes
 from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers, clip_scales,
-                       norm_split_for, raise_if_nonfinite)
+                       norm_dtype_of, norm_split_for, raise_if_nonfinite, warn_if_exhausted)
 from .overlap import BackwardOverlap
 from .precision import communication_dtype, split_scale
-from .process_group import backend_to_compare, require_process_group, verify_same_on_all_ranks
+from .broadcast import broadcast_tensors
+from .process_group import (backend_to_compare, require_process_group, value_checksums,
+                            verify_same_on_all_ranks)
+
+#: what ``initial_parameters`` accepts (see ``DistributedGradReducer``)
+INITIAL_PARAMETERS = ("verify", "broadcast", "unchecked")
+
+#: the fix that the first reduction's error gives for replicas that differ
+REPLICAS_REMEDY = (
+    "The replicas did not start equal (a different seed per rank?), and a reduced gradient "
+    "applied to different parameters trains different models. Copy rank 0's parameters to "
+    "every rank before training: fusedreduce.parameter_broadcast(model) or "
+    "fusedreduce.broadcast_tensors(params, src=0), or pass initial_parameters='broadcast' "
+    "(DDP's behaviour); initial_parameters='unchecked' if they are not replicas")
 
 
 class DistributedGradReducer:
@@ -64,9 +77,13 @@ class DistributedGradReducer:
             ``torch.nn.utils.clip_grad_norm_`` would, in the pass that writes
             them back (``fusedreduce.clipping``): the norm comes from the
             reduced flat buffers and the coefficient stays on the device.
-            ``grad_norm`` then holds the total norm before clipping (0-d
-            fp32), the same bits on every rank. None (default): no clipping;
-            ``math.inf``: the norm measured, the gradients unchanged (bitwise).
+            ``grad_norm`` then holds the total norm before clipping (0-d,
+            fp32, or fp64 when a gradient is fp64: ``clipping.norm_dtype_of``;
+            0 where there are no gradients, as torch's), the same bits on
+            every rank. None (default): no clipping; ``math.inf``: the norm
+            measured, the gradients unchanged (bitwise). An empty generator
+            of parameters (an exhausted ``model.parameters()``) warns, as
+            torch's ``clip_grad_norm_`` does.
         norm_type: the norm's order (``math.inf`` or ``'inf'``: the max
             norm), positive: ``clipping.check_norm_type``.
         error_if_nonfinite: raise if the total norm is inf or NaN (reads it on
@@ -79,6 +96,16 @@ class DistributedGradReducer:
             small collective. None (default): split where that spares each
             rank at least ``clipping.SPLIT_NORM_MIN_SPARED`` elements (8M on
             the CPU, 64M on a GPU).
+        initial_parameters: the replicas must start equal, as under DDP.
+            ``"verify"`` (default): the first reduction checks that every
+            rank holds group rank 0's values (a checksum of each parameter's
+            bits rides in the layout check that reduction makes anyway: no
+            extra collective, nothing later) and raises on every rank,
+            before any gradient is written, if not. ``"broadcast"``: copy
+            group rank 0's parameters to every rank now, in place, as DDP's
+            constructor does. ``"unchecked"``: neither (``parameters`` are
+            not replicas: placeholders whose values mean nothing, or tensors
+            whose gradients are averaged although they differ by rank).
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
@@ -87,7 +114,11 @@ class DistributedGradReducer:
             or ``mean``/``check_finite`` is not a bool.
         ValueError: ``degree`` is not a positive int (as in MindSpore), a
             parameter passed twice, a bad ``fusion_type`` length,
-            ``bucket_cap_mb`` or ``prescale``.
+            ``bucket_cap_mb`` or ``prescale``; ``initial_parameters`` is not
+            one of ``INITIAL_PARAMETERS`` (a TypeError if not a string).
+        RuntimeError: (at the first reduction, on every rank, with
+            ``initial_parameters="verify"``) a rank's parameters differ from
+            group rank 0's.
 
     Examples:
         >>> reducer = DistributedGradReducer(model.parameters())          # doctest: +SKIP
@@ -112,16 +143,29 @@ class DistributedGradReducer:
         norm_type: Union[float, str] = 2.0,
         error_if_nonfinite: bool = False,
         split_norm: Optional[bool] = None,
+        initial_parameters: str = "verify",
     ) -> None:
         self.parameters: List[torch.Tensor] = tensor_list(parameters, "parameters")
         check_bool(mean, "mean")  # a string such as "False" would be true
         check_bool(check_finite, "check_finite")
+        if not isinstance(initial_parameters, str):
+            raise TypeError(f"initial_parameters must be one of {INITIAL_PARAMETERS}, got "
+                            f"{type(initial_parameters).__name__}")
+        if initial_parameters not in INITIAL_PARAMETERS:
+            raise ValueError(f"initial_parameters must be one of {INITIAL_PARAMETERS}, got "
+                             f"{initial_parameters!r}")
         self.max_grad_norm, self.norm_type = check_clipping(max_grad_norm, norm_type,
                                                             error_if_nonfinite)
+        if self.max_grad_norm is not None:
+            warn_if_exhausted(parameters, self.parameters)
         check_split_norm(split_norm)
         self.error_if_nonfinite = error_if_nonfinite
+        # the norm's dtype, as torch's stack of per-dtype norms promotes it
+        self._norm_dtype = norm_dtype_of(p.dtype for p in self.parameters
+                                         if isinstance(p, torch.Tensor))
         #: the total norm of the last reduced gradients, before clipping
-        #: (with ``max_grad_norm``): a 0-d fp32 tensor on their device
+        #: (with ``max_grad_norm``): a 0-d tensor on their device, fp32 or
+        #: fp64 (``clipping.norm_dtype_of`` the parameters' dtypes)
         self.grad_norm: Optional[torch.Tensor] = None
         self._loss_scale: Optional[Union[float, torch.Tensor]] = None
         for i, p in enumerate(self.parameters):
@@ -192,6 +236,14 @@ class DistributedGradReducer:
         self._grads_guard = False
         self._overlap = BackwardOverlap([self.parameters[i] for i in self._order], self.plan,
                                         self._start, self._finish, self._verify_once)
+        # checked at the first reduction (where the layout check is made
+        # anyway), unless they are made equal now or are not replicas
+        self._verify_values = initial_parameters == "verify"
+        if initial_parameters == "broadcast" and self.world_size > 1:
+            with torch.no_grad():
+                broadcast_tensors([p.detach() for p in self.parameters], 0, group=group,
+                                  bucket_cap_mb=bucket_cap_mb, backend=backend,
+                                  names=[f"parameters[{i}]" for i in range(n)])
 
     def _plan_shards(self) -> int:
         """How many parts each bucket splits into (1: the all-reduce path)."""
@@ -227,7 +279,10 @@ class DistributedGradReducer:
                      getattr(self, "local_size", 1),
                      self._overlap.passes_per_sync if hooked else None,
                      self.unused_grads_to_none if hooked else None)
+        # the values last: a layout that differs is named as such first
+        values = value_checksums(self.parameters) if self._verify_values else ()
         verify_same_on_all_ranks(description, names, self.group, what="parameter",
+                                 values=values, values_remedy=REPLICAS_REMEDY,
                                  bucket_layout=self.plan.layout() + [clipping, backend,
                                                                      reduction],
                                  bucket_layout_hint="pass the same bucket_cap_mb, fusion_type, "
@@ -350,11 +405,18 @@ class DistributedGradReducer:
         for p in pending:
             wait_for(p)
         if not pending:
+            self._no_gradients()
             return []
         return self._kept_norm(clip_buffers(
             [p.flat[:p.bucket.size] for p in pending], self._postscales_of(pending),
             self.max_grad_norm, self.norm_type, self.loss_scale, backend=self.backend,
-            split=self.norm_split))
+            split=self.norm_split, norm_dtype=self._norm_dtype))
+
+    def _no_gradients(self) -> None:
+        """A reduction of no gradients (no parameters, or none produced one):
+        ``grad_norm`` is 0, as torch's ``clip_grad_norm_`` of no gradients."""
+        device = self.parameters[0].device if self.parameters else torch.device("cpu")
+        self.grad_norm = torch.zeros((), dtype=self._norm_dtype, device=device)
 
     def _postscales_of(self, pending: Sequence[PendingBucket]) -> List[float]:
         return [self._scales[p.bucket.index][1] for p in pending]
@@ -364,7 +426,8 @@ class DistributedGradReducer:
         (``clipping.norm_powers``, a float64 vector), already computed."""
         return self._kept_norm(clip_scales(powers, self._postscales_of(pending),
                                            self.max_grad_norm, self.norm_type,
-                                           self.loss_scale, backend=self.backend))
+                                           self.loss_scale, backend=self.backend,
+                                           norm_dtype=self._norm_dtype))
 
     def _kept_norm(self, clipped) -> List:
         """The scales of ``clipped`` (``(total_norm, scales)``), its norm kept
@@ -401,8 +464,9 @@ class DistributedGradReducer:
 
         Without ``unused_grads_to_none`` a parameter missing on this rank
         contributes zeros and keeps its zero ``.grad``; the first time, a
-        ``warn_missing`` reducer says so (the check and its host read are what
-        ``find_unused_parameters=False`` saves)."""
+        ``warn_missing`` reducer says so, from what this rank knows (the
+        check and its host read are what ``find_unused_parameters=False``,
+        the default, saves)."""
         self.unused_slots = []
         if not self.unused_grads_to_none and self.warn_missing and self._overlap.missing \
                 and not self._warned_missing:
@@ -411,10 +475,11 @@ class DistributedGradReducer:
                       for slot in self._overlap.missing[:5]]
             warnings.warn(
                 f"{len(self._overlap.missing)} parameters (shapes {shapes}...) had no gradient on "
-                f"this rank in this backward pass; with find_unused_parameters=False they "
-                f"contribute zeros and keep a zero .grad, so the optimizer steps them (weight "
-                f"decay, momentum). Pass find_unused_parameters=True to leave .grad None, as "
-                f"torch does, when no rank has one", RuntimeWarning, stacklevel=2)
+                f"this rank in this backward pass; with find_unused_parameters=False (the "
+                f"default) they contribute zeros, and one that no rank had a gradient for gets a "
+                f"zero .grad, so the optimizer steps it (weight decay, momentum). Pass "
+                f"find_unused_parameters=True to leave .grad None, as torch does, when no rank "
+                f"has one (one host read per backward)", RuntimeWarning, stacklevel=2)
         slots = len(self.parameters) if self.unused_grads_to_none else 0
         if extra is None and slots == 0:
             return None

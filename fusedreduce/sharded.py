@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,16 @@ class _Works:
         return True
 
 
+def broadcast_from(pieces: Sequence[Tuple[int, torch.Tensor]], group) -> _Works:
+    """One broadcast per ``(src, tensor)`` of ``pieces``, in place, in that
+    order (``src`` a rank of ``group``); every rank passes the same sources
+    and sizes."""
+    group = group or dist.group.WORLD
+    return _Works([dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group,
+                                  async_op=True)
+                   for src, tensor in pieces])
+
+
 def broadcast_slots(buffer: torch.Tensor, group, world_size: int) -> _Works:
     """The all-gather of ``buffer``'s equal slots, each rank's already in its
     own slot, as one broadcast per rank from that slot, in place. For gloo:
@@ -59,11 +69,8 @@ def broadcast_slots(buffer: torch.Tensor, group, world_size: int) -> _Works:
     copies out of it, and took 2.0–3.0 times as long as these broadcasts
     (4M fp32 elements on 2 and 4 ranks, docs/guides/sharded.md, "On gloo")."""
     size = buffer.numel() // world_size
-    group = group or dist.group.WORLD
-    return _Works([dist.broadcast(buffer[r * size:(r + 1) * size],
-                                  src=dist.get_global_rank(group, r), group=group,
-                                  async_op=True)
-                   for r in range(world_size)])
+    return broadcast_from([(r, buffer[r * size:(r + 1) * size]) for r in range(world_size)],
+                          group)
 
 
 @dataclass(frozen=True)

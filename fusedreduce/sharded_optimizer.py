@@ -36,11 +36,11 @@ from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_
                      adasum_tree_share)
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
 from .buckets import Bucket, BucketPlan
-from .clipping import max_over_ranks, norm_powers
-from .process_group import comm_device
+from .clipping import max_over_ranks, norm_dtype_of, norm_powers
+from .process_group import comm_device, global_rank
 from .reducer import DistributedGradReducer
-from .sharded import (PartRange, _all_gather, broadcast_slots, ranges_between,
-                      start_bucket_reduce_scatter)
+from .sharded import (PartRange, _all_gather, broadcast_from, broadcast_slots, part_ranges,
+                      ranges_between, start_bucket_reduce_scatter)
 from .sharded_checkpoint import collect_pieces, make_piece, pack_pieces, state_over
 
 #: optimizers whose step updates every element from that element's gradient
@@ -57,6 +57,13 @@ _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 #: at once in backward and in the all-gather: the bucket starting and the
 #: one before it, whose collective may still run
 _ALIVE = 2
+#: on gloo, a bucket of one dtype whose tensors hold this many elements on
+#: average is gathered by one broadcast per tensor range straight into the
+#: parameters: each saves two copies of its elements (into the buffer this
+#: rank sends, out of the gathered buffer) and costs one more broadcast, about
+#: 0.1-0.2 ms on 2 gloo ranks; 2**17 fp32 elements copied twice take about as
+#: long (docs/benchmarks/sharded.md, "Few large tensors")
+_DIRECT_MEAN_NUMEL = 1 << 17
 
 
 def check_shardable(optimizer: torch.optim.Optimizer, assume_elementwise: bool) -> None:
@@ -221,6 +228,10 @@ class ShardedGradReducer(DistributedGradReducer):
         # they start in it: what the part's write-back launch fills
         self._owned_ranges = [ranges_between(b, *self.owned[b.index]) for b in self.plan.buckets]
         self._owned_offsets = [tuple(r.offset for r in ranges) for ranges in self._owned_ranges]
+        # the tensor elements outside this rank's part: zeros in its .grad
+        self._not_owned = [ranges_between(b, 0, self.owned[b.index][0])
+                           + ranges_between(b, self.owned[b.index][1], b.size)
+                           for b in self.plan.buckets]
         self._zeros: Dict[int, torch.Tensor] = {}
         # torch's gloo backend reduce-scatters by all-reducing the whole input
         # and copying the part out (measured slower than the all-reduce alone:
@@ -484,15 +495,6 @@ class ShardedGradReducer(DistributedGradReducer):
             return [self.parts[p.bucket.index] for p in pending]
         for p in pending:
             wait_for(p)
-            # the collective left this rank's part in its slot of the buffer
-            # (the whole buffer all-reduced, or the part in place; on a world
-            # of one rank the part is the whole buffer)
-            lo, hi = self.owned[p.bucket.index]
-            flat = self._buffers[p.bucket.index]
-            if lo:
-                flat[:lo].zero_()
-            if hi < flat.numel():
-                flat[hi:].zero_()
         return [self.parts[p.bucket.index] for p in pending]
 
     def _finish_buckets(self, pending: Sequence[PendingBucket],
@@ -505,9 +507,8 @@ class ShardedGradReducer(DistributedGradReducer):
         extremes: List[torch.Tensor] = []
         for p, part, postscale in zip(pending, parts, scales):
             bucket = p.bucket
-            if not self.shard_gradients:  # written whole, zeros outside the part
-                self.plan.unflatten(bucket, self._buffers[bucket.index], outputs,
-                                    scale=postscale, backend=self.backend)
+            if not self.shard_gradients:
+                self._write_part_and_zeros(bucket, part, outputs, postscale)
             if part.numel():
                 # what GradScaler will read: the part's extremes as written
                 # (postscaled; a finite sum can still overflow a 16-bit .grad)
@@ -535,6 +536,31 @@ class ShardedGradReducer(DistributedGradReducer):
         self.found_nonfinite = torch.tensor(found)
         if found:
             self._plant_nan()
+
+    def _write_part_and_zeros(self, bucket: Bucket, part: torch.Tensor,
+                              outputs: Sequence[torch.Tensor], postscale) -> None:
+        """Write this rank's reduced part (postscaled) into its elements of
+        the bucket's gradients and zeros into the rest. The collective left
+        the part in its slot of the buffer (the whole buffer all-reduced on
+        gloo, the part in place on NCCL); the elements outside it are not
+        read: zeroing them in the buffer first and unflattening all of it
+        read and wrote each of them twice more."""
+        members = [outputs[slot] for slot in bucket.tensor_indices]
+        if not all(t.is_contiguous() for t in members):
+            lo, hi = self.owned[bucket.index]
+            flat = self._buffers[bucket.index]
+            flat[:lo].zero_()
+            flat[hi:].zero_()
+            self.plan.unflatten(bucket, flat, outputs, scale=postscale, backend=self.backend)
+            return
+        ranges = self._owned_ranges[bucket.index]
+        if ranges:
+            kernels.unflatten_cast_scale(
+                part, [outputs[r.tensor].view(-1)[r.start:r.end] for r in ranges],
+                scale=postscale, backend=self.backend, offsets=self._owned_offsets[bucket.index])
+        zeros = [outputs[r.tensor].view(-1)[r.start:r.end] for r in self._not_owned[bucket.index]]
+        if zeros:
+            torch._foreach_zero_(zeros)
 
     def _plant_nan(self) -> None:
         """A NaN in one element of a ``.grad`` that this rank does not own: it
@@ -654,6 +680,7 @@ class ShardedParameters:
         self._gather_by_broadcasts = self.world_size > 1 and \
             dist.get_backend(group) == dist.Backend.GLOO
         self._gather_dtypes = [self._gather_dtype(b) for b in self.plan.buckets]
+        self._direct = [self._direct_pieces(b) for b in self.plan.buckets]
         # a bucket's all-gather buffer, what this rank sends from it and the
         # slices of that the stepped tensors are copied into: kept over the
         # reducer's buffer, or with shard_gradients made for each gather and
@@ -665,6 +692,28 @@ class ShardedParameters:
         if self._keeps_flats:
             for bucket in self.plan.buckets:
                 self._flat_for(bucket.index)
+
+    def _direct_pieces(self, bucket: Bucket) -> Optional[List[Tuple[int, torch.Tensor]]]:
+        """The ``(owner, elements)`` broadcasts that gather ``bucket`` straight
+        into the parameters, each range of each rank's part from the
+        parameter's own memory; None where the bucket is gathered through
+        its buffer (not gloo, AdaSum's tree, mixed dtypes, a non-contiguous
+        parameter, or small tensors: see ``_DIRECT_MEAN_NUMEL``)."""
+        if not self._gather_by_broadcasts or self.reducer.tree_shares is not None:
+            return None
+        slots = bucket.tensor_indices
+        if not slots or sum(bucket.numels) < _DIRECT_MEAN_NUMEL * len(slots) \
+                or len({self.plan.specs[slot].dtype for slot in slots}) > 1 \
+                or not all(self._targets[slot].is_contiguous() for slot in slots):
+            return None
+        return [(rank, self._targets[r.tensor].view(-1)[r.start:r.end])
+                for rank in range(self.world_size) for r in part_ranges(bucket, rank)]
+
+    def _direct_for(self, index: int, defer: bool) -> Optional[List[Tuple[int, torch.Tensor]]]:
+        """Bucket ``index``'s ``_direct_pieces`` where it is gathered that way
+        now: not ``defer``red, whose broadcasts would write the parameters
+        while code before the next forward may read them."""
+        return None if defer or not self._gather_by_broadcasts else self._direct[index]
 
     def _flat_for(self, index: int) -> torch.Tensor:
         """Bucket ``index``'s all-gather buffer, made (or its memory allocated
@@ -789,11 +838,12 @@ class ShardedParameters:
             self._gather_in_turn()
             return
         for bucket in self.plan.buckets:
-            if not self._keeps_flats:  # their memory was given back after the last gather
-                self._flat_for(bucket.index)
-            self._copy_to_send(bucket.index)
+            direct = self._direct_for(bucket.index, defer)
+            if not self._keeps_flats and direct is None:
+                self._flat_for(bucket.index)  # its memory was given back after the last gather
+            self._copy_to_send(bucket.index, direct is not None)
         for bucket in reversed(self.plan.buckets):
-            self._start_gather(bucket)
+            self._start_gather(bucket, self._direct_for(bucket.index, defer))
         if not defer:
             self.finish_gather()
             return
@@ -804,20 +854,35 @@ class ShardedParameters:
             self._hook = torch.nn.modules.module.register_module_forward_pre_hook(
                 self._before_forward)
 
-    def _copy_to_send(self, index: int) -> None:
+    def _copy_to_send(self, index: int, direct: bool = False) -> None:
         """Copy this rank's stepped tensors of bucket ``index`` into the
-        slot of its all-gather buffer that this rank sends."""
+        slot of its all-gather buffer that this rank sends; ``direct``
+        (broadcast from the parameters): only the master copies, into their
+        parameters, as the unflatten of the gathered buffer would write them
+        (one dtype in the bucket: the same single rounding)."""
         shards = self.per_bucket[index]
-        if shards:
-            with torch.no_grad():
+        if direct:
+            shards = [s for s in shards if s.master]
+        if not shards:
+            return
+        with torch.no_grad():
+            if direct:
+                torch._foreach_copy_([_slice_of(s.param.detach(), s) for s in shards],
+                                     [s.tensor for s in shards])
+            else:
                 torch._foreach_copy_(self._send_slices[index],
                                      [s.tensor.reshape(-1) for s in shards])
 
-    def _start_gather(self, bucket: Bucket) -> None:
+    def _start_gather(self, bucket: Bucket,
+                      direct: Optional[List[Tuple[int, torch.Tensor]]] = None) -> None:
         """Start gathering ``bucket`` into its buffer (its own part copied in
-        already), in ``_pending``."""
+        already), or with ``direct`` (``_direct_pieces``) straight into the
+        parameters (``pending.flat`` None: nothing to unflatten), in
+        ``_pending``."""
         shares = self.reducer.tree_shares
-        if self.world_size == 1:
+        if direct is not None:
+            pending = PendingBucket(bucket, None, broadcast_from(direct, self.group))
+        elif self.world_size == 1:
             pending = PendingBucket(bucket, self._send[bucket.index], None)
         elif shares is not None:
             # point-to-point swaps that each wait: done here, written at once or deferred
@@ -844,9 +909,11 @@ class ShardedParameters:
         for bucket in reversed(self.plan.buckets):
             while len(self._pending) >= _ALIVE:
                 self.finish_gather([next(iter(self._pending))])
-            self._flat_for(bucket.index)
-            self._copy_to_send(bucket.index)
-            self._start_gather(bucket)
+            direct = self._direct_for(bucket.index, False)
+            if direct is None:
+                self._flat_for(bucket.index)
+            self._copy_to_send(bucket.index, direct is not None)
+            self._start_gather(bucket, direct)
         self.finish_gather()
 
     @property
@@ -864,9 +931,10 @@ class ShardedParameters:
             for index in indices:
                 pending = self._pending.pop(index)
                 wait_for(pending)
-                self.plan.unflatten(pending.bucket, pending.flat, self._targets,
-                                    backend=self.reducer.backend)
-                self._drop_flat(index)
+                if pending.flat is not None:  # else broadcast into the parameters
+                    self.plan.unflatten(pending.bucket, pending.flat, self._targets,
+                                        backend=self.reducer.backend)
+                    self._drop_flat(index)
                 for slot in pending.bucket.tensor_indices:
                     param = self._targets_of[slot]
                     self._awaited.pop(param, None)
@@ -885,25 +953,29 @@ class ShardedParameters:
 
     def grad_norm(self, norm_type: float) -> torch.Tensor:
         """The norm of order ``norm_type`` of the whole reduced gradient, from
-        this rank's owned slices and one scalar all-reduce (fp32 on the
-        gradients' device; the same bits on every rank)."""
+        this rank's owned slices and one scalar all-reduce, on the gradients'
+        device, the same bits on every rank: fp32, or fp64 when a parameter
+        is fp64 (``clipping.norm_dtype_of``, as torch's ``clip_grad_norm_``)."""
         slices = [_slice_of(s.param.grad, s) for s in self.by_param.values()
                   if s.param.grad is not None]
         device = self.params[0].device if self.params else torch.device("cpu")
-        if slices:
-            norms = torch._foreach_norm(slices, norm_type)
-            local = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
-        else:
-            local = torch.zeros((), dtype=torch.float32, device=device)
+        # every rank's parameters, not its slices: the ranks agree on the dtype
+        dtype = norm_dtype_of(p.dtype for p in self.params)
+        # each slice's norm in its dtype, as torch takes each gradient's (its
+        # fast path for p = 2 on a CPU); the rest in fp64: fp32 p-th powers
+        # overflow from |x| ~ 1.8e19 for p = 2 (torch's 2e22 row)
+        norms = torch.stack([n.double() for n in torch._foreach_norm(slices, norm_type)]) \
+            if slices else torch.zeros(1, dtype=torch.float64, device=device)
         if norm_type == math.inf:
+            local = norms.max()  # NaN propagates
             if self.world_size > 1:
                 local = max_over_ranks(local, self.group, self.world_size)
-            return local
+            return local.to(dtype)
         # sums of p-th powers add across the ranks; the root is taken once
-        power = local.double() ** norm_type
+        power = norms.pow(norm_type).sum()
         if self.world_size > 1:
             dist.all_reduce(power, group=self.group)
-        return (power ** (1.0 / norm_type)).float()
+        return power.pow(1.0 / norm_type).to(dtype)
 
     # ------------------------------------------------------------- state
     def take_state(self, state: Dict[torch.Tensor, dict]) -> Dict[torch.Tensor, dict]:
@@ -971,64 +1043,46 @@ class ShardedParameters:
                      if isinstance(value, torch.Tensor) and value.device.type != "cpu"}
         return {"state": pack_pieces(pieces), "on_device": sorted(on_device)}
 
-    def gather_parts(self, part: dict, to: Optional[int] = None, *,
-                     chunk_bytes: int = 0, staged: Optional[bool] = None
-                     ) -> Optional[List[dict]]:
-        """Every rank's ``part_to_send`` (collective), in rank order, on every
-        rank (``to`` None) or on group rank ``to`` only (None elsewhere).
+    def gather_parts(self, part: dict, group, to: Optional[int] = None, *,
+                     chunk_bytes: int = 0) -> Optional[List[dict]]:
+        """Every rank's ``part_to_send`` (collective over ``group``, a gloo
+        group over the same ranks: ``checkpoint_group``), in ``group``'s rank
+        order, on every rank (``to`` None) or on ``group``'s rank ``to`` only
+        (None elsewhere).
 
-        The tensors travel as bytes through the group's own collectives, in
-        rounds of at most ``chunk_bytes`` (default ``GATHER_CHUNK_BYTES``)
-        per rank: on NCCL only ``world_size`` such chunks sit in device
-        memory at a time, however large the state (an object collective
-        would stage every rank's whole pickled part there), and nothing is
-        pickled but the layout. What arrives is kept on the host. The
-        rounds go through buffers on the communication device (``staged``;
-        default: when that is not the host, where gloo reads and writes the
-        host buffers themselves)."""
+        The tensors travel as bytes, from and into host buffers, in rounds of
+        at most ``chunk_bytes`` (default ``GATHER_CHUNK_BYTES``) per rank, so
+        that each collective ends within the group's timeout however large
+        the state; nothing is pickled but the layout."""
         chunk_bytes = chunk_bytes or GATHER_CHUNK_BYTES
+        world_size = dist.get_world_size(group)
         state, tensors = _without_data(part["state"])
-        layouts = [None] * self.world_size
-        receiving = to is None or dist.get_rank(self.group) == to
+        layouts = [None] * world_size
+        receiving = to is None or dist.get_rank(group) == to
         layout = {"state": state, "on_device": part["on_device"],
                   "specs": [(t.dtype, t.numel()) for t in tensors]}
         if to is None:
-            dist.all_gather_object(layouts, layout, group=self.group)
+            dist.all_gather_object(layouts, layout, group=group)
         else:
-            dst = dist.get_global_rank(self.group, to) if self.group is not None else to
-            dist.gather_object(layout, layouts if receiving else None, dst=dst,
-                               group=self.group)
+            dst = global_rank(group, to)
+            dist.gather_object(layout, layouts if receiving else None, dst=dst, group=group)
         offsets, size = _offsets(layout["specs"])
         # the ranks other than ``to`` have no layouts: the sizes come apart
-        sizes = _all_gather_sizes(size, self.group, self.world_size)
+        sizes = _all_gather_sizes(size, group, world_size)
         chunk = min(chunk_bytes, max(sizes))
         rounds = -(-max(sizes) // chunk) if chunk else 0
-        device = comm_device(self.group)
         stream = torch.empty(rounds * chunk, dtype=torch.uint8)
         for at, t in zip(offsets, tensors):
             stream[at:at + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
         received = [torch.empty(rounds * chunk, dtype=torch.uint8)
-                    for _ in range(self.world_size)] if receiving else None
-        if staged is None:
-            staged = device.type != "cpu"
-        if staged:
-            send = torch.empty(chunk, dtype=torch.uint8, device=device)
-            outs = [torch.empty(chunk, dtype=torch.uint8, device=device)
-                    for _ in range(self.world_size)] if receiving else None
+                    for _ in range(world_size)] if receiving else None
         for j in range(rounds):
             at = slice(j * chunk, (j + 1) * chunk)
-            if staged:
-                send.copy_(stream[at])
-            else:  # gloo reads and writes the host buffers themselves
-                send = stream[at]
-                outs = [r[at] for r in received] if receiving else None
+            outs = [r[at] for r in received] if receiving else None
             if to is None:
-                dist.all_gather(outs, send, group=self.group)
+                dist.all_gather(outs, stream[at], group=group)
             else:
-                dist.gather(send, outs, dst=dst, group=self.group)
-            if staged and receiving:
-                for r, out in zip(received, outs):
-                    r[at].copy_(out)
+                dist.gather(stream[at], outs, dst=dst, group=group)
         if not receiving:
             return None
         return [{"state": _with_data(got["state"], _read_stream(stream_r, got["specs"])),
@@ -1056,8 +1110,8 @@ class ShardedParameters:
         return full
 
 
-#: bytes per rank per round of the collective ``state_dict()``'s gather: on
-#: NCCL the gather holds ``world_size`` times this in device memory
+#: bytes per rank per round of the collective ``state_dict()``'s gather: each
+#: round must end within the checkpoint group's timeout (``checkpoint_timeout``)
 GATHER_CHUNK_BYTES = 64 * 2 ** 20
 
 

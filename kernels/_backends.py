@@ -20,18 +20,20 @@ A backend is one implementation of every kernel, with arguments the façade
                        per segment (``out`` may be ``a`` or ``b``)
 ``norm_powers``        ``(buffers, norm_type)``: each buffer's sum of
                        ``|x| ** p`` (max ``|x|`` for inf), a float64 vector
-``clip_scales``        ``(powers, postscales, max_norm, norm_type, loss_scale)``:
-                       ``(total_norm, scales)``, the clip coefficient times
-                       each postscale, on the device
+``clip_scales``        ``(powers, postscales, max_norm, norm_type, loss_scale,
+                       norm_dtype)``: ``(total_norm, scales)``, the norm in
+                       ``norm_dtype`` (fp32 or fp64), the clip coefficient
+                       times each postscale, on the device
 ``clip_buffers``       ``(buffers, postscales, max_norm, norm_type,
-                       loss_scale)``: ``clip_scales`` of ``norm_powers``
+                       loss_scale, norm_dtype)``: ``clip_scales`` of
+                       ``norm_powers``
 ``norm_partials``      ``(buffers, norm_type, share)``: the float64 partials
                        (row sums of powers on Triton, row norms on torch)
                        the two above finish per buffer, those of share
                        ``(index, count)`` only, the others zero: the shares'
                        vectors add up to the whole one, bit for bit
 ``clip_partials``      ``(partials, buffers, postscales, max_norm, norm_type,
-                       loss_scale)``: ``clip_buffers`` from the whole
+                       loss_scale, norm_dtype)``: ``clip_buffers`` from the whole
                        ``norm_partials`` (``clip_buffers`` is exactly this)
 =====================  =======================================================
 

@@ -239,20 +239,23 @@ def norm_variants():
                    {"NORM": code, "COMPUTE": getattr(triton.language, {"fp64": "float64",
                                                                        "fp32": "float32"}[compute]),
                     "ROW": norm.NORM_ROW, "ROWS": norm.ROWS_PER_PROGRAM}, norm.NUM_WARPS)
-        for sum_partials, finish, loss, loss_tensor in ((True, True, False, False),
-                                                    (True, True, True, True),
-                                                    (True, False, False, False),
-                                                    (False, True, True, False)):
+        for sum_partials, finish, loss, loss_tensor, norm64 in (
+                (True, True, False, False, False), (True, True, True, True, False),
+                (True, False, False, False, False), (False, True, True, False, False),
+                (True, True, False, False, True)):  # the last: fp64 gradients' norm
             yield (f"finish {label} partials={int(sum_partials)} finish={int(finish)} "
-                   f"loss={int(loss)}{'t' if loss_tensor else ''}", None, norm._finish_kernel,
+                   f"loss={int(loss)}{'t' if loss_tensor else ''} norm64={int(norm64)}", None,
+                   norm._finish_kernel,
                    {"partials": "*fp64", "ranges": "*i64", "powers": "*fp64", "post": "*fp64",
-                    "total_out": "*fp32", "scales_out": "*fp64", "n_buffers": "i32", "p": "fp32",
-                    "max_norm": "fp32", "loss_ptr": "*fp32", "loss_high": "i32",
-                    "loss_low": "i32", "NORM": "constexpr", "SUM_PARTIALS": "constexpr",
-                    "FINISH": "constexpr", "LOSS": "constexpr", "LOSS_TENSOR": "constexpr",
+                    "total_out": "*fp64" if norm64 else "*fp32", "scales_out": "*fp64",
+                    "n_buffers": "i32", "p": "fp32", "max_high": "i32", "max_low": "i32",
+                    "loss_ptr": "*fp32", "loss_high": "i32", "loss_low": "i32",
+                    "NORM": "constexpr", "SUM_PARTIALS": "constexpr", "FINISH": "constexpr",
+                    "LOSS": "constexpr", "LOSS_TENSOR": "constexpr", "NORM64": "constexpr",
                     "BLOCK": "constexpr"},
                    {"NORM": code, "SUM_PARTIALS": sum_partials, "FINISH": finish, "LOSS": loss,
-                    "LOSS_TENSOR": loss_tensor, "BLOCK": norm.FINISH_BLOCK}, norm.NUM_WARPS)
+                    "LOSS_TENSOR": loss_tensor, "NORM64": norm64, "BLOCK": norm.FINISH_BLOCK},
+                   norm.NUM_WARPS)
 
 
 def main_adasum(capability: int, kernel: str = "adasum") -> None:

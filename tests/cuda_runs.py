@@ -202,7 +202,8 @@ def reducer_job(rank, world_size, kind):
     for name, kwargs, nonfinite in REDUCER_CONFIGS:
         grads = gradients(rank, device, nonfinite and rank == world_size - 1)
         before = [g.clone() for g in grads]
-        params = [torch.empty(g.shape, dtype=g.dtype, device=device) for g in grads]
+        # placeholders, the same on every rank (the reducer checks that)
+        params = [torch.zeros(g.shape, dtype=g.dtype, device=device) for g in grads]
         reducer = DistributedGradReducer(params, **kwargs)
         # twice: the second call runs on the launches the first one prepared
         reduced = reducer(tuple(grads))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import io
@@ -33,8 +34,9 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 PYTHON = frozenset({"python", "py"})
 SHELL = frozenset({"bash", "sh", "console", "shell"})
-#: what may follow ``test:`` in a marker; ``skip`` needs its reason after it
-RUN, RUN_ONE_RANK, SKIP = "run", "run 1 rank", "skip"
+#: what may follow ``test:`` in a marker; ``skip`` needs its reason after it;
+#: ``output`` stands before a text block: what the run block before it prints
+RUN, RUN_ONE_RANK, SKIP, OUTPUT = "run", "run 1 rank", "skip", "output"
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,9 @@ class Block:
     line: int          # the opening fence's line (1-based); the code starts on the next
     language: str      # the info string's first word, lower case ("" for a bare fence)
     source: str        # the code, dedented by the fence's indentation
-    marker: str = ""   # RUN, RUN_ONE_RANK, SKIP or "" (none)
+    marker: str = ""   # RUN, RUN_ONE_RANK, SKIP, OUTPUT or "" (none)
     reason: str = ""   # SKIP's reason
+    expected: str = ""  # a run block's expected output: the OUTPUT block after it
 
     @property
     def kind(self) -> str:
@@ -106,7 +109,7 @@ def parse_marker(body: str) -> Tuple[str, str]:
     """``(action, reason)`` of a marker's text (``test: run``); ValueError if wrong."""
     match = re.fullmatch(r"test:\s*(?P<what>.*)", body, flags=re.S)
     what = " ".join(match["what"].split()) if match else ""
-    if what in (RUN, RUN_ONE_RANK):
+    if what in (RUN, RUN_ONE_RANK, OUTPUT):
         return what, ""
     if what.split(" ", 1)[0] == SKIP:
         reason = what[len(SKIP):].strip()
@@ -114,7 +117,8 @@ def parse_marker(body: str) -> Tuple[str, str]:
             raise ValueError("`<!-- test: skip -->` needs a reason: `<!-- test: skip REASON -->`")
         return SKIP, reason
     raise ValueError(f"unknown marker `<!-- {body} -->`: the markers are `<!-- test: run -->`, "
-                     f"`<!-- test: run 1 rank -->` and `<!-- test: skip REASON -->`")
+                     f"`<!-- test: run 1 rank -->`, `<!-- test: skip REASON -->` and "
+                     f"`<!-- test: output -->`")
 
 
 def _fences(lines: List[str]):
@@ -139,7 +143,9 @@ def scan(text: str, path: str) -> Tuple[List[Block], List[str]]:
     """The fenced code blocks of ``text``, and its marker problems (``path:line: why``).
 
     A marker applies to the code block right after it (only blank lines
-    between); ``run`` markers only to Python blocks. A fence that is never
+    between); ``run`` markers only to Python blocks; an ``output`` marker to
+    a block that is not Python or commands, right after a ``run`` block (only
+    prose between), whose ``expected`` it becomes. A fence that is never
     closed is a problem too: everything after it would silently be code.
     """
     blocks: List[Block] = []
@@ -162,6 +168,17 @@ def scan(text: str, path: str) -> Tuple[List[Block], List[str]]:
             if action in (RUN, RUN_ONE_RANK) and block.kind != "python":
                 problems.append(f"{path}:{pending[0]}: `<!-- test: {action} -->` is in front "
                                 f"of a ```{language} block; only Python blocks run")
+            if action == OUTPUT:
+                if block.kind:
+                    problems.append(f"{path}:{pending[0]}: `<!-- test: output -->` is in front "
+                                    f"of a ```{language} block; the output goes in a ```text "
+                                    f"block")
+                elif not blocks or blocks[-1].marker not in (RUN, RUN_ONE_RANK):
+                    problems.append(f"{path}:{pending[0]}: `<!-- test: output -->` must follow "
+                                    f"a `<!-- test: run -->` block (no other code block "
+                                    f"between)")
+                else:
+                    blocks[-1] = dataclasses.replace(blocks[-1], expected=block.source)
             blocks.append(block)
             pending = None
             index = end + 1

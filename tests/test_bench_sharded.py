@@ -16,7 +16,7 @@ import torch
 from bench_utils import check_record, positive_finite, run_bench_once
 from harness import run_ranks
 from fusedreduce.bench import cli, sharded_bench
-from fusedreduce.bench.models import transformer_shapes_for_size
+from fusedreduce.bench.models import linear_stack_shapes_for_size, transformer_shapes_for_size
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -52,7 +52,7 @@ def _elementwise(result, rank):
 def test_quick_sharded_exits_cleanly_and_prints_every_method_per_case(quick_run):
     process, _, _ = quick_run
     assert process.returncode == 0, process.stderr
-    for model in sharded_bench.MODELS:
+    for model in sharded_bench.DEFAULT_MODELS:
         for dtype in sharded_bench.DTYPES:
             assert f"## {model} {dtype}:" in process.stdout
     for method in sharded_bench.METHODS:
@@ -67,7 +67,7 @@ def test_every_configuration_ran_with_positive_finite_times(quick_run):
     assert record["config"]["world_sizes"] == [WORLD_SIZE]
     assert record["machine"]["dist_backend"] == "gloo"
     cases = _by_case(record)
-    assert set(cases) == {(m, d) for m in sharded_bench.MODELS for d in sharded_bench.DTYPES}
+    assert set(cases) == {(m, d) for m in sharded_bench.DEFAULT_MODELS for d in sharded_bench.DTYPES}
     for methods in cases.values():
         assert list(methods) == list(sharded_bench.METHODS)
         unsharded = methods["fused_adamw"]["time_ms"]
@@ -281,6 +281,25 @@ def _machine():
     return {"cpu_model": "cpu", "cores": 2, "gpu": None, "gpu_count": 0, "python": "3",
             "torch": torch.__version__, "triton": None, "kernel_backend": "torch",
             "dist_backend": "gloo", "loadavg_1min": None}
+
+
+def test_the_linear_stack_runs_every_method_with_its_few_large_tensors(tmp_path_factory):
+    """``--models linear-stack``: issue 44's shape (six 512x2048 linears at
+    6.3M parameters) at the quick size, every method timed."""
+    process, record, _ = run_bench_once(
+        tmp_path_factory, "sharded-linear-stack",
+        ["sharded", "--quick", "--models", "linear-stack", "--dtypes", "float32",
+         "--repeats", "1", "--no-progress"])
+    assert process.returncode == 0, process.stderr
+    assert "## linear-stack float32:" in process.stdout
+    rows = [r for r in record["results"] if r["model"] == "linear-stack"]
+    assert sorted(r["method"] for r in rows) == sorted(sharded_bench.METHODS)
+    shapes = linear_stack_shapes_for_size(sharded_bench.QUICK_SIZES[0])
+    for row in rows:
+        assert row["n_tensors"] == len(shapes) == 12
+        assert positive_finite(row["time_ms"]), row["method"]
+    assert linear_stack_shapes_for_size(6_300_000) == [(2048, 512), (2048,), (512, 2048),
+                                                      (512,)] * 3
 
 
 def test_the_decoder_has_the_transformer_parameter_list():

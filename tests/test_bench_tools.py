@@ -72,6 +72,19 @@ def test_bucket_view_memory_reports_every_method():
         assert step_ms > 0 and peak_mb >= 0
 
 
+@pytest.mark.timeout(TIMEOUT)
+def test_buffer_broadcast_reports_every_method_against_ddps():
+    process = subprocess.run(
+        [sys.executable, "-m", "fusedreduce.bench.buffer_broadcast", "--size", "30K",
+         "--rounds", "2"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert process.returncode == 0, process.stderr
+    lines = process.stdout.splitlines()
+    for method in ("broadcast_buffers", "ddp_coalesced", "broadcast_tensors", "per_buffer"):
+        line = next(line for line in lines if line.split()[0] == method)
+        assert float(line.split()[1]) > 0, line
+    assert next(line for line in lines if line.startswith("ddp_coalesced")).split()[3] == "1.00x"
+
+
 @pytest.mark.cuda_only
 @pytest.mark.timeout(TIMEOUT)
 def test_versus_revision_times_real_launches_on_the_gpu():

@@ -13,7 +13,7 @@ tensor scale, ``find_unused_parameters=True``, ``error_if_nonfinite=True``,
 every call (``adasum_allreduce``, the broadcasts) and a DDP hook state's first
 bucket (it checks the ranks' hook options). It also refuses what the
 host decides step by step and a replay would freeze: ``bcast_period`` > 0 and
-``backward_passes_per_step`` > 1.
+``backward_passes_per_step`` > 1; and ``buffers=``'s broadcast after each step.
 
 On the CPU, capture is simulated: ``kernels._checks.capturing`` is patched to
 say "capturing", tensors made from host data (``torch.tensor``,
@@ -196,8 +196,8 @@ def capture_on_rank(rank, world_size):
         runs = []
         for capture_from in (None, 2):
             model = _Net()
-            optimizer = DistributedOptimizer(sgd(model), param_pack_thd=150,
-                                             find_unused_parameters=False, **options)
+            # the default options otherwise: their steady state reads nothing
+            optimizer = DistributedOptimizer(sgd(model), param_pack_thd=150, **options)
             # the GPU's kernels (under Triton's interpreter): the torch
             # fallback reads a tensor scale on the host, which is refused
             optimizer.reducer.backend = "triton"
@@ -205,7 +205,8 @@ def capture_on_rank(rank, world_size):
             runs.append([p.detach().clone() for p in model.parameters()])
         results[name] = runs
     results["refused"] = {
-        "find_unused": _refusal(rank, lambda m: DistributedOptimizer(sgd(m))),
+        "find_unused": _refusal(rank, lambda m: DistributedOptimizer(
+            sgd(m), find_unused_parameters=True)),
         "error_if_nonfinite": _refusal(rank, lambda m: DistributedOptimizer(
             sgd(m), find_unused_parameters=False, max_grad_norm=1.0, error_if_nonfinite=True)),
         "shard": _refusal(rank, lambda m: DistributedOptimizer(
@@ -214,6 +215,10 @@ def capture_on_rank(rank, world_size):
         # replay would repeat the captured step's choice
         "bcast_period": _refusal(rank, lambda m: DistributedOptimizer(
             sgd(m), find_unused_parameters=False, bcast_period=3)),
+        # buffers= broadcasts after every step (a replay would not); on one
+        # rank there is nothing to broadcast, and the step captures
+        "buffers": _refusal(rank, lambda m: DistributedOptimizer(
+            sgd(m), find_unused_parameters=False, buffers=[torch.zeros(2)])),
         "accumulation": _accumulation_refusal(rank, lambda m: DistributedOptimizer(
             sgd(m), find_unused_parameters=False, backward_passes_per_step=2)),
         "reducer_call": _reducer_call_refusal(rank),
@@ -467,3 +472,13 @@ def test_the_gpu_capture_test_s_procedure_runs_on_the_cpu():
 def test_a_captured_step_replays_bitwise_as_the_eager_step(hooked, clipped):
     (seen,) = run_on_local_ranks(_capture_and_replay, 1, hooked, clipped, backend="nccl")
     _check_replays(seen)
+
+
+def test_buffers_broadcast_is_refused_during_capture_where_it_communicates(captured):
+    for rank, r in enumerate(captured):
+        message = r["refused"]["buffers"]
+        if len(captured) == 1:
+            assert message is None, message
+        else:
+            assert message is not None and "CUDA graph capture" in message and \
+                "call broadcast_buffers() between replays" in message, f"rank {rank}: {message}"

@@ -50,6 +50,11 @@ TORCH_ORDERS = {0.5: 1e5, 1.5: 10.0, 4.0: 0.5}
 SCALER_DTYPES = (torch.float32, torch.bfloat16, torch.float32, torch.float64)
 
 
+def norm_bits(norm):
+    """A norm's bits, whatever its dtype (NaN equal to itself)."""
+    return norm.reshape(1).view(torch.int64 if norm.dtype == torch.float64 else torch.int32)
+
+
 def _params(dtypes=DTYPES):
     return [torch.zeros(shape, dtype=dtype, requires_grad=True)
             for shape, dtype in zip(SHAPES, dtypes)]
@@ -391,6 +396,8 @@ def _reduced(results, steps=1, mean=True):
 
 
 def _assert_clipped(seen, want_norm, want, magnitudes, coefficient, world_size, steps, what):
+    # torch's per-dtype norms stack into fp64 beside the fp64 gradient
+    assert seen["norm"].dtype == torch.float64, what
     norm = float(seen["norm"])
     assert abs(norm - want_norm) <= NORM_RTOL * want_norm, f"{what}: norm {norm} vs {want_norm}"
     for i, (got, exact, magnitude) in enumerate(zip(seen["grads"], want, magnitudes)):
@@ -440,7 +447,7 @@ def test_clipped_gradients_are_torchs_clipping_of_the_reduced_ones(ranks_once, w
 def test_norm_and_gradients_are_the_same_bits_on_every_rank(ranks_once, world_size, name):
     results = [r[name] for r in ranks_once(world_size)]
     for rank, r in enumerate(results[1:], 1):
-        assert r["norm"].view(torch.int32) == results[0]["norm"].view(torch.int32), rank
+        assert norm_bits(r["norm"]) == norm_bits(results[0]["norm"]), rank
         for a, b in zip(r["grads"], results[0]["grads"]):
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), rank
 
@@ -453,7 +460,7 @@ def test_a_split_norm_gives_the_bits_of_every_rank_reading_all_of_it(ranks_once,
     # be those bits (each rank adds zeros to the others' row sums: exact)
     for rank, r in enumerate(ranks_once(world_size)):
         split, whole = r[f"{name}_split"], r[name]
-        assert split["norm"].view(torch.int32) == whole["norm"].view(torch.int32), rank
+        assert norm_bits(split["norm"]) == norm_bits(whole["norm"]), rank
         for a, b in zip(split["grads"], whole["grads"]):
             assert a.dtype == b.dtype and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), rank
 
@@ -467,7 +474,7 @@ def test_a_ddp_hooks_split_norm_gives_the_bits_of_the_unsplit_one(ranks_once, wo
             # one shared reading per step where there is anyone to share with
             assert split["shared"] == (0 if world_size == 1 else step + 1)
             assert whole["shared"] == 0
-            assert split["norm"].view(torch.int32) == whole["norm"].view(torch.int32), \
+            assert norm_bits(split["norm"]) == norm_bits(whole["norm"]), \
                 (rank, step)
             for a, b in zip(split["grads"], whole["grads"]):
                 assert a.dtype == b.dtype and torch.equal(a, b), (rank, step)
@@ -481,10 +488,10 @@ def test_a_split_norm_raises_alike_and_clips_adasum_and_scaled_gradients_alike(r
         assert r["ddp_inf_raises_split"] == r["ddp_inf_raises"]
         # under a GradScaler: the loss scale divides the shared norm alike
         split, whole = r["grad_scaler_split"], r["grad_scaler"]
-        assert split["norm"].view(torch.int32) == whole["norm"].view(torch.int32)
+        assert norm_bits(split["norm"]) == norm_bits(whole["norm"])
         assert all(torch.equal(a, b) for a, b in zip(split["grads"], whole["grads"]))
         split, whole = r["adasum_split"], r["adasum"]
-        assert split["norm"].view(torch.int32) == whole["norm"].view(torch.int32)
+        assert norm_bits(split["norm"]) == norm_bits(whole["norm"])
         assert all(torch.equal(a, b) for a, b in zip(split["clipped"], whole["clipped"]))
 
 
@@ -631,7 +638,7 @@ def test_under_the_limit_the_gradients_are_the_unclipped_reduction_bitwise(ranks
 def test_norm_type_inf_as_torch_spells_it_is_the_max_norm(ranks_once, world_size):
     for r in ranks_once(world_size):
         spelled, number = r["inf_norm_string"], r["inf_norm"]
-        assert spelled["norm"].view(torch.int32) == number["norm"].view(torch.int32)
+        assert norm_bits(spelled["norm"]) == norm_bits(number["norm"])
         assert all(torch.equal(a, b) for a, b in zip(spelled["grads"], number["grads"]))
 
 
@@ -644,12 +651,12 @@ def test_an_infinite_limit_measures_the_norm_and_leaves_the_gradients_bitwise(ra
                               ("measure_only_split", "l2")):
             seen = r[name]
             # the norm of the same reduced gradients: the clipping case's bits
-            assert seen["norm"].view(torch.int32) == r[clipped]["norm"].view(torch.int32), \
+            assert norm_bits(seen["norm"]) == norm_bits(r[clipped]["norm"]), \
                 (rank, name)
             assert all(torch.equal(a, b) for a, b in zip(seen["grads"], unclipped)), (rank, name)
         for step, (seen, plain, clipping) in enumerate(zip(
                 r["ddp_measure_only"], r["ddp_unclipped"], r["ddp_allreduce"])):
-            assert seen["norm"].view(torch.int32) == clipping["norm"].view(torch.int32)
+            assert norm_bits(seen["norm"]) == norm_bits(clipping["norm"])
             assert all(torch.equal(a, b) for a, b in zip(seen["grads"], plain["grads"])), step
         # torch's formula: an infinite limit over an infinite norm is NaN, so
         # every gradient becomes NaN (a GradScaler skips the step)

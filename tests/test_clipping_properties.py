@@ -38,7 +38,7 @@ from fusedreduce import DistributedGradReducer, DistributedOptimizer, communicat
 from fusedreduce.local_ranks import run_on_local_ranks
 from harness import ONE_BYTE_MB
 from reference import reference_clip, subnormal_spacing
-from test_clipping import NORM_RTOL
+from test_clipping import NORM_RTOL, norm_bits
 from test_sharded_pipelines import tensor_lists
 
 # under --device cuda the same cases run on the GPU with the compiled kernels:
@@ -146,6 +146,11 @@ def _judge(results, world_size, cases):
         reduction_norm = reference_clip(reduction, math.inf, norm_type)[0]
         grads, norm = results[0][c]
         assert norm is not None, what
+        # torch's dtype: its per-dtype norms stacked promote to fp64 beside
+        # fp64 gradients; 16-bit ones alone get fp32 here (fp16 in torch)
+        want_dtype = torch.float64 if any(d == torch.float64 for _, d, _ in specs) \
+            else torch.float32
+        assert norm.dtype == want_dtype, f"{what}: norm dtype {norm.dtype}"
         assert abs(float(norm) - want_norm) <= NORM_RTOL * want_norm + reduction_norm, \
             f"{what}: norm {float(norm)} vs {want_norm}"
         for i, (got, exact, error) in enumerate(zip(grads, want, reduction)):
@@ -158,7 +163,7 @@ def _judge(results, world_size, cases):
         for rank in range(1, world_size):
             other, other_norm = results[rank][c]
             # every rank reads the same reduced buffers in the same order
-            assert other_norm.view(torch.int32) == norm.view(torch.int32), f"{what}: rank {rank}"
+            assert norm_bits(other_norm) == norm_bits(norm), f"{what}: rank {rank}"
             assert all(torch.equal(a, b) for a, b in zip(other, grads)), f"{what}: rank {rank}"
 
 

@@ -184,7 +184,7 @@ def test_every_norm_kernel_compiles_without_atomics(capability):
     rows = [v for v in report["variants"] if v["name"].startswith("row_powers")]
     finishes = [v for v in report["variants"] if v["name"].startswith("finish")]
     # every norm (max, 1, 2, p) for every buffer dtype, and the finishing program's modes
-    assert len(rows) == 4 * len(ADASUM_BUFFERS) and len(finishes) == 4 * 4
+    assert len(rows) == 4 * len(ADASUM_BUFFERS) and len(finishes) == 4 * 5
     for variant in report["variants"]:
         name = f"{variant['name']} {variant['buffer']} sm_{capability}"
         assert variant["has_ptx"], f"{name}: no PTX"
@@ -196,6 +196,12 @@ def test_every_norm_kernel_compiles_without_atomics(capability):
             assert _instructions(variant, "add.f64", "add.rn.f64") > 0, variant
         if "loss=1" in variant["name"]:
             assert _instructions(variant, "div.rn.f64") >= 1, variant
+    # the 2-norm's finish divides in fp64 only for the coefficient of an fp64
+    # norm (fp64 gradients, as torch): an fp32 norm's is an fp32 division
+    for variant in finishes:
+        if variant["name"].startswith("finish two partials=1 finish=1 loss=0"):
+            fp64 = variant["name"].endswith("norm64=1")
+            assert (_instructions(variant, "div.rn.f64") >= 1) == fp64, variant
 
 
 def test_the_words_of_run_time_floats_are_never_specialised_on():

@@ -32,7 +32,11 @@ The conventions the docs are written to (tests/docs_blocks.py reads them):
   what differs from a new interpreter is said there), 5x faster than two
   interpreters per block.
   ``<!-- test: run 1 rank -->``: the same with one process. ``<!-- test:
-  skip REASON -->``: nothing is checked (a reason is required). Any other
+  skip REASON -->``: nothing is checked (a reason is required). ``<!-- test:
+  output -->`` before a ```text block right after a run block: the output
+  that block shows its reader; each of its non-blank lines must be a line
+  some rank printed (``rank N: ...`` lines rank N), so a shown output cannot
+  go stale. Any other
   comment line starting with ``test`` is an error, as is a marker that no
   code block follows. A ``skip`` marker may also stand before a command block.
 - **Commands**: each line of a command block (backslash continuations
@@ -77,7 +81,7 @@ import pytest
 
 import script_ranks
 from device_mode import VARIABLE
-from docs_blocks import (RUN, RUN_ONE_RANK, SKIP, Block, Exists, Extras, Help, MissingDependency,
+from docs_blocks import (OUTPUT, RUN, RUN_ONE_RANK, SKIP, Block, Exists, Extras, Help, MissingDependency,
                          Reference, Script, Wrong, argv_of, canonical_name, checks, command_lines,
                          fusedreduce_references, inline_code, scan, split_commands, unresolved)
 from fusedreduce.local_ranks import FAILURE_GRACE_S
@@ -256,6 +260,12 @@ def run_block(block: Block, directory: Path) -> None:
     for attempt in range(2):
         codes, outputs = _launch(script, world_size)
         if codes == [0] * world_size:
+            missing = missing_output(block.expected, outputs)
+            if missing:
+                pytest.fail(f"{block.id}: the output shown after the block has lines no rank "
+                            f"printed: {missing}; the ranks printed:\n" + "\n".join(
+                                f"--- rank {rank}:\n{output[-TAIL:]}"
+                                for rank, output in enumerate(outputs)), pytrace=False)
             return
         if attempt == 0 and any(EXIT_ABORT in output or PORT_TAKEN in output
                                 for output in outputs):
@@ -265,6 +275,21 @@ def run_block(block: Block, directory: Path) -> None:
                         for rank, (code, output) in enumerate(zip(codes, outputs)))
         pytest.fail(f"{block.id}: the block failed on {world_size} rank(s) "
                     f"(line numbers are the file's):{tails}", pytrace=False)
+
+
+def missing_output(expected: str, outputs: List[str]) -> List[str]:
+    """The lines of a block's shown output that no rank printed: a line
+    ``rank N: ...`` must be one of rank N's lines, any other one of some
+    rank's (surrounding white space aside)."""
+    printed = [{line.strip() for line in output.splitlines()} for output in outputs]
+    missing = []
+    for line in filter(None, (line.strip() for line in expected.splitlines())):
+        match = re.match(r"rank (\d+):", line)
+        ranks = [int(match[1])] if match and int(match[1]) < len(printed) else \
+            range(len(printed))
+        if not any(line in printed[rank] for rank in ranks):
+            missing.append(line)
+    return missing
 
 
 def _help_argvs() -> List[Tuple[str, ...]]:
@@ -458,6 +483,33 @@ def test_a_marker_must_be_followed_by_a_code_block_and_run_only_python():
         "d.md:1: the marker is not followed by a code block",
         "d.md:6: `<!-- test: run -->` is in front of a ```bash block; only Python blocks run",
         "d.md:10: the marker is not followed by a code block"]
+
+
+def test_an_output_block_is_the_expected_output_of_the_run_block_before_it():
+    blocks, problems = scan("<!-- test: run -->\n```python\nprint('rank 0: hi')\n```\n"
+                            "It prints:\n\n<!-- test: output -->\n```text\nrank 0: hi\n```\n",
+                            "d.md")
+    assert problems == [] and blocks[0].expected == "rank 0: hi\n"
+    assert blocks[1].marker == OUTPUT
+
+
+def test_an_output_block_needs_a_run_block_before_it_and_a_text_fence():
+    _, problems = scan("```python\npass\n```\n<!-- test: output -->\n```text\nx\n```\n"
+                       "<!-- test: run -->\n```python\npass\n```\n"
+                       "<!-- test: output -->\n```python\nx\n```\n", "d.md")
+    assert problems == [
+        "d.md:4: `<!-- test: output -->` must follow a `<!-- test: run -->` block (no other "
+        "code block between)",
+        "d.md:12: `<!-- test: output -->` is in front of a ```python block; the output goes "
+        "in a ```text block"]
+
+
+def test_shown_output_lines_must_be_printed_by_the_rank_they_name():
+    outputs = ["rank 0: 4 of 4\nrank 0: done\n", "rank 1: 2 of 4\nsame everywhere\n"]
+    assert missing_output("rank 0: 4 of 4\n\n  rank 1: 2 of 4\nsame everywhere\n",
+                          outputs) == []
+    assert missing_output("rank 1: 4 of 4\nrank 0: 3 of 4\nnowhere\n", outputs) == [
+        "rank 1: 4 of 4", "rank 0: 3 of 4", "nowhere"]
 
 
 def test_markers_inside_code_blocks_and_other_comments_are_text():

@@ -6,7 +6,7 @@ import pytest
 
 MODULES = ["fusedreduce.kernels", "fusedreduce.kernels._checks", "fusedreduce.kernels._common",
            "fusedreduce.kernels._backends", "fusedreduce.kernels._prepared", "fusedreduce.buckets",
-           "fusedreduce.precision"]
+           "fusedreduce.precision", "fusedreduce.clipping"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -100,9 +100,11 @@ def test_clip_buffers_gives_torchs_coefficient_times_each_postscale(backend, dev
     loss_scale = {"tensor": torch.tensor(64.0, device=device),
                   "int tensor": torch.tensor(64, device=device),
                   "cpu tensor": torch.tensor([64.0], dtype=torch.float64)}.get(loss, loss)
+    # fp32, or fp64 as for fp64 gradients (the rows are summed alike either way)
+    norm_dtype = data.draw(st.sampled_from([torch.float32, torch.float64]))
     total, scales = clipping.clip_buffers(buffers, postscales, max_norm, norm_type, loss_scale,
-                                          backend=backend)
-    assert total.dtype == torch.float32 and total.shape == ()
+                                          backend=backend, norm_dtype=norm_dtype)
+    assert total.dtype == norm_dtype and total.shape == ()
     assert len(scales) == len(buffers) and all(s.dtype == torch.float64 and s.numel() == 1
                                                for s in scales)
     powers = [_exact_power(b, norm_type) for b in buffers]
@@ -119,8 +121,10 @@ def test_clip_buffers_gives_torchs_coefficient_times_each_postscale(backend, dev
     again_total, again = clipping.clip_scales(clipping.norm_powers(buffers, norm_type,
                                                                    backend=backend),
                                               postscales, max_norm, norm_type, loss_scale,
-                                              backend=backend)
-    assert again_total.view(torch.int32) == total.view(torch.int32)
+                                              backend=backend, norm_dtype=norm_dtype)
+    assert again_total.reshape(1).view(torch.int64 if norm_dtype == torch.float64
+                                       else torch.int32) == \
+        total.reshape(1).view(torch.int64 if norm_dtype == torch.float64 else torch.int32)
     assert all(a.view(torch.int64) == s.view(torch.int64) for a, s in zip(again, scales))
 
 
@@ -136,6 +140,39 @@ def test_a_nonfinite_value_gives_a_nonfinite_norm(backend, device, norm_type, po
     # torch's coefficient: NaN for a NaN norm (every gradient NaN), 0 for an inf one
     for scale in scales:
         assert math.isnan(float(scale)) if want_norm == "nan" else float(scale) == 0.0
+
+
+#: fp64 rows are summed in fp64: log2(NORM_ROW) roundings of eps64 each (4x
+#: for margin), and the root 1/p (p < 1) or power p multiplies the relative error
+FP64_RTOL = 4 * math.log2(NORM_ROW) * torch.finfo(torch.float64).eps
+
+
+@pytest.mark.parametrize("norm_type", [0.1, 1.0, 2.0, 3.5, math.inf])
+def test_fp64_buffers_past_fp32s_range_give_torchs_fp64_norm_and_coefficient(backend, device,
+                                                                            norm_type):
+    # torch's 2e200 row (test_clip_grad_norm_error_if_nonfinite), beside
+    # ordinary values: |x| ** p stays finite in fp64 for p = 0.1, 1 and the
+    # max norm, and overflows (an inf norm, as torch's) for p = 2 and 3.5
+    gen = torch.Generator().manual_seed(3)
+    big = torch.full((10,), 2e200, dtype=torch.float64)
+    big[1::2] *= -1
+    buffers = [torch.cat([big, torch.randn(NORM_ROW + 5, generator=gen,
+                                           dtype=torch.float64)]).to(device),
+               torch.randn(7, generator=gen, dtype=torch.float64).to(device)]
+    postscales = [0.5, 0.5]
+    total, scales = clipping.clip_buffers(buffers, postscales, 1.0, norm_type, backend=backend,
+                                          norm_dtype=torch.float64)
+    assert total.dtype == torch.float64
+    if norm_type in (2.0, 3.5):
+        assert float(total) == math.inf and all(float(s) == 0.0 for s in scales)
+        return
+    want_total, want_scales = _reference_clip(
+        [_exact_power(b, norm_type) for b in buffers], postscales, 1.0, norm_type, None)
+    rtol = max(norm_type, 1 / norm_type) * FP64_RTOL if norm_type != math.inf else 0.0
+    assert abs(float(total) - want_total) <= rtol * want_total, (float(total), want_total)
+    for got, want in zip(scales, want_scales):
+        # the coefficient is 1 / total, one fp64 division more
+        assert abs(float(got) - want) <= (rtol + 4 * FP64_RTOL) * abs(want), (float(got), want)
 
 
 def test_the_same_buffers_give_the_same_bits_and_moved_ones_are_read_where_they_are(backend,

@@ -175,11 +175,12 @@ def _replicas(rank, world_size):
     for k in range(4):
         step(model, opt, k)
     seen["0: 4 steps after a later divergence"] = _params(model)
-    # -1: never
+    # -1: never (replicas that differ at construction are refused:
+    # tests/test_replicas.py)
     model = _mlp(dtype)
+    opt = DistributedOptimizer(_make("sgd", model.parameters()), bcast_period=-1)
     if rank == 1:
         _perturb(model)
-    opt = DistributedOptimizer(_make("sgd", model.parameters()), bcast_period=-1)
     seen["-1: after construction"] = _params(model)
     for k in range(4):
         step(model, opt, k)
@@ -453,7 +454,7 @@ DIFFERING_OPTIONS = {
     "adasum": {"reduce_method": "adasum"},
     "shard": {"shard": True},
     "passes": {"backward_passes_per_step": 2},
-    "find_unused": {"find_unused_parameters": False},
+    "find_unused": {"find_unused_parameters": True},
     "clipping": {"max_grad_norm": 1.0},
 }
 
@@ -602,3 +603,133 @@ def test_adding_a_group_between_the_passes_of_a_step_is_refused_and_changes_noth
         assert "between the backward passes of one step" in seen["between passes"]
         assert "no_sync" in seen["inside no_sync"]
         assert seen["groups"] == 1
+
+
+# ------------------------------------------------ parameters without gradients
+class _Branches(nn.Module):
+    """A trunk every rank uses, a branch no rank uses in odd steps, and one
+    that rank 0 alone uses (float64, so a reference mean is exact enough)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.sometimes, self.rank0 = (nn.Linear(4, 4).double() for _ in range(3))
+
+    def forward(self, x, step, rank):
+        h = self.trunk(x)
+        if step % 2 == 0:
+            h = self.sometimes(h)
+        if rank == 0:
+            h = self.rank0(h)
+        return h.square().mean()
+
+
+#: the tensor methods that read a value to the host
+HOST_READS = ("item", "tolist", "__bool__")
+
+
+def _counting_host_reads(counts):
+    """Patch ``HOST_READS`` to count into ``counts``; returns the undo."""
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    for name, original in originals.items():
+        def counted(self, *args, _original=original, **kwargs):
+            counts.append(1)
+            return _original(self, *args, **kwargs)
+        setattr(torch.Tensor, name, counted)
+    return lambda: [setattr(torch.Tensor, n, f) for n, f in originals.items()]
+
+
+def _branches_training(rank, world_size, shard, find_unused=None):
+    """Four steps of ``_Branches`` under ``DistributedOptimizer``, with
+    ``find_unused_parameters=find_unused`` (None: the default): per step each parameter's reduced ``.grad`` (None
+    kept), this rank's own gradients (float64, before any reduction), and
+    the host reads of the backward and step; the warnings seen."""
+    ours, local = _Branches(), _Branches()
+    optimizer = DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1),
+                                     shard=shard, param_pack_thd=100,
+                                     **({} if find_unused is None
+                                        else {"find_unused_parameters": find_unused}))
+    steps = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            x = torch.randn(3, 4, dtype=torch.float64,
+                            generator=torch.Generator().manual_seed(10 * rank + step))
+            with torch.no_grad():
+                for a, b in zip(local.parameters(), ours.parameters()):
+                    a.copy_(b)
+            local.zero_grad()
+            local(x, step, rank).backward()
+            loss = ours(x, step, rank)
+            reads = []
+            undo = _counting_host_reads(reads)
+            try:
+                loss.backward()
+                grads = [None if p.grad is None else p.grad.clone() for p in ours.parameters()]
+                optimizer.step()
+            finally:
+                undo()
+            optimizer.zero_grad()
+            steps.append({"grads": grads, "reads": len(reads),
+                          "local": [None if p.grad is None else p.grad.clone()
+                                    for p in local.parameters()]})
+    return {"default": optimizer.find_unused_parameters,
+            "reducer": optimizer.reducer.unused_grads_to_none, "steps": steps,
+            "warned": [str(w.message) for w in caught
+                       if "had no gradient on this rank" in str(w.message)]}
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("shard", [False, True])
+def test_by_default_a_missing_gradient_is_zeros_with_one_warning_and_no_host_read(shard):
+    world_size = 3
+    results = run_ranks(_branches_training, world_size, shard, timeout=TIMEOUT)
+    names = ["trunk.weight", "trunk.bias", "sometimes.weight", "sometimes.bias",
+             "rank0.weight", "rank0.bias"]
+    for rank, r in enumerate(results):
+        # DDP's default: no count of who had each gradient
+        assert r["default"] is False and r["reducer"] is False, rank
+        # rank 0 misses "sometimes" in odd steps, ranks 1 and 2 "rank0" in
+        # every step: each warns once, from what it knows locally
+        assert len(r["warned"]) == 1, (rank, r["warned"])
+        assert "find_unused_parameters=True" in r["warned"][0]
+        for step, s in enumerate(r["steps"]):
+            if not shard:
+                # nothing read to the host in backward or step (sharded, the
+                # ranks' non-finite count is read anyway)
+                assert s["reads"] == 0, (rank, step, s["reads"])
+            for i, name in enumerate(names):
+                grad = s["grads"][i]
+                # never None: a parameter no rank used ("sometimes" in odd
+                # steps) gets zeros, one rank 0 alone used the mean with zeros
+                assert grad is not None, (rank, step, name)
+                if shard:
+                    # each rank holds the elements it owns, zeros elsewhere:
+                    # the ranks' .grad add up to the whole reduced gradient
+                    grad = sum(q["steps"][step]["grads"][i] for q in results)
+                else:
+                    assert torch.equal(grad, results[0]["steps"][step]["grads"][i]), \
+                        f"rank {rank} differs from rank 0: step {step}, {name}"
+                # the mean of the ranks' own gradients (missing ones zeros),
+                # summed in float64: the fused mean rounds a few times, so a
+                # few float64 eps of the largest gradient
+                own = [q["steps"][step]["local"][i] for q in results]
+                mean = sum(torch.zeros_like(grad) if g is None else g for g in own) / world_size
+                scale = max(float(g.abs().max()) for g in own if g is not None) \
+                    if any(g is not None for g in own) else 0.0
+                assert torch.allclose(grad, mean, rtol=0, atol=8 * torch.finfo(
+                    torch.float64).eps * max(scale, 1e-300)), (rank, step, name)
+            if step % 2:  # and the zeros are exact
+                assert not s["grads"][2].any() and not s["grads"][3].any(), (rank, step)
+
+
+def test_finding_unused_parameters_reads_the_ranks_answer_on_the_host_at_every_backward():
+    """The contrast that makes the test above able to fail: with the rule on,
+    each backward's decision (None or a tensor) is read to the host."""
+    results = run_ranks(_branches_training, 2, False, True, timeout=TIMEOUT)
+    for rank, r in enumerate(results):
+        assert all(s["reads"] > 0 for s in r["steps"]), (rank, [s["reads"] for s in r["steps"]])
+        assert r["warned"] == []
+        # no rank used "sometimes" in odd steps: None, so SGD skips it
+        assert all((s["grads"][2] is None) == (step % 2 == 1)
+                   for step, s in enumerate(r["steps"])), rank

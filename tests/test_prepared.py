@@ -838,12 +838,14 @@ def test_destinations_moved_onto_each_other_are_refused(backend, fresh):
 
 
 def test_spans_clear_is_the_validation_rule_for_contiguous_tensors():
-    # against the full validation's own pairwise rule, on random spans
+    # against the full validation's own pairwise rule, on random spans: few
+    # (checked in Python) and more than SMALL_SPANS (checked with numpy)
     import numpy as np
     generator = torch.Generator().manual_seed(0)
-    for _ in range(300):
-        count = int(torch.randint(1, 6, (1,), generator=generator))
-        starts = torch.randint(0, 64, (count,), generator=generator).tolist()
+    for case in range(600):
+        most = 6 if case % 2 else 2 * _prepared.SMALL_SPANS
+        count = int(torch.randint(1, most, (1,), generator=generator))
+        starts = torch.randint(0, 64 * (1 + count // 6), (count,), generator=generator).tolist()
         sizes = torch.randint(0, 9, (count,), generator=generator).tolist()
         lo = int(torch.randint(0, 64, (1,), generator=generator))
         hi = lo + int(torch.randint(0, 16, (1,), generator=generator))

@@ -37,6 +37,7 @@ import copy
 import math
 import os
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
@@ -46,6 +47,7 @@ from torch import nn
 import fusedreduce
 from fusedreduce import (DistributedGradReducer, DistributedOptimizer,
                          consolidate_sharded_state_dict)
+from fusedreduce import sharded_optimizer
 from fusedreduce.buckets import storage_bytes
 from fusedreduce.sharded_checkpoint import pieces_of
 from harness import (FailingBackward, assert_raised_before_any_collective, outcomes_and_collectives,
@@ -110,16 +112,21 @@ def _step_reference(model, masters, plain, grads):
 # ---------------------------------------------------------------- scenarios
 
 def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1,
-                 reduce_method="mean", param_pack=True, reduce_scatter=False, **options):
+                 reduce_method="mean", param_pack=True, reduce_scatter=False,
+                 gather_direct=False, **options):
     """Sharded vs the all-reduce reference, ``STEPS`` steps. ``reduce_scatter``:
     NCCL's path (a reduce-scatter and an all-gather per bucket) even on gloo,
     where the reducer all-reduces, as gloo's reduce-scatter does inside, and
-    the parameters come back by one broadcast per rank."""
+    the parameters come back by one broadcast per rank. ``gather_direct``:
+    on gloo every bucket of one dtype comes back by one broadcast per tensor
+    range straight into the parameters, as a model of large tensors does."""
     kwargs = {} if dtypes is None else {"dtypes": dtypes}
     model, reference = _model(**kwargs), _model(**kwargs)
-    optimizer = DistributedOptimizer(make(model.parameters()), reduce_method=reduce_method,
-                                     param_pack=param_pack, param_pack_thd=cap_bytes,
-                                     backward_passes_per_step=passes, shard=True, **options)
+    with mock.patch.object(sharded_optimizer, "_DIRECT_MEAN_NUMEL",
+                           0 if gather_direct else sharded_optimizer._DIRECT_MEAN_NUMEL):
+        optimizer = DistributedOptimizer(make(model.parameters()), reduce_method=reduce_method,
+                                         param_pack=param_pack, param_pack_thd=cap_bytes,
+                                         backward_passes_per_step=passes, shard=True, **options)
     events = []
     if reduce_scatter:
         # NCCL's path: a reduce-scatter and an all-gather per bucket, both in place
@@ -130,7 +137,8 @@ def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1
                                      mean=reduce_method == "mean")
     masters, plain = _masters_reference(reference, make,
                                         options.get("master_dtype", torch.float32))
-    seen = {"params": [], "reference": [], "buckets": len(optimizer.reducer.plan.buckets)}
+    seen = {"params": [], "reference": [], "buckets": len(optimizer.reducer.plan.buckets),
+            "direct_buckets": sum(d is not None for d in optimizer.sharded._direct)}
     for step in range(STEPS):
         for k in range(passes):
             _loss(model, rank, step, k).backward()
@@ -138,6 +146,7 @@ def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1
         if step == 0:
             seen["local"] = [p.grad.double() for p in reference.parameters()]
             seen["owned"] = _owned_grads(optimizer, model)
+            seen["outside"] = _largest_not_owned(optimizer, model)
         grads = reducer([p.grad for p in reference.parameters()])
         reference.zero_grad()
         optimizer.step()
@@ -160,6 +169,21 @@ def _owned_grads(optimizer, model):
     return [(index[id(s.param)], s.range.start, s.range.end,
              s.param.grad.detach().reshape(-1)[s.range.start:s.range.end].double())
             for s in optimizer.sharded.by_param.values() if s.param.grad is not None]
+
+
+def _largest_not_owned(optimizer, model):
+    """The largest magnitude in the ``.grad`` elements this rank does not own
+    (0.0 where it owns them all)."""
+    largest = 0.0
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        rest = p.grad.detach().reshape(-1).double().clone()
+        shard = optimizer.sharded.by_param.get(p)
+        if shard is not None:
+            rest[shard.range.start:shard.range.end] = 0
+        largest = max(largest, float(rest.abs().max()))
+    return largest
 
 
 def _adamw(params):
@@ -577,8 +601,8 @@ def _checkpoints(rank, world_size):
 def _gathered_in_rounds(rank, world_size):
     """The collective state_dict()'s gather (``gather_parts``) in many
     rounds of a few bytes (cutting elements apart; ranks holding different
-    byte counts), through staging buffers (NCCL's way, here on the host) or
-    into the host buffers themselves, to every rank and to one: per case,
+    byte counts), on the optimizer's checkpoint group, to every rank and to
+    one: per case,
     whether the state put together is bitwise (dtypes too) the one-round
     gather's, and None where the rank gets nothing."""
     model = _model()
@@ -589,25 +613,25 @@ def _gathered_in_rounds(rank, world_size):
         optimizer.zero_grad()
     sharded = optimizer.sharded
     part = sharded.part_to_send(optimizer.state)
-    want = sharded.whole_state(sharded.gather_parts(part))
+    checkpoint = optimizer._checkpoint_group
+    want = sharded.whole_state(sharded.gather_parts(part, checkpoint))
     sizes = [None] * world_size
     dist.all_gather_object(sizes, sum(t.numel() * t.element_size() for entry in
                                       part["state"]["slices"].values() for t in entry["data"]))
     seen = {"sizes": sizes}
     for chunk in (7, 100, 10 ** 6):
-        for staged in (False, True):
-            for to in (None, world_size - 1):
-                parts = sharded.gather_parts(part, to, chunk_bytes=chunk, staged=staged)
-                if to is not None and rank != to:
-                    seen[(chunk, staged, to)] = None if parts is None else "got parts"
-                    continue
-                got = sharded.whole_state(parts)
-                seen[(chunk, staged, to)] = list(got) == list(want) and all(
-                    list(got[p]) == list(entry) and all(
-                        not isinstance(v, torch.Tensor) or
-                        (got[p][k].dtype == v.dtype and torch.equal(got[p][k], v))
-                        for k, v in entry.items())
-                    for p, entry in want.items())
+        for to in (None, world_size - 1):
+            parts = sharded.gather_parts(part, checkpoint, to, chunk_bytes=chunk)
+            if to is not None and rank != to:
+                seen[(chunk, to)] = None if parts is None else "got parts"
+                continue
+            got = sharded.whole_state(parts)
+            seen[(chunk, to)] = list(got) == list(want) and all(
+                list(got[p]) == list(entry) and all(
+                    not isinstance(v, torch.Tensor) or
+                    (got[p][k].dtype == v.dtype and torch.equal(got[p][k], v))
+                    for k, v in entry.items())
+                for p, entry in want.items())
     return seen
 
 
@@ -840,6 +864,9 @@ def on_rank(rank, world_size):
         "adamw_fused": _equivalence(rank, world_size, _adamw_fused,
                                     dtypes=(torch.float32,) * 3),
         "adamw_reduce_scatter": _equivalence(rank, world_size, _adamw, reduce_scatter=True),
+        "adamw_direct": _equivalence(rank, world_size, _adamw, gather_direct=True),
+        "adamw_direct_grads_sharded": _equivalence(rank, world_size, _adamw, gather_direct=True,
+                                                   shard_gradients=True),
         "sgd_unpacked_sum": _equivalence(rank, world_size, _sgd, param_pack=False,
                                          reduce_method="sum"),
         "accumulation_fp64": _equivalence(rank, world_size, _adamw, passes=2,
@@ -1281,11 +1308,12 @@ def ranks_once(request, tmp_path_factory):
 WORLD_SIZES = [1, 2, 3, 4]
 EQUIVALENCE = ["adamw", "adamw_reduce_scatter", "adamw_fused", "sgd_unpacked_sum",
                "accumulation_fp64", "bf16_without_masters", "adamw_grads_sharded",
-               "accumulation_grads_sharded"]
+               "accumulation_grads_sharded", "adamw_direct", "adamw_direct_grads_sharded"]
 #: per-element state tensors each parameter has: AdamW's two moments, SGD's momentum
 STATE_TENSORS = {"adamw": 2, "adamw_reduce_scatter": 2, "adamw_fused": 2,
                  "sgd_unpacked_sum": 1, "accumulation_fp64": 2, "bf16_without_masters": 2,
-                 "adamw_grads_sharded": 2, "accumulation_grads_sharded": 2}
+                 "adamw_grads_sharded": 2, "accumulation_grads_sharded": 2,
+                 "adamw_direct": 2, "adamw_direct_grads_sharded": 2}
 
 
 @pytest.mark.parametrize("name", EQUIVALENCE)
@@ -1295,11 +1323,16 @@ def test_sharded_steps_are_the_all_reduce_steps(ranks_once, world_size, name):
     first = results[0]
     if name != "bf16_without_masters" and name != "sgd_unpacked_sum":
         assert first["buckets"] > 1
+    if name.startswith("adamw_direct"):
+        # gloo gathers these (not a world of one, which gathers nothing)
+        assert (first["direct_buckets"] > 0) == (world_size > 1)
     if name == "adamw_reduce_scatter":
         # one per bucket and step (a world of one rank communicates nothing)
         assert first["reduce_scatters"] == (STEPS * first["buckets"] if world_size > 1 else 0)
         assert first["all_gathers"] == first["reduce_scatters"]
     for rank, seen in enumerate(results):
+        # a rank's .grad holds its reduced part and zeros elsewhere
+        assert seen["outside"] == 0.0, f"rank {rank}"
         for step in range(STEPS):
             for i, (got, want) in enumerate(zip(seen["params"][step], seen["reference"][step])):
                 assert got.dtype == want.dtype
@@ -1645,10 +1678,10 @@ def test_the_state_gathers_alike_in_any_number_of_rounds(ranks_once, world_size)
         assert len(set(results[0]["sizes"])) > 1, results[0]["sizes"]
     for rank, seen in enumerate(results):
         cases = {k: v for k, v in seen.items() if k != "sizes"}
-        assert len(cases) == 12
-        for (chunk, staged, to), outcome in cases.items():
+        assert len(cases) == 6
+        for (chunk, to), outcome in cases.items():
             want = None if to is not None and rank != to else True
-            assert outcome is want, (rank, chunk, staged, to, outcome)
+            assert outcome is want, (rank, chunk, to, outcome)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -13,15 +13,27 @@ adds one ``_foreach_mul_`` (or, filling a flat buffer, one ``mul_`` per run of
 segments); a scaled 16-bit destination takes one ``torch.mul(src, scale,
 out=dst)`` per pair (from an fp32 buffer: ``ScaledNarrowing``); only fp64
 into 16 bits and fp16<->bf16 with a scale go piece by piece.
+
+Those routes are one *strategy*; torch's own multi-tensor ops are others
+(``STRATEGIES``: one ``_foreach_copy_`` and one ``mul_`` of the whole buffer,
+``torch.cat(out=)``, ``torch.split_with_sizes_copy(out=)``, a loop of
+``copy_``), each offered only for the layouts and kinds of call (scale 1 or
+not) where it computes exactly the element rule above. Which one is fastest
+depends on the layout and the machine, so a kept launch on the CPU times the
+candidates on its real tensors at its second call of a kind (``Choice``) and
+keeps the fastest for every later call of that kind; the results are the
+same bits whichever runs. ``FUSEDREDUCE_TORCH_STRATEGY`` forces one.
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Sequence, Tuple
+import os
+import time
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .._common import SIXTEEN_BIT_DTYPES, compute_dtype, round_into
+from .._common import SIXTEEN_BIT_DTYPES, compute_dtype, packed_boundaries, round_into
 from .._checks import refuse_in_capture
 
 # elements per piece: 256 KiB of fp32, so the second pass over a piece hits L2
@@ -32,6 +44,29 @@ CACHE_PIECE = 1 << 16
 # elements 9.3 ms against 12.2 ms for ResNet-50's gradients on the 2-core VM
 # (the single-tensor copy: 6.9 ms), and no slower at 4M elements
 SCALE_GROUP = 1 << 20
+
+#: the environment variable that forces one strategy of the torch fallback's
+#: kept launches (read when a layout is prepared): ``auto`` (unset) times them
+STRATEGY_VARIABLE = "FUSEDREDUCE_TORCH_STRATEGY"
+#: the strategies: ``routes`` (``CopyPlan``, always offered), ``foreach`` (one
+#: ``_foreach_copy_``, then one ``mul_`` of the whole buffer or one
+#: ``_foreach_mul_`` of the outputs), ``concat`` (``torch.cat(out=)`` /
+#: ``torch.split_with_sizes_copy(out=)``, packed contiguous layouts),
+#: ``per_tensor`` (one ``copy_`` per tensor, then the same scaling)
+STRATEGIES = ("routes", "foreach", "concat", "per_tensor")
+#: a trial runs every candidate, round-robin, at least the first and at most
+#: the second number of rounds, and starts no new round once it has taken
+#: ``TRIAL_BUDGET_S``: the minimum of several runs, so that one run slowed by
+#: another process does not decide, and a bounded cost (ResNet-50's 161
+#: gradients on a 2-core CPU: 4 candidates, ~0.1 ms a run at 250K elements,
+#: ~10 ms at 25.6M, so 10 rounds in ~4 ms, or 2 rounds in ~80 ms)
+TRIAL_ROUNDS = (2, 10)
+TRIAL_BUDGET_S = 0.02
+#: another strategy replaces ``routes`` only when its shortest run is shorter
+#: by more than this fraction: on a busy CPU one candidate's runs vary by
+#: more than the few percent that separate close candidates, and a choice
+#: made on noise would be kept for good
+TRIAL_MARGIN = 0.05
 
 _WIDENS_TO = {
     torch.float16: {torch.float32, torch.float64},
@@ -222,6 +257,93 @@ class CopyPlan:
                 _apply(_write_scaled, dsts[i], srcs[i], scale)
 
 
+def forced_strategy() -> Optional[str]:
+    """The strategy ``FUSEDREDUCE_TORCH_STRATEGY`` forces, or None (unset or ``auto``).
+
+    Raises:
+        ValueError: the variable holds anything else.
+
+    Examples:
+        >>> forced_strategy() in (None,) + STRATEGIES
+        True
+    """
+    value = os.environ.get(STRATEGY_VARIABLE, "auto").strip().lower()
+    if value == "auto":
+        return None
+    if value not in STRATEGIES:
+        raise ValueError(f"{STRATEGY_VARIABLE} must be 'auto' or one of {STRATEGIES}, got "
+                         f"{os.environ[STRATEGY_VARIABLE]!r}")
+    return value
+
+
+class Choice:
+    """A kept launch's strategies for each kind of call, and the one kept for each.
+
+    ``candidates``: ``{kind: {name: fn}}``, ``routes`` first in each; every
+    ``fn(tensors, scale)`` writes the same bits. A kind with one candidate
+    takes it; a forced strategy is taken where it is offered (``routes``
+    elsewhere); with ``trial`` false (not on the CPU: on accelerators the
+    Triton kernels are the fast path, and a timed trial there would need a
+    synchronisation and could not be captured in a CUDA graph) ``routes``
+    is kept. Otherwise the first call of a kind runs ``routes`` and the
+    second times every candidate, round-robin (``TRIAL_ROUNDS``,
+    ``TRIAL_BUDGET_S``; the candidates' runs write that call's result), and
+    keeps the one of the shortest run (``routes`` unless another beats it by
+    ``TRIAL_MARGIN``) for every later call.
+    Waiting for the second call means a launch made for one call (a
+    flatten with ``out=None``) never pays for a trial, and the trial runs
+    on warm caches. ``chosen``: ``{kind: name}``; ``trial_s``: ``{kind:
+    seconds}`` a trial took.
+    """
+
+    def __init__(self, candidates: Dict[object, Dict[str, Callable]], forced: Optional[str],
+                 trial: bool):
+        self.candidates = candidates
+        self.chosen: Dict[object, str] = {}
+        self.trial_s: Dict[object, float] = {}
+        self._kept: Dict[object, Callable] = {}
+        self._called = set()
+        for kind, fns in candidates.items():
+            if forced in fns:
+                self._keep(kind, forced)
+            elif len(fns) == 1 or forced is not None or not trial:
+                self._keep(kind, "routes")
+
+    def _keep(self, kind, name: str) -> None:
+        self.chosen[kind] = name
+        self._kept[kind] = self.candidates[kind][name]
+
+    def run(self, kind, tensors, scale: float) -> None:
+        """Write this call's result with the strategy kept for ``kind``, choosing it if due."""
+        kept = self._kept.get(kind)
+        if kept is not None:
+            kept(tensors, scale)
+        elif kind not in self._called:
+            self._called.add(kind)
+            self.candidates[kind]["routes"](tensors, scale)
+        else:
+            self._trial(kind, tensors, scale)
+
+    def _trial(self, kind, tensors, scale: float) -> None:
+        fns = self.candidates[kind]
+        best = dict.fromkeys(fns, float("inf"))
+        clock = time.perf_counter
+        started = clock()
+        fewest, most = TRIAL_ROUNDS
+        for rounds in range(1, most + 1):
+            for name, fn in fns.items():
+                begin = clock()
+                fn(tensors, scale)
+                best[name] = min(best[name], clock() - begin)
+            if rounds >= fewest and clock() - started > TRIAL_BUDGET_S:
+                break
+        self.trial_s[kind] = clock() - started
+        fastest = min(best, key=best.get)
+        if best[fastest] >= best["routes"] * (1 - TRIAL_MARGIN):
+            fastest = "routes"
+        self._keep(kind, fastest)
+
+
 def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
                     extents: Sequence[int], out: torch.Tensor) -> Callable:
     """The launch that fills ``out``: segment ``i`` at ``starts[i]``, ``extents[i]``
@@ -231,25 +353,67 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
     tensors and a buffer of the prepared layout (the 0-d bool non-finite flag
     with ``check_finite``). The buffer's views are made here, once: on the
     CPU a view costs microseconds and a model has hundreds of gradients.
+    ``launch.choice`` (a ``Choice``) holds its strategies and the one chosen
+    for each kind of call.
+
+    Raises:
+        ValueError: ``FUSEDREDUCE_TORCH_STRATEGY`` holds an unknown strategy.
     """
+    forced = forced_strategy()
     alias = out.detach()  # the views keep the memory, not the caller's tensor object
     numels = [t.numel() for t in tensors]
     segments = _segment_views(alias, starts, tensors)
     gaps = _gap_views(alias, starts, numels, extents)
     runs = _scale_runs(alias, starts, numels)
     plan = CopyPlan([out.dtype] * len(tensors), [t.dtype for t in tensors])
+    packed = not gaps and all(t.is_contiguous() for t in tensors)
+    choice = Choice(_flatten_candidates(plan, segments, runs, alias, packed), forced,
+                    trial=out.device.type == "cpu")
 
     def launch(tensors, out, scale, check_finite):
         scale = _host_scale(scale)
         with torch.no_grad():
             # the gaps are zeroed after: whole pieces of the buffer may be scaled
-            plan.run(segments, tensors, scale, runs=runs)
+            choice.run(scale == 1.0, tensors, scale)
             if gaps:
                 torch._foreach_zero_(gaps)
             return _found_nonfinite(tensors, out) if check_finite else None
     launch.rebind = _reads_tensors_at_launch
     launch.binding, launch.bind = _no_binding, _bind_nothing
+    launch.choice = choice
     return launch
+
+
+def _flatten_candidates(plan: CopyPlan, segments, runs, flat: torch.Tensor, packed: bool):
+    """``{unit scale: {name: fn(tensors, scale)}}``: the strategies that fill
+    ``flat``'s segments exactly as ``routes`` does. torch's ops are offered
+    where every pair takes one ``_foreach_copy_`` (scale 1) or a copy then a
+    scale of the buffer (an exact widening into fp32/fp64, the buffer's dtype
+    being the compute dtype, so ``mul_`` rounds the scale as the rule says)."""
+
+    def routes(tensors, scale):
+        plan.run(segments, tensors, scale, runs=runs)
+
+    def scaled(copy):
+        def fn(tensors, scale):
+            copy(tensors)
+            if scale != 1.0:
+                flat.mul_(scale)  # the gaps too: the launch zeroes them after
+        return fn
+
+    copies = {
+        "foreach": lambda tensors: torch._foreach_copy_(segments, tensors),
+        "per_tensor": lambda tensors: [view.copy_(t) for view, t in zip(segments, tensors)],
+    }
+    if packed:
+        copies["concat"] = lambda tensors: torch.cat(
+            [t if t.dim() == 1 else t.view(-1) for t in tensors], out=flat)
+    candidates = {}
+    for unit, route in ((True, 0), (False, 1)):
+        candidates[unit] = {"routes": routes}
+        if segments and len(plan.routes(unit)[route]) == len(segments):
+            candidates[unit].update((name, scaled(copy)) for name, copy in copies.items())
+    return candidates
 
 
 def _host_scale(scale) -> float:
@@ -356,20 +520,80 @@ def _scale_runs(flat: torch.Tensor, starts: Sequence[int], numels: Sequence[int]
 def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
                       starts: Sequence[int]) -> Callable:
     """The launch ``(flat, tensors, scale, accumulate) -> None`` that writes (or
-    adds) each segment of ``flat`` into its tensor, in place."""
-    segments = _segment_views(flat.detach(), starts, tensors)
+    adds) each segment of ``flat`` into its tensor, in place; ``launch.choice``
+    as ``prepare_flatten``'s.
+
+    Raises:
+        ValueError: ``FUSEDREDUCE_TORCH_STRATEGY`` holds an unknown strategy.
+    """
+    forced = forced_strategy()
+    alias = flat.detach()
+    segments = _segment_views(alias, starts, tensors)
     plan = CopyPlan([t.dtype for t in tensors], [flat.dtype] * len(tensors))
     narrowing = None
     if flat.dtype == torch.float32 and plan.routes(False)[2]:
         narrowing = ScaledNarrowing(flat, starts, tensors, plan.routes(False)[2])
+    numels = [t.numel() for t in tensors]
+    packed = list(starts) == packed_boundaries(numels)[:-1] \
+        and all(t.is_contiguous() and t.dtype == flat.dtype for t in tensors)
+    choice = Choice(_unflatten_candidates(plan, segments, narrowing,
+                                          alias.narrow(0, 0, sum(numels)) if packed else None,
+                                          numels),
+                    forced, trial=flat.device.type == "cpu")
 
     def launch(flat, tensors, scale, accumulate):
         scale = _host_scale(scale)
         with torch.no_grad():
-            plan.run(tensors, segments, scale, accumulate, products=narrowing)
+            choice.run(ACCUMULATE if accumulate else scale == 1.0, tensors, scale)
     launch.rebind = _reads_tensors_at_launch
     launch.binding, launch.bind = _no_binding, _bind_nothing
+    launch.choice = choice
     return launch
+
+
+#: the kind of an unflatten call with ``accumulate`` (the others: whether the scale is 1)
+ACCUMULATE = "accumulate"
+
+
+def _unflatten_candidates(plan: CopyPlan, segments, narrowing, packed: Optional[torch.Tensor],
+                          numels: Sequence[int]):
+    """``{kind: {name: fn(tensors, scale)}}``: the strategies that write the
+    segments into the tensors exactly as ``routes`` does. torch's ops are
+    offered where every pair takes one ``_foreach_copy_`` (scale 1) or a copy
+    then a scale of the destinations in their own dtype (the compute dtype:
+    ``_foreach_mul_`` rounds the scale to it, as the rule says). A scaled
+    16-bit destination has ``routes`` alone: a copy then a scale would round
+    twice, and the one-rounding ``torch.mul(out=)`` per pair is what
+    ``ScaledNarrowing`` exists to beat. Accumulating has ``routes`` alone: a
+    trial would add more than once."""
+
+    def routes(tensors, scale):
+        plan.run(tensors, segments, scale, products=narrowing)
+
+    def accumulate(tensors, scale):
+        plan.run(tensors, segments, scale, True)
+
+    def scaled(copy):
+        def fn(tensors, scale):
+            copy(tensors)
+            if scale != 1.0:
+                torch._foreach_mul_(tensors, scale)
+        return fn
+
+    copies = {
+        "foreach": lambda tensors: torch._foreach_copy_(tensors, segments),
+        "per_tensor": lambda tensors: [t.copy_(view) for t, view in zip(tensors, segments)],
+    }
+    if packed is not None:
+        # split_with_sizes_copy resizes an out= of another shape: 1-D views
+        copies["concat"] = lambda tensors: torch.split_with_sizes_copy(
+            packed, numels, out=[t if t.dim() == 1 else t.view(-1) for t in tensors])
+    candidates = {ACCUMULATE: {"routes": accumulate}}
+    for unit, route in ((True, 0), (False, 1)):
+        candidates[unit] = {"routes": routes}
+        if segments and len(plan.routes(unit)[route]) == len(segments):
+            candidates[unit].update((name, scaled(copy)) for name, copy in copies.items())
+    return candidates
 
 
 def _found_nonfinite(tensors, out) -> torch.Tensor:

@@ -14,10 +14,11 @@ Semantics both backends implement, for buffers ``b`` with postscales ``s``:
   order. The order depends on the layout alone, so every rank holding the same
   buffers gets the same bits, whatever its thread count;
 - ``clip_scales``: from those powers, the norm of the written gradients
-  ``(Σ |s|^p · power) ** (1/p)`` divided by ``loss_scale``, rounded to fp32 (the
-  0-d tensor ``clip_grad_norm_`` returns), and per buffer ``s · coefficient``
-  in fp64, where ``coefficient = min(1, max_norm / (norm + 1e-6))`` in fp32
-  is torch's; a NaN norm gives NaN scales;
+  ``(Σ |s|^p · power) ** (1/p)`` divided by ``loss_scale``, rounded to
+  ``norm_dtype`` (fp32, or fp64 for fp64 gradients: the 0-d tensor
+  ``clip_grad_norm_`` returns), and per buffer ``s · coefficient`` in fp64,
+  where ``coefficient = min(1, max_norm / (norm + 1e-6))`` is torch's, taken
+  in ``norm_dtype`` as torch takes it; a NaN norm gives NaN scales;
 - ``clip_buffers``: the two above in one call.
 
 The walk inside a row is each backend's own, so the backends may differ in the

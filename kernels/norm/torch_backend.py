@@ -134,7 +134,9 @@ def norm_powers(buffers: Sequence[torch.Tensor], norm_type: float) -> torch.Tens
 
 
 def clip_scales(powers: torch.Tensor, postscales: Sequence[float], max_norm: float,
-                norm_type: float, loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                norm_type: float, loss_scale=None,
+                norm_dtype: torch.dtype = torch.float32,
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``(total_norm, scales)`` from the buffers' ``powers`` (see the family)."""
     device = powers.device
     post, signed = postscale_vectors(tuple(postscales), device)
@@ -151,25 +153,29 @@ def clip_scales(powers: torch.Tensor, postscales: Sequence[float], max_norm: flo
         total = torch.where(good, total / loss, total.new_tensor(math.nan))
     elif loss_scale is not None:
         total = total / float(loss_scale)
-    total = total.float()
+    total = total.to(norm_dtype)
+    # torch's coefficient, in the norm's dtype as torch takes it
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
     return total, list((signed * coefficient.double()).unbind(0))
 
 
 def clip_partials(partials: torch.Tensor, buffers: Sequence[torch.Tensor],
                   postscales: Sequence[float], max_norm: float, norm_type: float,
-                  loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                  loss_scale=None,
+                  norm_dtype: torch.dtype = torch.float32,
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``clip_scales`` of the buffers' powers from their ``norm_partials``."""
     return clip_scales(partials_powers(partials, buffers, norm_type), postscales, max_norm,
-                       norm_type, loss_scale)
+                       norm_type, loss_scale, norm_dtype)
 
 
 def clip_buffers(buffers: Sequence[torch.Tensor], postscales: Sequence[float],
-                 max_norm: float, norm_type: float,
-                 loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                 max_norm: float, norm_type: float, loss_scale=None,
+                 norm_dtype: torch.dtype = torch.float32,
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``clip_partials`` of all of the buffers' ``norm_partials``."""
     return clip_partials(norm_partials(buffers, norm_type), buffers, postscales, max_norm,
-                         norm_type, loss_scale)
+                         norm_type, loss_scale, norm_dtype)
 
 
 __all__ = ["norm_partials", "partials_powers", "norm_powers", "clip_scales", "clip_partials",

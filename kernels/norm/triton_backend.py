@@ -103,13 +103,15 @@ def _row_powers_kernel(base, table, work, partials, n_buffers, p,
     tl.store(partials + first + piece + tl.arange(0, 1), total)
 
 
-# the loss scale's words change with the scale: specialising on their values
-# (== 1, divisible by 16) would compile another variant when a scale lands there
-@triton.jit(do_not_specialize=["loss_high", "loss_low"])
-def _finish_kernel(partials, ranges, powers, post, total_out, scales_out, n_buffers, p, max_norm,
-                   loss_ptr, loss_high, loss_low,
+# the loss scale's and the limit's words change with them: specialising on
+# their values (== 1, divisible by 16) would compile another variant when one
+# lands there
+@triton.jit(do_not_specialize=["max_high", "max_low", "loss_high", "loss_low"])
+def _finish_kernel(partials, ranges, powers, post, total_out, scales_out, n_buffers, p,
+                   max_high, max_low, loss_ptr, loss_high, loss_low,
                    NORM: tl.constexpr, SUM_PARTIALS: tl.constexpr, FINISH: tl.constexpr,
-                   LOSS: tl.constexpr, LOSS_TENSOR: tl.constexpr, BLOCK: tl.constexpr):
+                   LOSS: tl.constexpr, LOSS_TENSOR: tl.constexpr, NORM64: tl.constexpr,
+                   BLOCK: tl.constexpr):
     lanes = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float64)
     # while loops, not range(): Triton's interpreter before 3.7 cannot take
@@ -172,9 +174,16 @@ def _finish_kernel(partials, ranges, powers, post, total_out, scales_out, n_buff
                 total = tl.where(good, total / loss, float("nan"))
             else:
                 total = total / _scale(loss_high, loss_low)
-        total = total.to(tl.float32)
+        # torch's coefficient in the norm's dtype (fp64 for fp64 gradients):
+        # the limit comes as float64 words, and a float literal would be an
+        # fp32 constant, so fp64's 1e-6 is made explicitly
+        max_norm = _scale(max_high, max_low)
+        if NORM64:
+            coefficient = max_norm / (total + tl.full([], 1e-6, tl.float64))
+        else:
+            total = total.to(tl.float32)
+            coefficient = max_norm.to(tl.float32) / (total + 1e-6)
         tl.store(total_out, total)
-        coefficient = max_norm / (total + 1e-6)
         coefficient = tl.where(coefficient > 1.0, 1.0, coefficient)  # NaN stays NaN
         b = 0
         while b < n_buffers:
@@ -248,7 +257,7 @@ def _row_powers(buffers, layout: _Layout, partials: torch.Tensor, norm_type: flo
 
 
 def _finish(partials, layout, powers, postscales, max_norm, norm_type, loss_scale,
-            sum_partials: bool, finish: bool):
+            sum_partials: bool, finish: bool, norm_dtype: torch.dtype = torch.float32):
     """Launch the finishing program; ``(total, scales)`` when ``finish``."""
     device = powers.device
     n = powers.numel()
@@ -257,7 +266,7 @@ def _finish(partials, layout, powers, postscales, max_norm, norm_type, loss_scal
     total = scales = None
     if finish:
         post = postscale_vectors(tuple(postscales), device)[1]  # signed
-        total = torch.empty((), dtype=torch.float32, device=device)
+        total = torch.empty((), dtype=norm_dtype, device=device)
         scales = torch.empty(n, dtype=torch.float64, device=device)
     else:
         post = powers
@@ -271,12 +280,13 @@ def _finish(partials, layout, powers, postscales, max_norm, norm_type, loss_scal
     else:
         high, low = scale_words(1.0 if loss_scale is None else float(loss_scale))
         loss_ptr, loss_tensor = powers, False
+    max_high, max_low = scale_words(float(max_norm))
     launch_for(_finish_kernel, (1,), num_warps=NUM_WARPS)(
         partials if partials is not None else powers,
         layout.ranges if layout is not None else powers, powers, post,
-        total if finish else powers, scales if finish else powers, n, p, float(max_norm),
+        total if finish else powers, scales if finish else powers, n, p, max_high, max_low,
         loss_ptr, high, low, code, sum_partials, finish, loss_scale is not None, loss_tensor,
-        FINISH_BLOCK)
+        norm_dtype == torch.float64, FINISH_BLOCK)
     return total, scales
 
 
@@ -305,28 +315,33 @@ def norm_powers(buffers: Sequence[torch.Tensor], norm_type: float) -> torch.Tens
 
 
 def clip_scales(powers: torch.Tensor, postscales: Sequence[float], max_norm: float,
-                norm_type: float, loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                norm_type: float, loss_scale=None,
+                norm_dtype: torch.dtype = torch.float32,
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``(total_norm, scales)`` from the buffers' ``powers`` (one launch)."""
     total, scales = _finish(None, None, powers, postscales, max_norm, norm_type, loss_scale,
-                            sum_partials=False, finish=True)
+                            sum_partials=False, finish=True, norm_dtype=norm_dtype)
     return total, list(scales.unbind(0))
 
 
 def clip_partials(partials: torch.Tensor, buffers: Sequence[torch.Tensor],
                   postscales: Sequence[float], max_norm: float, norm_type: float,
-                  loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                  loss_scale=None,
+                  norm_dtype: torch.dtype = torch.float32,
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``clip_scales`` of the buffers' powers from their ``norm_partials``
     (one launch)."""
     layout = _layout_of(buffers)
     powers = torch.empty(len(buffers), dtype=torch.float64, device=partials.device)
     total, scales = _finish(partials, layout, powers, postscales, max_norm, norm_type,
-                            loss_scale, sum_partials=True, finish=True)
+                            loss_scale, sum_partials=True, finish=True, norm_dtype=norm_dtype)
     return total, list(scales.unbind(0))
 
 
 def clip_buffers(buffers: Sequence[torch.Tensor], postscales: Sequence[float],
-                 max_norm: float, norm_type: float,
-                 loss_scale=None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                 max_norm: float, norm_type: float, loss_scale=None,
+                 norm_dtype: torch.dtype = torch.float32,
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``clip_partials`` of all of the buffers' ``norm_partials``, in two launches."""
     layout = _layout_of(buffers)
     device = buffers[0].device
@@ -334,5 +349,5 @@ def clip_buffers(buffers: Sequence[torch.Tensor], postscales: Sequence[float],
     partials, powers = scratch[:layout.n_partials], scratch[layout.n_partials:]
     _row_powers(buffers, layout, partials, norm_type)
     total, scales = _finish(partials, layout, powers, postscales, max_norm, norm_type,
-                            loss_scale, sum_partials=True, finish=True)
+                            loss_scale, sum_partials=True, finish=True, norm_dtype=norm_dtype)
     return total, list(scales.unbind(0))
