@@ -1,6 +1,8 @@
 """Checks of the user APIs' plain arguments, with errors that name the argument."""
 from __future__ import annotations
 
+import math
+import numbers
 from typing import List, Optional
 
 import torch
@@ -74,3 +76,51 @@ def check_distinct(tensors: List[torch.Tensor], name: str) -> None:
         if j != i:
             raise ValueError(f"{name}[{i}] is {name}[{j}] again: each tensor may be passed "
                              f"once (its gradient would be reduced twice)")
+
+
+def check_bool(value, name: str) -> bool:
+    """``value`` if it is a bool (a string such as ``"False"`` would be true).
+
+    Raises:
+        TypeError: anything else, naming ``name``.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} "
+                        f"{value!r}")
+    return value
+
+
+def check_loss_scale(value):
+    """``value`` as a gradient loss scale: None, a finite Python number > 0,
+    or a one-element floating tensor, not on the meta device.
+
+    A tensor's value is not read (that would synchronise with its device):
+    the norm kernels make the unscaled norm NaN where it is not finite and
+    > 0, so the gradients are not silently zeroed or flipped (see the
+    clipping guide).
+
+    Raises:
+        TypeError: not None, a real number (bools excluded) or a tensor; a
+            tensor that is not floating, naming ``loss_scale``.
+        ValueError: a number that is not finite and > 0; a tensor of more
+            than one element, or on the meta device.
+    """
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            raise TypeError(f"loss_scale must be a floating tensor, got dtype {value.dtype}")
+        if value.numel() != 1:
+            raise ValueError(f"loss_scale must be a one-element tensor (the scale the "
+                             f"gradients carry), got shape {tuple(value.shape)}")
+        if value.device.type == "meta":
+            raise ValueError("loss_scale must not be a meta tensor: it holds no value; "
+                             "pass scaler.scale(torch.ones((), device=...))")
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"loss_scale must be None, a Python number or a one-element "
+                        f"tensor, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"loss_scale must be finite and > 0 (the scale the gradients "
+                         f"carry), got {value!r}")
+    return value

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from ._checks import check_int, check_prescale
+from ._checks import check_int, check_loss_scale, check_prescale
 from .adasum import adasum_allreduce_plan, adasum_flat_unchecked, check_local_size
 from .buckets import BucketPlan, TensorSpec
 from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers, clip_shared,
@@ -127,11 +127,7 @@ class HookState:
         #: iteration's reduced buckets (0-d, fp32, or fp64 when a bucket's
         #: gradients are fp64: ``clipping.norm_dtype_of``), or None
         self.grad_norm: Optional[torch.Tensor] = None
-        #: with ``max_grad_norm`` under a GradScaler: the scale the gradients
-        #: carry (set before each backward to ``scaler.scale(torch.ones((),
-        #: device=...))``: a device tensor, no host sync), so the limit applies
-        #: to the unscaled norm; the gradients stay scaled for ``scaler.step``
-        self.loss_scale: Optional[Union[float, torch.Tensor]] = None
+        self._loss_scale: Optional[Union[float, torch.Tensor]] = None
         self._clipping: list = []  # this iteration's buckets so far
         # ((split_norm, elements, device), its NormSplit or None): decided once
         self._norm_split: Optional[tuple] = None
@@ -167,6 +163,27 @@ class HookState:
         self._agreed = False  # checked in the old group
         if group is not None:
             self._pickled_ranks = None  # the caller names the group: trust it
+
+    @property
+    def loss_scale(self) -> Optional[Union[float, torch.Tensor]]:
+        """With ``max_grad_norm`` under a GradScaler: the scale the gradients
+        carry (set before each backward to ``scaler.scale(torch.ones((),
+        device=...))``: a device tensor, no host sync), so the limit applies
+        to the unscaled norm; the gradients stay scaled for ``scaler.step``.
+        Checked when set; a tensor's value is not read: one that is not
+        finite and > 0 makes ``grad_norm`` NaN (see the clipping guide).
+
+        Raises:
+            TypeError: not None, a Python number (bools excluded) or a
+                floating tensor.
+            ValueError: a number that is not finite and > 0; a tensor of
+                more than one element or on the meta device.
+        """
+        return self._loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value) -> None:
+        self._loss_scale = check_loss_scale(value)
 
     @property
     def world_size(self) -> int:

@@ -23,7 +23,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ._checks import check_instance, check_int
+from ._checks import check_bool, check_instance, check_int
 from .kernels._checks import refuse_in_capture
 from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
                      check_local_size)
@@ -227,8 +227,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             not above zero; a tensor twice in ``buffers``, or one of the
             parameters there.
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``;
-            ``shard``, ``shard_gradients`` or ``find_unused_parameters`` is
-            not a bool; ``master_dtype`` is not a floating dtype;
+            ``shard``, ``shard_gradients``, ``find_unused_parameters``,
+            ``param_pack``, ``gradient_as_bucket_view``,
+            ``assume_elementwise`` or ``overlap_param_gather`` is not a bool
+            (a string ``"False"`` included); ``master_dtype`` is not a
+            floating dtype (with or without ``shard``);
             ``checkpoint_timeout`` is neither seconds nor a timedelta;
             ``buffers`` is not an iterable of dense tensors (a module, say).
         RuntimeError: torch.distributed is not initialised; the ranks of
@@ -284,9 +287,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(find_unused_parameters, bool):
             raise TypeError(f"find_unused_parameters must be True or False, got "
                             f"{find_unused_parameters!r}")
+        for name, value in (("param_pack", param_pack),
+                            ("gradient_as_bucket_view", gradient_as_bucket_view),
+                            ("assume_elementwise", assume_elementwise),
+                            ("overlap_param_gather", overlap_param_gather)):
+            check_bool(value, name)  # a string such as "False" would be true
+        # its Raises holds with or without shard
+        check_master_dtype(master_dtype)
         if shard:
             check_shardable(optimizer, assume_elementwise)
-            check_master_dtype(master_dtype)
             if gradient_as_bucket_view:
                 raise ValueError(
                     "gradient_as_bucket_view=True does not combine with shard=True: the flat "
@@ -428,7 +437,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         carry (set it before each backward to
         ``scaler.scale(torch.ones((), device=...))``, a device tensor: no host
         sync), so the limit applies to the unscaled norm; the gradients stay
-        scaled for ``scaler.step``. None: unscaled gradients."""
+        scaled for ``scaler.step``. None: unscaled gradients.
+
+        Raises:
+            TypeError: when set to anything but None, a Python number (bools
+                excluded) or a floating tensor.
+            ValueError: when set to a number that is not finite and > 0, or a
+                tensor of more than one element or on the meta device. A
+                tensor's value is not read: one that is not finite and > 0
+                makes ``grad_norm`` NaN (see the clipping guide).
+        """
         return self.reducer.loss_scale
 
     @loss_scale.setter
@@ -1033,7 +1051,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                       for i, p in enumerate(params)
                       if i % world_size == rank and self.state.get(p)}
         return sharded_state(rank, world_size, [p.shape for p in params],
-                             self._param_groups_only(), pieces)
+                             self._param_groups_only(), pieces, steps=self._steps)
 
     def _param_groups_only(self) -> list:
         """``state_dict()["param_groups"]``, without gathering any state."""

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from . import kernels
 from .kernels._checks import metadata_guard, refuse_in_capture
-from ._checks import check_distinct, check_int, check_prescale, tensor_list
+from ._checks import (check_bool, check_distinct, check_int, check_loss_scale, check_prescale,
+                      tensor_list)
 from .allreduce import (PendingBucket, finish_bucket, start_all_reduce, start_bucket_all_reduce,
                         wait_for)
 from .bucket_views import BucketViews
@@ -109,7 +110,8 @@ class DistributedGradReducer:
     Raises:
         RuntimeError: torch.distributed is not initialised.
         TypeError: a parameter is not a dense floating tensor, ``parameters``
-            is a single tensor, or a bad ``reduce_dtype``/``fusion_type`` type.
+            is a single tensor, a bad ``reduce_dtype``/``fusion_type`` type,
+            or ``mean``/``check_finite`` is not a bool.
         ValueError: ``degree`` is not a positive int (as in MindSpore), a
             parameter passed twice, a bad ``fusion_type`` length,
             ``bucket_cap_mb`` or ``prescale``; ``initial_parameters`` is not
@@ -144,6 +146,8 @@ class DistributedGradReducer:
         initial_parameters: str = "verify",
     ) -> None:
         self.parameters: List[torch.Tensor] = tensor_list(parameters, "parameters")
+        check_bool(mean, "mean")  # a string such as "False" would be true
+        check_bool(check_finite, "check_finite")
         if not isinstance(initial_parameters, str):
             raise TypeError(f"initial_parameters must be one of {INITIAL_PARAMETERS}, got "
                             f"{type(initial_parameters).__name__}")
@@ -163,10 +167,7 @@ class DistributedGradReducer:
         #: (with ``max_grad_norm``): a 0-d tensor on their device, fp32 or
         #: fp64 (``clipping.norm_dtype_of`` the parameters' dtypes)
         self.grad_norm: Optional[torch.Tensor] = None
-        #: with ``max_grad_norm`` under a GradScaler: the scale the gradients
-        #: carry (a number, or a one-element tensor on their device, read
-        #: there at each reduction), so the limit applies to the unscaled norm
-        self.loss_scale: Optional[Union[float, torch.Tensor]] = None
+        self._loss_scale: Optional[Union[float, torch.Tensor]] = None
         for i, p in enumerate(self.parameters):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"parameters[{i}] must be a tensor, got {type(p).__name__}")
@@ -656,6 +657,27 @@ class DistributedGradReducer:
     def syncing(self) -> bool:
         """False inside ``no_sync()``."""
         return self._overlap.sync_enabled
+
+    @property
+    def loss_scale(self) -> Optional[Union[float, torch.Tensor]]:
+        """With ``max_grad_norm`` under a GradScaler: the scale the gradients
+        carry (a number, or a one-element floating tensor read on their
+        device at each reduction: no host sync), so the limit applies to the
+        unscaled norm. None: unscaled gradients. Checked when set; a tensor's
+        value is not read: one that is not finite and > 0 makes
+        ``grad_norm`` NaN (see the clipping guide).
+
+        Raises:
+            TypeError: not None, a Python number (bools excluded) or a
+                floating tensor.
+            ValueError: a number that is not finite and > 0; a tensor of
+                more than one element or on the meta device.
+        """
+        return self._loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value) -> None:
+        self._loss_scale = check_loss_scale(value)
 
     def _held_buffers(self) -> List[torch.Tensor]:
         """What this reducer keeps between calls for its own use."""

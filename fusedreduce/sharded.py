@@ -101,6 +101,8 @@ def part_ranges(bucket: Bucket, part: int) -> List[PartRange]:
     left out; a tensor cut by a part boundary appears in both parts.
 
     Raises:
+        TypeError: ``bucket`` is not a ``Bucket`` (a plan: pass one of
+            ``plan.buckets``).
         ValueError: ``part`` is not one of the bucket's ``shards`` parts.
 
     Examples:
@@ -108,6 +110,8 @@ def part_ranges(bucket: Bucket, part: int) -> List[PartRange]:
         >>> part_ranges(plan.buckets[0], 1)
         [PartRange(tensor=0, start=8, end=10, offset=0), PartRange(tensor=1, start=0, end=3, offset=4)]
     """
+    hint = ": pass one of plan.buckets" if isinstance(bucket, BucketPlan) else ""
+    check_instance(bucket, "bucket", Bucket, "a Bucket", hint)
     if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < bucket.shards:
         raise ValueError(f"part={part!r} is not a part of a bucket in {bucket.shards} parts")
     return ranges_between(bucket, part * bucket.part_size, (part + 1) * bucket.part_size)
@@ -191,7 +195,9 @@ def reduce_scatter_plan(
     Raises:
         RuntimeError: torch.distributed is not initialised.
         ValueError: the plan's ``shards`` is not the group's world size;
-            ``tensors``, ``parts`` or ``buffers`` do not match the plan; a
+            ``tensors``, ``parts`` or ``buffers`` do not match the plan (checked
+            at every world size), or one of ``tensors`` shares memory with its
+            bucket's part or buffer (checked before anything is written); a
             scale is not finite.
         TypeError: an entry of ``tensors`` is not a dense tensor.
 
@@ -206,6 +212,7 @@ def reduce_scatter_plan(
     parts = [new_part(b) for b in plan.buckets] if parts is None else list(parts)
     _check_parts(plan, parts)
     buffers = _buffers(plan, buffers, world_size)
+    _check_disjoint(plan, tensors, "tensors", parts, buffers)
     pending = [start_bucket_reduce_scatter(plan, bucket, tensors, buffer, part, group=group,
                                            world_size=world_size, prescale=prescale,
                                            backend=backend)
@@ -248,7 +255,9 @@ def all_gather_plan(
     Raises:
         RuntimeError: torch.distributed is not initialised.
         ValueError: the plan's ``shards`` is not the group's world size;
-            ``outputs``, ``parts`` or ``buffers`` do not match the plan; a
+            ``outputs``, ``parts`` or ``buffers`` do not match the plan (checked
+            at every world size), or one of ``outputs`` shares memory with its
+            bucket's part or buffer (checked before anything is written); a
             non-finite ``scale``.
         TypeError: an entry of ``outputs`` is not a dense tensor.
 
@@ -260,6 +269,7 @@ def all_gather_plan(
     parts = list(parts)
     _check_parts(plan, parts)
     buffers = _buffers(plan, buffers, world_size)
+    _check_disjoint(plan, outputs, "outputs", parts, buffers)
     pending = [start_bucket_all_gather(bucket, part, buffer, group=group, world_size=world_size)
                for bucket, part, buffer in zip(plan.buckets, parts, buffers)]
     with torch.no_grad():
@@ -286,11 +296,25 @@ def _buffers(plan: BucketPlan, buffers: Optional[Sequence[torch.Tensor]],
              world_size: int) -> List[Optional[torch.Tensor]]:
     """The flat buffers the collectives use, checked; none on a world of one
     rank, where the parts are the buckets."""
+    if buffers is not None:
+        buffers = list(buffers)
+        check_buffers(plan, buffers)  # on a world of one too: a wrong one is a caller's bug
     if world_size == 1:
         return [None] * len(plan.buckets)
-    buffers = [plan.new_buffer(b) for b in plan.buckets] if buffers is None else list(buffers)
-    check_buffers(plan, buffers)
-    return buffers
+    return [plan.new_buffer(b) for b in plan.buckets] if buffers is None else buffers
+
+
+def _check_disjoint(plan: BucketPlan, tensors: List[torch.Tensor], name: str,
+                    parts: List[torch.Tensor], buffers: List[Optional[torch.Tensor]]) -> None:
+    """No tensor of a bucket shares memory with that bucket's part or buffer,
+    checked before any bucket is written, naming the caller's arguments (the
+    kernels would name their own, after earlier buckets were written)."""
+    for bucket, part, buffer in zip(plan.buckets, parts, buffers):
+        members = [tensors[i] for i in bucket.tensor_indices]
+        for flat, flat_name in ((part, "parts"), (buffer, "buffers")):
+            if flat is not None:
+                kernels.check_disjoint(flat, f"{flat_name}[{bucket.index}]", members, name,
+                                       indices=bucket.tensor_indices)
 
 
 def _check_parts(plan: BucketPlan, parts: Sequence[torch.Tensor]) -> None:

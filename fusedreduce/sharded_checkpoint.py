@@ -20,8 +20,10 @@ them together with ``state_over``.
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import os
+import warnings
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
@@ -29,6 +31,8 @@ import torch
 #: the ``"format"`` entry of a sharded optimizer state dict
 FORMAT = "fusedreduce.sharded_optimizer_state"
 VERSION = 1
+# what a load reads from every shard: a dict missing one is a truncated file
+REQUIRED_KEYS = ("rank", "world_size", "shapes", "param_groups", "state")
 
 ShardSource = Union[dict, str, "os.PathLike[str]"]
 
@@ -62,13 +66,23 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def sharded_state(rank: int, world_size: int, shapes: Sequence[torch.Size],
-                  param_groups: list, pieces: Dict[int, dict]) -> dict:
+                  param_groups: list, pieces: Dict[int, dict], steps: int = 0) -> dict:
     """The dict ``sharded_state_dict()`` returns: ``pieces`` per parameter
     index (the optimizer's parameter order) packed (``pack_pieces``), and
-    what a load checks them against."""
+    what a load checks them against, with the save's id (``save_id``)."""
+    shapes = [list(shape) for shape in shapes]
     return {"format": FORMAT, "version": VERSION, "rank": rank, "world_size": world_size,
-            "shapes": [list(shape) for shape in shapes], "param_groups": param_groups,
-            "state": pack_pieces(pieces)}
+            "save_id": save_id(world_size, steps, shapes, param_groups),
+            "shapes": shapes, "param_groups": param_groups, "state": pack_pieces(pieces)}
+
+
+def save_id(world_size: int, steps: int, shapes: list, param_groups: list) -> str:
+    """The id every rank's file of one save carries, without a collective:
+    a hash of what every rank holds alike at a save (the optimizer's step
+    count, its groups' hyperparameters, the shapes, the world size), so two
+    saves a step apart (a crash between two ranks' saves) differ."""
+    text = repr((world_size, steps, shapes, param_groups))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def pack_pieces(pieces: Dict[int, dict]) -> dict:
@@ -157,11 +171,13 @@ def read_shards(shards: Sequence[ShardSource]) -> List[dict]:
     from disk).
 
     Raises:
-        TypeError: ``shards`` is not a list or tuple, or an item is neither a
-            dict nor a path.
-        ValueError: an item is not a sharded optimizer state dict, or the
-            items are not one per saved rank (each rank once, all of the same
-            save: world size, parameter shapes and groups).
+        TypeError: ``shards`` is not a list or tuple, an item is neither a
+            dict nor a path, or a file holds no dict.
+        ValueError: an item is not a sharded optimizer state dict or lacks
+            some of its keys (a truncated file), the items are of different
+            saves (their ``save_id`` differs), or they are not one per saved
+            rank (each rank once, all of the same save: world size, parameter
+            shapes and groups).
     """
     if not isinstance(shards, (list, tuple)):
         raise TypeError(f"shards must be a list or tuple with every saved rank's "
@@ -177,6 +193,9 @@ def read_shards(shards: Sequence[ShardSource]) -> List[dict]:
         elif not isinstance(item, dict):
             raise TypeError(f"shards[{i}] must be a dict from sharded_state_dict() or the "
                             f"path of a file it was saved to, got {type(item).__name__}")
+        if not isinstance(item, dict):
+            raise TypeError(f"shards[{i}] ({os.fspath(shards[i])}) holds a "
+                            f"{type(item).__name__}, not a dict from sharded_state_dict()")
         if item.get("format") != FORMAT:
             hint = (": a whole state dict, for load_state_dict()"
                     if "state" in item and "param_groups" in item else "")
@@ -185,7 +204,12 @@ def read_shards(shards: Sequence[ShardSource]) -> List[dict]:
         if item.get("version") != VERSION:
             raise ValueError(f"shards[{i}] has format version {item.get('version')!r}; "
                              f"this fusedreduce reads version {VERSION}")
+        missing = [key for key in REQUIRED_KEYS if key not in item]
+        if missing:
+            raise ValueError(f"shards[{i}] is a truncated sharded state dict: it lacks "
+                             f"{missing}")
         loaded.append(item)
+    check_one_save(loaded)
     world_size = loaded[0]["world_size"]
     ranks = sorted(item["rank"] for item in loaded)
     if len(loaded) != world_size or ranks != list(range(world_size)):
@@ -199,6 +223,27 @@ def read_shards(shards: Sequence[ShardSource]) -> List[dict]:
             raise ValueError(f"shards[{i}] (rank {item['rank']}) is not of the same save as "
                              f"shards[0]: its world size, parameter shapes or groups differ")
     return sorted(loaded, key=lambda item: item["rank"])
+
+
+def check_one_save(loaded: Sequence[dict]) -> None:
+    """Every shard carries the same ``save_id``: files of two saves (a crash
+    between two ranks' saves) are refused, naming each one's rank and id.
+    Files written before the id existed are accepted with a warning: their
+    mix cannot be told.
+
+    Raises:
+        ValueError: the ids differ.
+    """
+    ids = [item.get("save_id") for item in loaded]
+    if None in ids:
+        warnings.warn("some shards carry no save id (written by an older fusedreduce): "
+                      "that they come from one save cannot be checked", UserWarning,
+                      stacklevel=3)
+    if len(set(ids)) > 1:
+        listed = ", ".join(f"shards[{i}] (rank {item['rank']}): {item.get('save_id')}"
+                           for i, item in enumerate(loaded))
+        raise ValueError(f"the shards come from different saves (a save interrupted between "
+                         f"ranks?): save ids {listed}; load the files of one save")
 
 
 def check_shapes(shards: Sequence[dict], shapes: Sequence[torch.Size],

@@ -40,7 +40,7 @@ import torch
 from . import _checks, _prepared
 from ._backends import (backend_for, check_backend, resolve_backend, triton_available,
                         triton_unavailable_reason)
-from ._checks import check_scale
+from ._checks import check_disjoint, check_scale
 from ._common import (ADASUM_CHUNK, ADASUM_FP32_LIMIT, ADASUM_NORM_FLOOR, ALIGN_BYTES,
                       NORM_ROW, SIXTEEN_BIT_DTYPES, SUPPORTED_DTYPES, adasum_chunk_counts as _chunk_counts,
                       packed_boundaries, scratch_buffer)
@@ -67,6 +67,7 @@ __all__ = [
     "resolve_backend",
     "check_backend",
     "check_scale",
+    "check_disjoint",
     "SUPPORTED_DTYPES",
     "SIXTEEN_BIT_DTYPES",
 ]

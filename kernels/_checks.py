@@ -250,13 +250,22 @@ def _share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((last + a.element_size() > starts_b[candidates]).any())
 
 
-def check_disjoint(buffer: torch.Tensor, buffer_name: str, tensors, name: str) -> None:
-    """``buffer`` shares no memory with any of ``tensors``.
+def check_disjoint(buffer: torch.Tensor, buffer_name: str, tensors, name: str,
+                   indices: Optional[Sequence[int]] = None) -> None:
+    """``buffer`` shares no memory with any of ``tensors`` (``indices``: the
+    positions they are named by, in the caller's list; default 0, 1, ...).
 
     Raises:
         ValueError: naming the first tensor that overlaps the buffer.
+
+    Examples:
+        >>> flat = torch.zeros(8)
+        >>> check_disjoint(flat, "flat", [flat[4:]], "tensors")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: tensors[0] overlaps flat: ...
     """
-    for i, t in enumerate(tensors):
+    for i, t in zip(range(len(tensors)) if indices is None else indices, tensors):
         if _share_bytes(buffer, t):
             raise ValueError(f"{name}[{i}] overlaps {buffer_name}: the fused copy would read "
                              f"values it has already overwritten; pass tensors that do not "

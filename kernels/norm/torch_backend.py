@@ -144,9 +144,15 @@ def clip_scales(powers: torch.Tensor, postscales: Sequence[float], max_norm: flo
         total = (powers * post).max()
     else:
         total = (powers * post.pow(norm_type)).sum().pow(1.0 / norm_type)
-    if loss_scale is not None:
-        total = total / (loss_scale.to(device, torch.float64).reshape(())
-                         if isinstance(loss_scale, torch.Tensor) else float(loss_scale))
+    if isinstance(loss_scale, torch.Tensor):
+        # not read on the host: a scale that is not finite and > 0 gives a NaN
+        # norm (and NaN gradients, or error_if_nonfinite's raise), never
+        # zeroed or flipped ones
+        loss = loss_scale.to(device, torch.float64).reshape(())
+        good = (loss > 0) & torch.isfinite(loss)
+        total = torch.where(good, total / loss, total.new_tensor(math.nan))
+    elif loss_scale is not None:
+        total = total / float(loss_scale)
     total = total.to(norm_dtype)
     # torch's coefficient, in the norm's dtype as torch takes it
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)

@@ -166,7 +166,12 @@ def _finish_kernel(partials, ranges, powers, post, total_out, scales_out, n_buff
                 total = tl.exp2(tl.log2(total) / p)
         if LOSS:
             if LOSS_TENSOR:
-                total = total / tl.load(loss_ptr).to(tl.float64)
+                # a device scale is not read on the host: one that is not
+                # finite and > 0 gives a NaN norm (and NaN gradients, or
+                # error_if_nonfinite's raise) instead of zeroed or flipped ones
+                loss = tl.load(loss_ptr).to(tl.float64)
+                good = (loss > 0) & (loss < float("inf"))
+                total = tl.where(good, total / loss, float("nan"))
             else:
                 total = total / _scale(loss_high, loss_low)
         # torch's coefficient in the norm's dtype (fp64 for fp64 gradients):
