@@ -741,12 +741,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         from the next backward on the hooks cover exactly the trainable
         parameters; a frozen parameter without gradient keeps none.
 
-        One step is taken without reducing: on an optimizer without state,
-        at learning rate 0, with every gradient all zeros (assigned, not from
-        a backward), it runs the wrapped step locally and communicates
-        nothing. That is how ``torch.distributed.checkpoint.state_dict``'s
-        ``get_state_dict`` and ``set_state_dict`` make a fresh optimizer's
-        state; reducing zeros would give the same zeros.
+        One call is not a training step: ``torch.distributed.checkpoint``'s
+        ``get_state_dict``/``set_state_dict`` (and their optimizer-only
+        forms) make the state where ``optimizer.state`` is empty by
+        assigning zero gradients, setting every group's ``lr`` to 0 and
+        calling ``step()``, on those ranks only. A step with no state on
+        this rank, at learning rate 0, with every gradient all zeros and
+        none reduced by a backward, is that call: it makes the state as
+        ``init_state()`` does (locally: nothing communicated, nothing moved,
+        not counted as a step).
 
         Raises:
             RuntimeError: the gradients were not reduced: ``step()`` (or the
@@ -787,7 +790,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "pass bcast_period=-1 to the optimizer you capture, and call "
                 "broadcast_buffers() between replays")
         self._follow_requires_grad()
-        if closure is None and not self.reducer.reduced and self._initialising_state():
+        if closure is None and self._is_checkpoint_initialisation():
             self._initialise_state()
             return None
         if self.shard:
@@ -818,26 +821,102 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._buffer_sync()
         return loss
 
-    def _initialising_state(self) -> bool:
-        """Whether this step is how ``torch.distributed.checkpoint.state_dict``
-        makes a fresh optimizer's state (``get_state_dict``/``set_state_dict``
-        step an optimizer without state once, on zero gradients assigned to
-        every parameter, at learning rate 0): no state on this rank, every
-        group's ``lr`` 0, and every gradient there all zeros, not reduced."""
-        if self.state or any(float(g.get("lr", 1.0)) != 0.0 for g in self.param_groups):
+    def _is_checkpoint_initialisation(self) -> bool:
+        """Whether this ``step()`` is ``torch.distributed.checkpoint``'s way
+        of making the state: ``_init_optim_state``
+        (``torch/distributed/checkpoint/state_dict.py``, lines 629-668 in
+        torch 2.13), when ``optim.state`` is empty and no ``.grad`` is set,
+        assigns ``torch.zeros_like(param)`` to every trainable parameter,
+        sets each group's ``"lr"`` to 0 and calls ``optim.step(closure=None)``.
+
+        It is recognised by what it sets up because nothing else of DCP
+        reaches the optimizer first: ``get_state_dict``,
+        ``get_optimizer_state_dict`` (line 916) and the ``set_*`` forms
+        (line 1093) call it before ``state_dict()`` / ``load_state_dict()``
+        (lines 917 and 1186), so state-dict pre-hooks run too late; and its
+        one test, ``if optim.state`` (line 633), cannot be answered ahead:
+        a state made at construction, by the one generic means (a step on
+        zeros), would change every run (AdamW would count that step, and
+        ``state_dict()`` before the first step would not be empty), and with
+        ``shard=True`` a rank that owns no element keeps an empty state for
+        good, so DCP calls ``step()`` there, alone, at every save and load.
+        ``init_state()`` makes the same state explicitly.
+
+        Each condition is needed for a step that communicates nothing:
+        gradients no backward reduced (a warm-up's step at lr 0 on a
+        backward's zeros is an ordinary step), all zeros (reduced, they are
+        the same zeros, so the state is the same on every rank), lr 0
+        (nothing moves, so nothing is gathered), and no state on this rank
+        (DCP's own condition; with state, gradients no backward reduced are
+        refused as before)."""
+        if self.reducer.reduced or self.state or \
+                any(float(g.get("lr", 1.0)) != 0.0 for g in self.param_groups):
             return False
         grads = [p.grad for p in self._all_params() if p.grad is not None]
         return bool(grads) and not any(bool(g.any()) for g in grads)
 
+    def init_state(self) -> None:
+        """Make the optimizer state now, as ``torch.distributed.checkpoint``
+        does before its first save or load: the state of one step on zero
+        gradients at learning rate 0, for every trainable parameter that has
+        none (with ``shard=True``, this rank's part: the parameters it owns
+        elements of). Parameters that have state keep it.
+
+        Not a step: the parameters (and ``shard=True``'s masters), the
+        ``.grad`` tensors and the learning rates are as before the call, and
+        it is not counted. Not collective: nothing is communicated, each
+        rank makes its own part, so it may be called on some ranks only.
+        The state is DCP's: AdamW's ``step`` reads 1 and its moments 0, as
+        for a plain torch optimizer after ``get_state_dict``, so a training
+        step taken from it is AdamW's second (as after DCP): call it where
+        DCP would make the state (before a save or a load), not before a
+        run from scratch. Once the state is there, ``get_state_dict`` /
+        ``set_state_dict`` take no step of their own; they still do where
+        ``optimizer.state`` stays empty (an optimizer that keeps none, such
+        as SGD without momentum, or a sharded rank that owns nothing), and
+        ``step()`` makes the state there the same way. It raises no error
+        of its own (the wrapped optimizer's step may).
+
+        Examples:
+            >>> opt = DistributedOptimizer(torch.optim.AdamW(model.parameters()),  # doctest: +SKIP
+            ...                            shard=True)
+            >>> opt.init_state()                                      # doctest: +SKIP
+            >>> model_state, opt_state = get_state_dict(model, opt)  # no step inside  # doctest: +SKIP
+        """
+        missing = {id(p) for p in self._trainable_now() if not self.state.get(p)
+                   and (self.sharded is None or p in self.sharded.by_param)}
+        if not missing:
+            return
+        params = self._all_params()
+        grads = [p.grad for p in params]
+        lrs = [g.get("lr") for g in self.param_groups]
+        try:
+            # zeros where state is missing, None elsewhere: torch's step
+            # skips a parameter without gradient
+            for p in params:
+                p.grad = torch.zeros_like(p) if id(p) in missing else None
+            for g in self.param_groups:
+                if "lr" in g:
+                    g["lr"] = torch.zeros_like(g["lr"]) \
+                        if isinstance(g["lr"], torch.Tensor) else 0.0
+            self._initialise_state()
+        finally:
+            for p, grad in zip(params, grads):
+                p.grad = grad
+            for g, lr in zip(self.param_groups, lrs):
+                if "lr" in g:
+                    g["lr"] = lr
+
     def _initialise_state(self) -> None:
-        """The wrapped optimizer's step on this rank's zero gradients, with
-        nothing communicated (reduced, zeros are the same zeros on every
-        rank): it makes the state as a first step would, and is not counted
-        as a step. What it stepped (the parameters, or with ``shard=True``
-        this rank's slices and masters, so nothing is gathered) is put back
-        as it was: at learning rate 0 nothing should move, but torch's Adam
-        on fp16 tensors turns them into NaN (its ``eps`` of 1e-8 rounds to 0
-        in fp16, and 0 / 0 times a zero step is NaN)."""
+        """The wrapped optimizer's step on the zero gradients in ``.grad``,
+        at learning rate 0, with nothing communicated (reduced, zeros are
+        the same zeros on every rank): it makes the state as a first step
+        would, and is not counted as a step. What it stepped (the
+        parameters, or with ``shard=True`` this rank's slices and masters,
+        so nothing is gathered) is put back as it was: at learning rate 0
+        nothing should move, but torch's Adam on fp16 tensors turns them
+        into NaN (its ``eps`` of 1e-8 rounds to 0 in fp16, and 0 / 0 times
+        a zero step is NaN)."""
         if self.shard:
             self.sharded.finish_gather()
             self.sharded.refresh_masters()
