@@ -11,7 +11,9 @@ runs what they find), except ``unresolved``, which imports fusedreduce:
   checkout when it runs one of the project's programs (a ``--help`` that lists
   its options, a file, an extra of pyproject.toml);
 - ``fusedreduce_references`` lists the fusedreduce names a Python block uses,
-  and ``unresolved`` says why one of them does not exist.
+  and ``unresolved`` says why one of them does not exist;
+- ``missing_optional`` tells, from a program's output, a failure for want of
+  a package an extra of pyproject.toml installs (a skip, not a failure).
 
 The conventions themselves are described in tests/test_docs.py's docstring.
 """
@@ -622,7 +624,40 @@ def fusedreduce_references(tree: ast.AST) -> List[Reference]:
 
 
 class MissingDependency(Exception):
-    """A fusedreduce module needs an optional package that is not installed."""
+    """A fusedreduce module, or a program a command runs, needs an optional
+    package that is not installed."""
+
+
+#: the import name of an optional dependency, where it is not its distribution's name
+IMPORT_NAMES = {"scikit-learn": "sklearn", "mkdocs-material": "material",
+                "pytest-xdist": "xdist"}
+
+
+def extras_installing(module: str, optional: Dict[str, Sequence[str]]) -> List[str]:
+    """The extras of ``optional`` (pyproject.toml's ``[project.optional-dependencies]``)
+    whose requirements install the top-level module ``module``."""
+    def imported(requirement: str) -> str:
+        name = canonical_name(re.split(r"[\[<>=!~;@ ]", requirement, maxsplit=1)[0])
+        return IMPORT_NAMES.get(name, name.replace("-", "_"))
+
+    return [extra for extra, requirements in optional.items()
+            if any(imported(requirement) == module for requirement in requirements)]
+
+
+def missing_optional(output: str, optional: Dict[str, Sequence[str]]) -> Optional[str]:
+    """Why a program failed, when its output's last ``ModuleNotFoundError``
+    names a module an extra of ``optional`` installs (``sklearn`` of
+    ``examples``, say): a package the reader installs with that extra, not
+    a fault of the docs. None for any other failure."""
+    names = re.findall(r"ModuleNotFoundError: No module named '([\w.]+)'", output)
+    if not names:
+        return None
+    module = names[-1].split(".")[0]
+    extras = extras_installing(module, optional)
+    if not extras or _ours(module):
+        return None
+    return (f"needs {module}, which is not installed (pyproject.toml's extras that install "
+            f"it: {', '.join(extras)})")
 
 
 def _import(name: str):

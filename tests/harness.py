@@ -34,15 +34,17 @@ TIMEOUT = 300
 CRASH_TIMEOUT = 30
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 120.0):
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0,
+              collective_timeout: float = 60.0):
     """``[fn(rank, world_size, *args) for each rank]``, each in its own process.
 
     ``fn`` must be a module-level function (it is pickled by reference) and its
     results picklable. Raises ``fusedreduce.local_ranks.RankFailure`` with
     every failing rank's traceback, or ``TimeoutError`` naming the ranks that
-    never finished.
+    never finished. ``collective_timeout``: gloo's, for each collective.
     """
-    return run_on_local_ranks(fn, world_size, *args, timeout=timeout)
+    return run_on_local_ranks(fn, world_size, *args, timeout=timeout,
+                              collective_timeout=collective_timeout)
 
 
 def rank_errors(fn, world_size: int, *args, timeout: float = 120.0):
@@ -218,3 +220,20 @@ class FailingBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         raise RuntimeError("a backward error")
+
+
+class InfOnOneRank:
+    """A gradient hook that puts an inf into the middle element of the
+    parameter's gradient on the last rank, in the step ``step`` is set to
+    (``hook.step = k`` before each backward)."""
+
+    def __init__(self, rank: int, world_size: int, at_step: int = 1) -> None:
+        self.poisons = rank == world_size - 1
+        self.at_step = at_step
+        self.step = 0
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.poisons and self.step == self.at_step:
+            grad = grad.clone()
+            grad.view(-1)[grad.numel() // 2] = float("inf")
+        return grad

@@ -4,8 +4,12 @@ Run on a machine with a GPU (one is enough)::
 
     pytest --device cuda tests/test_cuda.py
 
-In the default CPU mode every test here is skipped ("CUDA test mode only").
-Covered:
+The default CPU mode runs the same checks where they take seconds: the
+kernel checks at small sizes on CPU tensors with the torch fallback
+(``test_the_kernel_checks_hold_on_cpu_tensors_with_the_torch_fallback``), and
+the ranks' checks (``device_aware``) on CPU gloo ranks; the kernel checks at
+their full sizes, the DDP hooks and AdaSum's tree (``CUDA_ONLY_JOBS``,
+``CUDA_ONLY_RUNS``) are skipped there ("CUDA test mode only"). Covered:
 
 - the kernels, both backends (the ``backend`` fixture), at sizes Triton's
   interpreter cannot reach: one tensor of 2**25 + 3 elements, 3000 tensors of
@@ -55,11 +59,10 @@ from harness import TIMEOUT, once_per_session
 from reference import (adasum_of_blocks, adasum_stats as reference_stats, communication_dtype,
                        reference_flatten, reference_unflatten, subnormal_spacing)
 
-pytestmark = [pytest.mark.cuda_only,
-              # numpy under Triton's interpreter (the CPU check of this logic)
-              # warns about the overflows some cases cause on purpose
-              pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
-                                         "ignore:invalid value encountered:RuntimeWarning")]
+# numpy under Triton's interpreter (the CPU check of this logic) warns about
+# the overflows some cases cause on purpose
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                                        "ignore:invalid value encountered:RuntimeWarning")
 
 #: the sizes of the CUDA run (the CPU check passes smaller ones)
 LARGE = 2 ** 25 + 3
@@ -506,43 +509,79 @@ def check_adasum_kernels(device, backend, big=ADASUM_BIG):
                                  f"{backend} vs the torch fallback, {dtype}")
 
 
+@pytest.mark.cuda_only
 @pytest.mark.timeout(TIMEOUT)
 def test_one_tensor_of_2_25_plus_3_elements_each_way(device, backend):
     check_one_large_tensor(device, backend)
 
 
+@pytest.mark.cuda_only
 @pytest.mark.timeout(TIMEOUT)
 def test_three_thousand_tensors_of_odd_sizes_and_mixed_dtypes(device, backend):
     check_many_tensors(device, backend)
 
 
+@pytest.mark.cuda_only
 def test_unaligned_storage_and_odd_segment_starts(device, backend):
     check_unaligned(device, backend)
 
 
+@pytest.mark.cuda_only
 def test_non_contiguous_inputs_and_destinations(device, backend):
     check_noncontiguous(device, backend)
 
 
+@pytest.mark.cuda_only
 def test_the_nonfinite_flag_on_the_device(device, backend):
     check_nonfinite_flag(device, backend)
 
 
+@pytest.mark.cuda_only
 def test_the_steady_state_runs_the_kept_launch_on_new_values(device, backend):
     check_steady_state(device, backend)
 
 
+@pytest.mark.cuda_only
 def test_adasum_kernels_on_the_device_match_the_float64_reference(device, backend):
     check_adasum_kernels(device, backend)
+
+
+#: each kernel check at sizes the CPU suite runs in a few seconds in all
+#: (each check's structure kept: edge sizes, gaps, strides, the non-finite
+#: cases; the large ones a few Triton blocks long instead of thousands)
+CPU_SIZES = {
+    "one large tensor": (check_one_large_tensor, {"n": 2 ** 18 + 3}),
+    "many tensors": (check_many_tensors, {"count": 300, "max_numel": 2000}),
+    "unaligned": (check_unaligned, {"big": 2 ** 16 + 5}),
+    "non-contiguous": (check_noncontiguous, {"side": 131}),
+    "non-finite flag": (check_nonfinite_flag, {"big": 2 ** 16 + 1, "count": 50}),
+    "steady state": (check_steady_state, {"count": 60}),
+    "adasum kernels": (check_adasum_kernels, {"big": 2 * 1024 + 77}),
+}
+
+
+@pytest.mark.parametrize("name", list(CPU_SIZES))
+def test_the_kernel_checks_hold_on_cpu_tensors_with_the_torch_fallback(name):
+    check, sizes = CPU_SIZES[name]
+    check(torch.device("cpu"), "torch", **sizes)
 
 
 # ================================================================== the ranks
 
 
+#: what the CPU suite leaves to the CUDA run: the DDP hooks' dozen training
+#: runs on every rank, and the tree's run of two more ranks, would add about 20
+#: CPU seconds there, and test_hooks.py and test_adasum.py cover both on CPU
+#: gloo ranks
+CUDA_ONLY_JOBS = ("hooks",)
+CUDA_ONLY_RUNS = ("tree",)
+
+
 def launch_ranks(kind):
     """The three runs of ranks, at once: ``one_rank`` (NCCL on the GPU, gloo on
-    the CPU), ``two_ranks`` (gloo) and ``tree`` (gloo, AdaSum's tree). A run
-    that failed gives its error as text."""
+    the CPU), ``two_ranks`` (gloo) and ``tree`` (gloo, AdaSum's tree); on the
+    CPU without ``CUDA_ONLY_JOBS`` and ``CUDA_ONLY_RUNS``. A run that failed
+    gives its error as text."""
     def spawn(fn, world_size, backend, *args, timeout=TIMEOUT, collective_timeout=60.0):
         try:
             return run_on_local_ranks(fn, world_size, *args, backend=backend, timeout=timeout,
@@ -550,12 +589,16 @@ def launch_ranks(kind):
         except (RankFailure, TimeoutError) as exc:
             return f"{type(exc).__name__}: {exc}"
 
-    backend, size = ("nccl", 1) if kind == "cuda" else ("gloo", 1)
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        runs = {"one_rank": pool.submit(spawn, run_each, size, backend, kind, one_rank_jobs()),
-                "two_ranks": pool.submit(spawn, run_each, 2, "gloo", kind, two_rank_jobs()),
-                "tree": pool.submit(spawn, run_each, 2, "gloo", kind, tree_jobs())}
-        return {name: future.result() for name, future in runs.items()}
+    runs = {"one_rank": (1, "nccl" if kind == "cuda" else "gloo", one_rank_jobs()),
+            "two_ranks": (2, "gloo", two_rank_jobs()), "tree": (2, "gloo", tree_jobs())}
+    if kind != "cuda":
+        runs = {name: (size, backend, {job: fn for job, fn in table.items()
+                                       if job not in CUDA_ONLY_JOBS})
+                for name, (size, backend, table) in runs.items() if name not in CUDA_ONLY_RUNS}
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        futures = {name: pool.submit(spawn, run_each, size, backend, kind, table)
+                   for name, (size, backend, table) in runs.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 @pytest.fixture(scope="session")
@@ -881,17 +924,20 @@ def check_adasum_hook_tree(results, kind):
 RUNS = ["one_rank", "two_ranks"]
 
 
+@pytest.mark.device_aware
 @pytest.mark.parametrize("run", RUNS)
 def test_the_reducer_gives_the_float64_mean(rank_results, device, run):
     check_reducer(rank_results, run, device.type)
 
 
+@pytest.mark.device_aware
 @pytest.mark.parametrize("run", RUNS)
 def test_the_distributed_optimizer_broadcasts_and_steps_on_the_float64_mean(rank_results,
                                                                              device, run):
     check_optimizer(rank_results, run, device.type)
 
 
+@pytest.mark.device_aware
 @pytest.mark.parametrize("run", RUNS)
 def test_the_sharded_optimizer_steps_as_the_unsharded_one(rank_results, device, run):
     """shard=True (gloo: all-reduce and one broadcast per rank; NCCL: a
@@ -936,26 +982,31 @@ def test_the_sharded_optimizer_steps_as_the_unsharded_one(rank_results, device, 
             assert {v for k, v in placed.items() if k[1] == "master_weight"} <= {device.type}
 
 
+@pytest.mark.device_aware
 @pytest.mark.parametrize("run", RUNS)
 def test_broadcast_tensors_copies_the_source_bitwise(rank_results, run):
     check_broadcast(rank_results, run)
 
 
+@pytest.mark.cuda_only
 @pytest.mark.parametrize("run", RUNS)
 def test_ddp_hooks_match_ddp_torch_s_hook_and_the_float64_mean(rank_results, device, run):
     check_hooks(rank_results, run, device.type)
 
 
+@pytest.mark.device_aware
 @pytest.mark.parametrize("run,local_size", [("one_rank", 1), ("two_ranks", 2)])
 def test_adasum_allreduce_of_one_block_is_its_exact_mean(rank_results, device, run, local_size):
     check_adasum_collective(rank_results, run, device.type, local_size)
 
 
+@pytest.mark.cuda_only
 def test_adasum_allreduce_on_two_ranks_matches_the_float64_tree_and_the_kernels(rank_results,
                                                                                  device):
     check_adasum_tree(rank_results, device)
 
 
+@pytest.mark.cuda_only
 def test_adasum_hook_on_two_ranks_is_adasum_allreduce_and_the_float64_tree(rank_results,
                                                                              device):
     check_adasum_hook_tree(rank_results, device.type)

@@ -61,6 +61,11 @@ The conventions the docs are written to (tests/docs_blocks.py reads them):
   process (``help_batch.py``; one that fails there runs again alone, which
   decides). Other commands
   (``torchrun train.py``, ``git``, ``pip install torch``) are not checked.
+- **Optional packages**: a Python block whose fusedreduce module, a command
+  whose program, or a run block whose script fails to import a package that
+  an extra of pyproject.toml installs (lightning, accelerate, scikit-learn,
+  ...) is skipped, naming the package and its extras, not failed: the suite
+  also runs without the extras (``pip install -e ".[test]"``).
 """
 from __future__ import annotations
 
@@ -83,7 +88,8 @@ import script_ranks
 from device_mode import VARIABLE
 from docs_blocks import (OUTPUT, RUN, RUN_ONE_RANK, SKIP, Block, Exists, Extras, Help, MissingDependency,
                          Reference, Script, Wrong, argv_of, canonical_name, checks, command_lines,
-                         fusedreduce_references, inline_code, scan, split_commands, unresolved)
+                         fusedreduce_references, inline_code, missing_optional, scan,
+                         split_commands, unresolved)
 from fusedreduce.local_ranks import FAILURE_GRACE_S
 from harness import EXIT_ABORT, ROOT, once_per_session
 
@@ -171,9 +177,7 @@ def test_run_block_runs_as_a_script_on_its_ranks(block_id, tmp_path):
 @pytest.mark.parametrize("where", COMMANDS)
 def test_command_runs_a_program_and_options_that_exist(where, help_output):
     command, needs = COMMANDS[where]
-    failures = command_problems(needs, help_output)
-    if failures:
-        pytest.fail(f"{where}: {command}\n  " + "\n  ".join(failures), pytrace=False)
+    check_command(where, command, needs, help_output)
 
 
 def test_the_scan_finds_python_and_command_blocks_in_the_readme():
@@ -252,7 +256,8 @@ def run_block(block: Block, directory: Path) -> None:
     A rank that aborts at interpreter exit with torch's gloo teardown abort
     (``harness.EXIT_ABORT``, after the script's work) gets one relaunch, as
     ``harness.run_torchrun`` does; so does a launch whose free port was taken
-    between finding it and binding it.
+    between finding it and binding it. A script that fails for want of a
+    package an extra of pyproject.toml installs is skipped, saying so.
     """
     world_size = 1 if block.marker == RUN_ONE_RANK else 2
     script = directory / (re.sub(r"\W", "_", block.id) + ".py")  # tracebacks: the doc's lines
@@ -270,6 +275,10 @@ def run_block(block: Block, directory: Path) -> None:
         if attempt == 0 and any(EXIT_ABORT in output or PORT_TAKEN in output
                                 for output in outputs):
             continue
+        why = missing_optional("\n".join(outputs),
+                               _pyproject()["project"].get("optional-dependencies", {}))
+        if why is not None:
+            pytest.skip(f"{block.id}: the script {why}")
         tails = "".join(f"\n--- rank {rank} ({'killed' if code is None else f'exit {code}'}), "
                         f"last {TAIL} characters of its output:\n{output[-TAIL:]}"
                         for rank, (code, output) in enumerate(zip(codes, outputs)))
@@ -343,8 +352,25 @@ def _pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 
 
+def check_command(where: str, command: str, needs: List[object], help_output) -> None:
+    """Fail with what is wrong with one command line of the docs; skip, as a
+    Python block is skipped, where a program it runs needs an optional
+    package that is not installed."""
+    try:
+        failures = command_problems(needs, help_output)
+    except MissingDependency as exc:
+        pytest.skip(f"{where}: {exc}")
+    if failures:
+        pytest.fail(f"{where}: {command}\n  " + "\n  ".join(failures), pytrace=False)
+
+
 def command_problems(needs: List[object], help_output) -> List[str]:
-    """What is wrong with one command line's ``needs`` (from ``docs_blocks.checks``)."""
+    """What is wrong with one command line's ``needs`` (from ``docs_blocks.checks``).
+
+    Raises:
+        MissingDependency: a ``--help`` failed for want of a package that an
+            extra of pyproject.toml installs.
+    """
     project = _pyproject()["project"]
     extras = {canonical_name(name) for name in project.get("optional-dependencies", {})}
     failures = []
@@ -366,6 +392,9 @@ def command_problems(needs: List[object], help_output) -> List[str]:
             code, output = help_output(need.argv)
             command = "python " + " ".join(need.argv)
             if code != 0:
+                why = missing_optional(output, project.get("optional-dependencies", {}))
+                if why is not None:
+                    raise MissingDependency(f"`{command}` {why}")
                 failures.append(f"`{command}` exited {code}:\n{output[-TAIL:]}")
                 continue
             unknown = [option for option in need.options
@@ -731,6 +760,30 @@ def test_a_missing_optional_dependency_skips_instead_of_failing(monkeypatch):
     assert unresolved(Reference(1, "fusedreduce.hooks", ("allreduce_hook",))) is None
 
 
+def _failed_help(missing: str):
+    """A ``help_output`` whose program fails to import ``missing``."""
+    traceback = (f'Traceback (most recent call last):\n  File "examples/x.py", line 3, in '
+                 f'<module>\n    import {missing}\nModuleNotFoundError: No module named '
+                 f"'{missing}'\n")
+    return lambda argv: (1, traceback)
+
+
+def test_a_command_whose_program_lacks_an_optional_dependency_skips_instead_of_failing():
+    command = "python examples/train_digits.py --plot digits.png"
+    needs = _checks(command)
+    for missing, extras in (("sklearn", "examples"), ("lightning.pytorch", "integrations"),
+                            ("matplotlib", "test, bench, examples")):
+        with pytest.raises(pytest.skip.Exception,
+                           match=rf"doc.md:3: `python examples/train_digits.py --help` needs "
+                                 rf"{missing.split('.')[0]}, which is not installed "
+                                 rf"\(pyproject.toml's extras that install it: {extras}\)$"):
+            check_command("doc.md:3", command, needs, _failed_help(missing))
+    # a module no extra installs (a typo, a file missing from the checkout) still fails
+    for missing in ("sklearn_helpers", "fusedreduce.gone"):
+        with pytest.raises(pytest.fail.Exception, match=f"No module named '{missing}'"):
+            check_command("doc.md:3", command, needs, _failed_help(missing))
+
+
 # ------------------------------------ the runner, on inline scripts
 
 def test_the_runner_passes_a_script_that_runs_on_two_gloo_ranks(tmp_path):
@@ -767,6 +820,19 @@ def test_the_runner_fails_with_the_line_and_every_ranks_output(tmp_path):
     assert message.startswith("doc.md:2: the block failed on 2 rank(s)")
     assert "rank 0 of 2" in message and "rank 1 of 2" in message
     assert "line 5" in message and "rank 1 fails here" in message
+
+
+def test_a_run_block_whose_script_lacks_an_optional_dependency_is_skipped(tmp_path):
+    # as a script that imports lightning fails where it is not installed
+    block = _blocks("""\
+        <!-- test: run 1 rank -->
+        ```python
+        raise ModuleNotFoundError("No module named 'lightning'", name="lightning")
+        ```
+        """)[0]
+    with pytest.raises(pytest.skip.Exception, match="doc.md:2: the script needs lightning, which "
+                                                    "is not installed .*integrations"):
+        run_block(block, tmp_path)
 
 
 def test_each_block_starts_from_the_state_a_fresh_interpreter_has(tmp_path):

@@ -50,8 +50,8 @@ from fusedreduce import (DistributedGradReducer, DistributedOptimizer,
 from fusedreduce import sharded_optimizer
 from fusedreduce.buckets import storage_bytes
 from fusedreduce.sharded_checkpoint import pieces_of
-from harness import (FailingBackward, assert_raised_before_any_collective, outcomes_and_collectives,
-                     ranks_once_getter, record_collectives, run_ranks)
+from harness import (FailingBackward, InfOnOneRank, assert_raised_before_any_collective,
+                     outcomes_and_collectives, ranks_once_getter, record_collectives, run_ranks)
 
 STEPS = 4
 LR = 0.01
@@ -470,13 +470,7 @@ def _grad_scaler(rank, world_size, **options):
                                      **options)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     target = list(model.parameters())[2]  # the second layer's weight
-
-    def poison(grad):
-        if rank == world_size - 1 and poison.step == 1:
-            grad = grad.clone()
-            grad.view(-1)[grad.numel() // 2] = float("inf")
-        return grad
-    poison.step = 0
+    poison = InfOnOneRank(rank, world_size)
     target.register_hook(poison)
     seen = []
     for step in range(3):

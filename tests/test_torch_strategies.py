@@ -206,6 +206,47 @@ def test_another_strategy_replaces_routes_only_when_clearly_faster(monkeypatch, 
     assert choice.chosen[False] == kept
 
 
+# A scaled flatten into fp32/fp64 by ``routes`` copies and scales the buffer in
+# runs of about SCALE_GROUP elements (each run's piece scaled while in cache):
+# only a layout over two runs or more shows a piece that starts a segment early
+# (that segment scaled twice) or late (left unscaled). The scales are exact in
+# fp32 or have a full mantissa; the product is rounded once in fp32 either way,
+# so the bits are the reference's.
+GROUP = torch_backend.SCALE_GROUP
+RUN_LAYOUTS = {  # name: (shapes, source dtypes, offsets or None for packed)
+    "fp32, packed": ([(7 * GROUP // 10,), (GROUP // 4, 2), (3 * GROUP // 10,)],
+                     (F32, F32, F32), None),
+    "16-bit into fp32, packed": ([(7 * GROUP // 10,), (GROUP // 2,), (3 * GROUP // 10,)],
+                                 (F16, BF16, F16), None),
+    "fp32, gaps": ([(7 * GROUP // 10,), (GROUP // 2,), (5,), (3 * GROUP // 10,)],
+                   (F32, F32, F32, F32), "gaps"),
+}
+
+
+@pytest.mark.parametrize("scale", [0.5, 1 / 3])
+@pytest.mark.parametrize("name", sorted(RUN_LAYOUTS))
+def test_routes_scales_every_segment_once_over_several_runs(name, scale):
+    shapes, dtypes, offsets = RUN_LAYOUTS[name]
+    # no zeros (x * scale == x there): every element shows whether it was scaled once
+    generator = torch.Generator().manual_seed(len(shapes))
+    tensors = [(torch.rand(shape, generator=generator) + 0.5).to(dtype) for shape, dtype
+               in zip(shapes, dtypes)]
+    assert sum(t.numel() for t in tensors) >= GROUP + GROUP // 4  # two runs at least
+    if offsets == "gaps":  # one element before every segment
+        offsets = _checks.segment_starts(tensors, None, "")[0]
+        offsets = [start + i + 1 for i, start in enumerate(offsets)]
+    _, size = _checks.segment_starts(tensors, offsets, "tensors")
+    out = torch.empty(size + 3, dtype=F32)
+    expected = reference_flatten(tensors, F32, scale, offsets, out.numel())
+    with forcing("routes"):
+        launch = flatten_launch(tensors, out, offsets)
+    assert launch.choice.chosen[False] == "routes"
+    for call in range(2):  # the first call, and a kept launch's later one
+        out.fill_(math.nan)
+        launch(tensors, out, scale, False)
+        assert_same_bits(out, expected, f"{name}, call {call}")
+
+
 # ------------------------------------------------------------- chosen once, kept
 
 def counting(launch):
