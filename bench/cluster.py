@@ -253,12 +253,15 @@ class Cluster:
         self.down()
 
     def up(self) -> "Cluster":
-        """Make the namespaces, the bridge and the shaped links; returns self.
+        """Make the namespaces, the bridge and the shaped links; returns self
+        (a cluster already up is left as it is).
 
         Raises:
             ClusterUnavailable: what this machine lacks (nothing is made).
             RuntimeError: an ``ip``/``tc`` command failed (what was made is removed).
         """
+        if self.is_up:
+            return self
         reason = unavailable_reason()
         if reason is None and self.delay_s is not None:
             reason = netem_unavailable_reason()
@@ -283,25 +286,15 @@ class Cluster:
                           "dev", node.interface])
                 _command(["ip", "-n", node.namespace, "link", "set", node.interface, "up"])
                 _command(ip + ["link", "set", port, "master", BRIDGE, "up"])
-                self._shape(node.namespace, node.interface)
-                self._shape(self.switch, port)
+                for namespace, interface in ((node.namespace, node.interface),
+                                             (self.switch, port)):
+                    for argv in shaping_commands(namespace, interface, self.rate_bits,
+                                                 self.delay_s):
+                        _command(argv)
         except BaseException:
             self.down()
             raise
         return self
-
-    def _shape(self, namespace: str, interface: str) -> None:
-        """``rate`` (tbf) and half of ``delay`` (netem, tbf its child) on the egress
-        of ``interface``: a packet between two nodes leaves one node's link and
-        one bridge port, so it meets the rate twice and the delay once in all."""
-        tc = ["tc", "-n", namespace, "qdisc", "add", "dev", interface]
-        parent = ["root"]
-        if self.delay_s is not None:
-            _command(tc + ["root", "handle", "1:", "netem", "delay",
-                           f"{self.delay_s / 2 * 1e6:.3f}us"])
-            parent = ["parent", "1:1"]
-        if self.rate_bits is not None:
-            _command(tc + parent + ["handle", "10:", "tbf"] + tbf_options(self.rate_bits))
 
     def down(self) -> None:
         """Remove every namespace this cluster made (their links and bridge go
@@ -399,6 +392,23 @@ class Cluster:
         return {"nodes": len(self.nodes), "ranks_per_node": self.ranks_per_node,
                 "rate": self.rate, "rate_bits": self.rate_bits, "delay": self.delay,
                 **record}
+
+
+def shaping_commands(namespace: str, interface: str, rate_bits: Optional[float],
+                     delay_s: Optional[float]) -> List[List[str]]:
+    """The tc commands that shape ``interface``'s egress in ``namespace``:
+    ``rate_bits`` (tbf) and half of the one-way ``delay_s`` (netem at the root,
+    tbf its child): a packet between two nodes leaves one node's link and one
+    bridge port, so it meets the rate on both and the whole delay once."""
+    tc = ["tc", "-n", namespace, "qdisc", "add", "dev", interface]
+    commands, parent = [], ["root"]
+    if delay_s is not None:
+        commands.append(tc + ["root", "handle", "1:", "netem", "delay",
+                              f"{delay_s / 2 * 1e6:.3f}us"])
+        parent = ["parent", "1:1"]
+    if rate_bits is not None:
+        commands.append(tc + parent + ["handle", "10:", "tbf"] + tbf_options(rate_bits))
+    return commands
 
 
 def tbf_options(rate_bits: float) -> List[str]:

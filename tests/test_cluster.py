@@ -80,6 +80,19 @@ def test_run_and_probe_need_the_cluster_up():
     idle.down()  # a no-op before up
 
 
+def test_links_are_shaped_with_tbf_and_delayed_by_netem_under_it():
+    rate_only = cluster_module.shaping_commands("ns", "fr0", 1e9, None)
+    assert rate_only == [["tc", "-n", "ns", "qdisc", "add", "dev", "fr0", "root", "handle",
+                          "10:", "tbf", "rate", "1000000000bit", "burst", "125000",
+                          "latency", "100ms"]]  # a bucket of 1 ms at the rate
+    assert cluster_module.tbf_options(1e8)[3] == "65536"  # at least one 64 KiB GSO packet
+    delayed = cluster_module.shaping_commands("ns", "fr0", 1e9, 1e-4)
+    # half of the one-way delay on each of the two egresses a packet crosses
+    assert delayed[0][7:] == ["root", "handle", "1:", "netem", "delay", "50.000us"]
+    assert delayed[1][7:10] == ["parent", "1:1", "handle"] and "tbf" in delayed[1]
+    assert cluster_module.shaping_commands("ns", "fr0", None, None) == []
+
+
 @pytest.mark.parametrize("missing", ["root", "tc"])
 def test_up_says_what_this_machine_lacks(monkeypatch, missing):
     if missing == "root":
@@ -100,6 +113,7 @@ def test_up_and_down_leave_nothing_behind():
     links = _host_links()
     cluster = Cluster(nodes=3, rate=RATE)
     with cluster:
+        assert cluster.up() is cluster  # a second up() keeps the cluster as it is
         assert _ours(cluster) == sorted(cluster.namespaces)
         for k, node in enumerate(cluster.nodes):
             addresses = _show("ip", "-n", node.namespace, "-o", "addr", "show", "dev", "fr0")
