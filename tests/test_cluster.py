@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import once_per_session
+
 from fusedreduce.bench import cli
 from fusedreduce.bench import cluster as cluster_module
 from fusedreduce.bench.cluster import (Cluster, ClusterUnavailable, namespaces, parse_delay,
@@ -172,21 +174,26 @@ def _rank_report(rank, world_size):
             "probe": probe}
 
 
-@pytest.fixture(scope="module")
-def two_by_two():
-    """A 2-node cluster of 2 ranks each at 1 Gbit/s; the nodes' namespace
-    inodes and every rank's ``_rank_report`` (one run for every test here)."""
+@pytest.fixture(scope="session")
+def two_by_two(tmp_path_factory):
+    """Once per session (and pytest-xdist worker set): a 2-node cluster of 2
+    ranks each at 1 Gbit/s, the nodes' namespace inodes and every rank's
+    ``_rank_report``; the cluster is down again before any test reads them."""
     if REASON is not None:
         pytest.skip(REASON)
-    with Cluster(nodes=2, ranks_per_node=2, rate=RATE) as cluster:
-        inodes = [os.stat(f"{cluster_module.NETNS_DIR}/{node.namespace}").st_ino
-                  for node in cluster.nodes]
-        yield cluster, inodes, cluster.run(_rank_report, timeout=240)
+
+    def compute(_directory):
+        with Cluster(nodes=2, ranks_per_node=2, rate=RATE) as cluster:
+            inodes = [os.stat(f"{cluster_module.NETNS_DIR}/{node.namespace}").st_ino
+                      for node in cluster.nodes]
+            return inodes, cluster.run(_rank_report, timeout=240)
+
+    return once_per_session(tmp_path_factory, "cluster_2x2", compute)
 
 
 @needs_root
 def test_each_rank_runs_in_its_node_with_torchrun_environment(two_by_two):
-    _, inodes, reports = two_by_two
+    inodes, reports = two_by_two
     port = reports[0]["env"]["MASTER_PORT"]
     for rank, report in enumerate(reports):
         node, local = divmod(rank, 2)
@@ -199,7 +206,7 @@ def test_each_rank_runs_in_its_node_with_torchrun_environment(two_by_two):
 
 @needs_root
 def test_all_reduce_across_two_nodes_of_two_ranks_is_the_sum(two_by_two):
-    _, _, reports = two_by_two
+    _, reports = two_by_two
     base = torch.arange(1000, dtype=torch.float64)
     expected = sum(base * (rank + 1) + rank for rank in range(4))
     for report in reports:
@@ -208,7 +215,7 @@ def test_all_reduce_across_two_nodes_of_two_ranks_is_the_sum(two_by_two):
 
 @needs_root
 def test_links_between_nodes_give_about_the_shaped_rate(two_by_two):
-    probe = two_by_two[2][0]["probe"]
+    probe = two_by_two[1][0]["probe"]
     # TCP/IP headers take ~5% of a 1500-byte frame: 0.95x the rate is the
     # ceiling; unshaped veths give 10x or more here, a starved machine less
     for figure in (probe["inter_send"], probe["inter_all_reduce"]):
@@ -217,7 +224,7 @@ def test_links_between_nodes_give_about_the_shaped_rate(two_by_two):
 
 @needs_root
 def test_ranks_of_one_node_talk_past_the_shaped_link(two_by_two):
-    probe = two_by_two[2][0]["probe"]
+    probe = two_by_two[1][0]["probe"]
     # the kernel's local path (16-19 Gbit/s measured here, 2026-11-27) against
     # the 1 Gbit/s link: 2x leaves room for a loaded machine
     assert probe["local_send"]["gbit_s"] > 2 * probe["inter_send"]["gbit_s"], probe
