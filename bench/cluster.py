@@ -30,6 +30,7 @@ import argparse
 import atexit
 import ctypes
 import functools
+import ipaddress
 import itertools
 import os
 import re
@@ -51,8 +52,9 @@ PREFIX = "frc"
 #: the link's name inside every node's namespace (the namespace makes it unique)
 INTERFACE = "fr0"
 BRIDGE = "br0"
-#: node k is 10.213.0.(k+1) in a /16 that exists only inside the cluster's namespaces
-SUBNET = "10.213.0.0/16"
+#: node k is 10.213.0.(k+1) in this /16, which exists only inside the cluster's namespaces
+SUBNET = ipaddress.IPv4Network("10.213.0.0/16")
+#: one address each in 10.213.0.1-254
 MAX_NODES = 254
 NETNS_DIR = "/run/netns"
 #: the first rendezvous port; each run of a cluster takes the next one, so a
@@ -232,7 +234,7 @@ class Cluster:
         self.ranks_per_node = ranks_per_node
         self.name = f"{PREFIX}-{os.getpid()}-{next(_counter)}"
         self.switch = f"{self.name}-switch"
-        self.nodes = [Node(k, f"{self.name}-node{k}", INTERFACE, f"10.213.0.{k + 1}")
+        self.nodes = [Node(k, f"{self.name}-node{k}", INTERFACE, str(SUBNET[k + 1]))
                       for k in range(nodes)]
         self._runs = 0
         self.is_up = False
@@ -282,7 +284,8 @@ class Cluster:
                 _command(["ip", "-n", node.namespace, "link", "add", node.interface, "type",
                           "veth", "peer", "name", port, "netns", self.switch])
                 _command(["ip", "-n", node.namespace, "link", "set", "lo", "up"])
-                _command(["ip", "-n", node.namespace, "addr", "add", f"{node.address}/16",
+                _command(["ip", "-n", node.namespace, "addr", "add",
+                          f"{node.address}/{SUBNET.prefixlen}",
                           "dev", node.interface])
                 _command(["ip", "-n", node.namespace, "link", "set", node.interface, "up"])
                 _command(ip + ["link", "set", port, "master", BRIDGE, "up"])
