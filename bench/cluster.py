@@ -62,6 +62,8 @@ NETNS_DIR = "/run/netns"
 #: namespaces are the cluster's own: no other program listens there)
 MASTER_PORT = 29500
 CLONE_NEWNET = 0x40000000
+#: the capabilities the cluster needs, and their bits (linux/capability.h)
+CAPABILITIES = (("CAP_NET_ADMIN", 12), ("CAP_SYS_ADMIN", 21))
 _counter = itertools.count()
 
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
@@ -78,14 +80,26 @@ def unavailable_reason() -> Optional[str]:
     """Why a cluster cannot be made here, or None when it can."""
     if not sys.platform.startswith("linux"):
         return f"the simulated cluster needs Linux network namespaces (this is {sys.platform})"
-    if os.geteuid() != 0:
-        return ("the simulated cluster needs root (CAP_NET_ADMIN, to create network "
-                "namespaces and shape links with tc): run it as root")
+    lacking = missing_capabilities()
+    if lacking:
+        return (f"the simulated cluster needs root with CAP_NET_ADMIN and CAP_SYS_ADMIN (to "
+                f"create network namespaces and shape links with tc); this process lacks "
+                f"{' and '.join(lacking)}: run it as root (in a container: --cap-add "
+                f"NET_ADMIN --cap-add SYS_ADMIN, or --privileged)")
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return (f"the simulated cluster needs iproute2's ip and tc on PATH (missing: "
                 f"{', '.join(missing)})")
     return None
+
+
+def missing_capabilities() -> List[str]:
+    """Which of CAP_NET_ADMIN (links, addresses, qdiscs) and CAP_SYS_ADMIN
+    (``ip netns``' mounts, setns) this process's effective set lacks."""
+    with open("/proc/self/status") as status:
+        effective = next(int(line.split()[1], 16) for line in status
+                         if line.startswith("CapEff:"))
+    return [name for name, bit in CAPABILITIES if not effective >> bit & 1]
 
 
 def _parse(text: str, units: Dict[str, float], what: str, example: str) -> float:

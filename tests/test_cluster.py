@@ -9,6 +9,7 @@ same time).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -98,14 +99,26 @@ def test_links_are_shaped_with_tbf_and_delayed_by_netem_under_it():
 @pytest.mark.parametrize("missing", ["root", "tc"])
 def test_up_says_what_this_machine_lacks(monkeypatch, missing):
     if missing == "root":
-        monkeypatch.setattr(os, "geteuid", lambda: 1000)
-        fragment = "needs root"
+        monkeypatch.setattr(cluster_module, "missing_capabilities", lambda: ["CAP_NET_ADMIN"])
+        fragment = "needs root with CAP_NET_ADMIN .* lacks CAP_NET_ADMIN"
     else:
         monkeypatch.setattr(cluster_module.shutil, "which",
                             lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
         fragment = "missing: tc"
     with pytest.raises(ClusterUnavailable, match=fragment):
         Cluster(2).up()
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
+@needs_root
+def test_root_without_net_admin_is_told_so_and_left_nothing():
+    # root in a container without CAP_NET_ADMIN can add a namespace but not a link
+    done = subprocess.run(["setpriv", "--bounding-set", "-net_admin", sys.executable, "-m",
+                           "fusedreduce.bench", "cluster", "probe"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "this process lacks CAP_NET_ADMIN" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 # ------------------------------------------------------------------ as root
