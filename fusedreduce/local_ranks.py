@@ -55,22 +55,33 @@ class RankFailure(RuntimeError):
         super().__init__(f"{len(self.failures)} rank(s) failed:{text}")
 
 
-def _rank_main(rank: int, world_size: int, init_file: str, backend: str,
-               collective_timeout: float, threads: Optional[int], fn: Callable,
-               args: tuple, results, environment: Dict[str, str]) -> None:
+def _in_environment(environment: Dict[str, str], target: Callable, args: tuple,
+                    results) -> None:
     # the caller's environment as it is now: a forked rank inherits the fork
     # server's, from when the server started
     if dict(os.environ) != environment:
         os.environ.clear()
         os.environ.update(environment)
+    target(*args, results)
+
+
+def join_and_run(rank: int, world_size: int, init_method: str, backend: str,
+                 collective_timeout: float, threads: Optional[int], fn: Callable,
+                 args: tuple, setup: Optional[Callable[[], None]], results) -> None:
+    """One rank's body under ``run_rank_processes``: ``setup()`` (when given),
+    join the process group at ``init_method``, run ``fn(rank, world_size,
+    *args)``, leave the group, and put the pickled result (or the traceback) on
+    ``results``."""
     import torch
     import torch.distributed as dist
     try:
+        if setup is not None:
+            setup()
         if threads is not None:
             torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout))
         try:
@@ -123,6 +134,35 @@ def run_on_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
         >>> run_on_local_ranks(total, 3)                         # doctest: +SKIP
         [3.0, 3.0, 3.0]
     """
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        return run_rank_processes(
+            join_and_run, [(r, world_size, f"file://{init_file}", backend, collective_timeout,
+                            threads, fn, args, None) for r in range(world_size)],
+            timeout=timeout, start_method=start_method)
+
+
+def run_rank_processes(target: Callable[..., None], rank_args: List[tuple], *,
+                       timeout: float, start_method: Optional[str] = None) -> List[Any]:
+    """``target(*rank_args[r], results)`` for each rank r, each its own process
+    (with the caller's current environment variables), and what each sends
+    back: the engine under ``run_on_local_ranks``, for launchers that start
+    their ranks differently (``fusedreduce.bench.cluster`` starts each inside a
+    network namespace).
+
+    ``target`` is a module-level function; it must put ``(rank, True,
+    pickle.dumps(result))`` or ``(rank, False, traceback text)`` on the queue
+    ``results`` exactly once. ``start_method``, ``timeout``, the errors and the
+    failure grace are ``run_on_local_ranks``'s.
+
+    Returns:
+        Each rank's result, in rank order.
+
+    Raises:
+        ValueError: an unknown ``start_method`` (or environment variable).
+        RankFailure: ranks reported failures.
+        TimeoutError: ranks did not report within ``timeout`` (they are killed).
+    """
     import torch.multiprocessing as mp
     if start_method is None:
         start_method = os.environ.get(START_METHOD_VARIABLE) or "spawn"
@@ -135,33 +175,30 @@ def run_on_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     if start_method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # takes effect when the server starts
     results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_rank_main,
-                             args=(r, world_size, init_file, backend, collective_timeout, threads,
-                                   fn, args, results, dict(os.environ)))
-                 for r in range(world_size)]
+    world_size = len(rank_args)
+    procs = [ctx.Process(target=_in_environment, args=(dict(os.environ), target, args, results))
+             for args in rank_args]
+    for p in procs:
+        p.start()
+    done: Dict[int, bytes] = {}
+    failures: Dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) + len(failures) < world_size:
+            wait = deadline - time.monotonic()
+            if failures:
+                wait = min(wait, FAILURE_GRACE_S)
+            try:
+                rank, ok, payload = results.get(timeout=max(wait, 0.0))
+            except queue_module.Empty:
+                break
+            (done if ok else failures)[rank] = payload
+    finally:
         for p in procs:
-            p.start()
-        done: Dict[int, bytes] = {}
-        failures: Dict[int, str] = {}
-        deadline = time.monotonic() + timeout
-        try:
-            while len(done) + len(failures) < world_size:
-                wait = deadline - time.monotonic()
-                if failures:
-                    wait = min(wait, FAILURE_GRACE_S)
-                try:
-                    rank, ok, payload = results.get(timeout=max(wait, 0.0))
-                except queue_module.Empty:
-                    break
-                (done if ok else failures)[rank] = payload
-        finally:
-            for p in procs:
-                p.join(timeout=10 if len(done) + len(failures) == world_size else 0)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+            p.join(timeout=10 if len(done) + len(failures) == world_size else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
     missing = sorted(set(range(world_size)) - set(done) - set(failures))
     if failures:
         raise RankFailure(failures, missing)
