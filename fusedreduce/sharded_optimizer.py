@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from .kernels._checks import refuse_in_capture
+from .kernels import refuse_in_capture
 from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_halve,
                      adasum_tree_share)
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
