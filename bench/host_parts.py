@@ -37,32 +37,11 @@ PARTS = ("whole call", "recognising the layout", "the kept launch", "the compile
          "one tiny torch op")
 
 
-def _launcher_arguments(launch: Callable, call: Callable) -> tuple:
-    """The arguments the kept ``launch`` hands its compiled launcher, read
-    from one ``call``."""
-    from fusedreduce.kernels._launcher import CompiledLaunch
-    seen: List[tuple] = []
-    original = CompiledLaunch.__call__
-
-    def recording(self, *args):
-        seen.append(args)
-        original(self, *args)
-    CompiledLaunch.__call__ = recording
-    try:
-        call()
-    finally:
-        CompiledLaunch.__call__ = original
-    if len(seen) != 1:
-        raise RuntimeError(f"expected one compiled launch per call, saw {len(seen)}")
-    return seen[0]
-
-
 def part_calls(direction: str, grads, out, dsts, scale: float) -> Dict[str, Callable]:
     """``{part: a function doing that part once}`` for one steady-state call."""
     import torch
 
     from fusedreduce import kernels
-    from fusedreduce.kernels import _prepared
 
     if direction == "flatten":
         tensors, buffer = grads, out
@@ -76,10 +55,10 @@ def part_calls(direction: str, grads, out, dsts, scale: float) -> Dict[str, Call
             kernels.unflatten_cast_scale(out, dsts, scale=scale, backend="triton")
     whole()  # prepares the launch
     whole()
-    launch = _prepared.LAUNCHES.lookup(direction, "triton", buffer, tensors, None)
+    launch = kernels.kept_launch(direction, buffer, tensors, backend="triton")
     if launch is None or not hasattr(launch, "kernel"):
         raise RuntimeError(f"{direction}: no kept Triton launch after two calls")
-    args = _launcher_arguments(launch, whole)
+    args = kernels.compiled_launch_arguments(whole)
     kernel = launch.kernel
     tiny = torch.zeros(1, device=out.device)
     if direction == "flatten":
@@ -90,8 +69,8 @@ def part_calls(direction: str, grads, out, dsts, scale: float) -> Dict[str, Call
             launch(out, dsts, scale, False)
     return {
         "whole call": whole,
-        "recognising the layout": lambda: _prepared.LAUNCHES.lookup(direction, "triton",
-                                                                     buffer, tensors, None),
+        "recognising the layout": lambda: kernels.kept_launch(direction, buffer, tensors,
+                                                              backend="triton"),
         "the kept launch": kept,
         "the compiled launcher": lambda: kernel(*args),
         "one tiny torch op": lambda: tiny.add_(1),
@@ -131,8 +110,8 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         from . import recording_driver
         recording_driver.install(record=False)
-        from fusedreduce.kernels import _backends
-        _backends._interpreting = lambda: True  # the stand-in driver takes CPU tensors
+        from fusedreduce.kernels import allow_cpu_launches
+        allow_cpu_launches()  # the stand-in driver takes CPU tensors
         sync = lambda: None  # noqa: E731
     else:
         if not torch.cuda.is_available():

@@ -43,8 +43,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 
 from fusedreduce import BucketPlan, communication_dtype
-from fusedreduce.kernels import NORM_ROW, resolve_backend
-from fusedreduce.kernels._backends import backend_for
+from fusedreduce.kernels import NORM_ROW, clip_partials, norm_partials, resolve_backend
 
 from . import common, timing
 from .models import TENSOR_LISTS, gradients
@@ -90,7 +89,6 @@ def methods(grads: List[torch.Tensor], plan: BucketPlan, buffers: List[torch.Ten
     for holder, output in zip(holders, outputs):
         holder.grad = output
     postscales = [1.0 / WORLD_SIZE] * len(buffers)
-    kernels = backend_for("auto", buffers[0].device)
 
     def write_back():
         for bucket, buffer in zip(plan.buckets, buffers):
@@ -100,8 +98,8 @@ def methods(grads: List[torch.Tensor], plan: BucketPlan, buffers: List[torch.Ten
         return torch.nn.utils.clip_grad_norm_(holders, MAX_NORM, NORM_TYPE, foreach=True)
 
     def fused_norm(share=(0, 1)):
-        partials = kernels.norm_partials(buffers, NORM_TYPE, share)
-        return kernels.clip_partials(partials, buffers, postscales, MAX_NORM, NORM_TYPE)
+        partials = norm_partials(buffers, NORM_TYPE, share)
+        return clip_partials(partials, buffers, postscales, MAX_NORM, NORM_TYPE)
 
     fns: Dict[str, Callable[[], object]] = {REFERENCE: write_back, BASELINE: torch_clip,
                                             "fused_norm": fused_norm}
@@ -113,7 +111,7 @@ def methods(grads: List[torch.Tensor], plan: BucketPlan, buffers: List[torch.Ten
 
 def partials_bytes(buffers: List[torch.Tensor]) -> int:
     """The bytes of the row partials the split all-reduces (fp64, one per row)."""
-    return backend_for("auto", buffers[0].device).norm_partials(buffers, NORM_TYPE).numel() * 8
+    return norm_partials(buffers, NORM_TYPE).numel() * 8
 
 
 def check_norm(fns: Dict[str, Callable[[], object]], buffers: List[torch.Tensor]) -> None:

@@ -60,18 +60,17 @@ torch fallback launches none.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from fusedreduce import DistributedGradReducer, DistributedOptimizer, hooks
-from fusedreduce.kernels import _prepared
+from fusedreduce.kernels import LAUNCH_OUTCOMES, count_launches
 from fusedreduce.local_ranks import run_on_local_ranks
 
 from . import common
@@ -87,8 +86,6 @@ BUCKET_CAP_MB = 25.0
 WARMUP = 5
 #: untimed steps per method whose kept launches are counted
 COUNTED_STEPS = 5
-#: what ``launch_counts`` counts
-LAUNCH_OUTCOMES = ("calls", "same", "switched", "re-pointed", "prepared", "direct", "via_jit")
 
 
 def _step(method: str, config: dict, device: torch.device, batch,
@@ -155,51 +152,6 @@ def _captured(step: Callable[[], None], device: torch.device) -> Callable[[], No
     return graph.replay
 
 
-@contextlib.contextmanager
-def launch_counts(counts: Dict[str, int]) -> Iterator[Dict[str, int]]:
-    """Count into ``counts`` (``LAUNCH_OUTCOMES``) what the kernels' kept
-    launches do meanwhile. It wraps the cache's lookup, the re-pointing, the
-    span check and the preparation, so nothing inside is timed."""
-    cache, entry = _prepared.LAUNCHES, _prepared.Prepared
-    lookup, rebind, spans_clear, init = cache.lookup, entry.rebind, _prepared.spans_clear, \
-        entry.__init__
-
-    def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            counts[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
-    try:
-        from fusedreduce.kernels._launcher import CompiledLaunch
-    except Exception:  # noqa: BLE001 (no usable Triton: the torch fallback launches none)
-        CompiledLaunch = None
-    if CompiledLaunch is not None:
-        launch = CompiledLaunch.__call__
-
-        def counted_launch(self, *args):
-            before = self.direct_calls
-            launch(self, *args)
-            counts["direct" if self.direct_calls > before else "via_jit"] += 1
-        CompiledLaunch.__call__ = counted_launch
-
-    counts["moved"] = 0  # re-pointed or switched: derived from below at the end
-    cache.lookup = counted("calls", lookup)
-    entry.rebind = counted("moved", rebind)
-    _prepared.spans_clear = counted("re-pointed", spans_clear)
-    entry.__init__ = counted("prepared", init)
-    try:
-        yield counts
-    finally:
-        del cache.lookup
-        entry.rebind, _prepared.spans_clear, entry.__init__ = rebind, spans_clear, init
-        if CompiledLaunch is not None:
-            CompiledLaunch.__call__ = launch
-        moved = counts.pop("moved")
-        counts["switched"] += moved - counts["re-pointed"]
-        counts["same"] += counts["calls"] - moved - counts["prepared"]
-
-
 def rank_body(rank: int, world_size: int, config: dict) -> dict:
     """Time every method on this (single) rank; the median step per method, in ms."""
     device = (torch.device("cuda", torch.cuda.current_device())
@@ -246,7 +198,7 @@ def rank_body(rank: int, world_size: int, config: dict) -> dict:
         peak[method] = held[method] + torch.cuda.max_memory_allocated(device) - before
     launches = {}
     for method in methods:
-        with launch_counts(dict.fromkeys(LAUNCH_OUTCOMES, 0)) as counts:
+        with count_launches() as counts:
             for _ in range(COUNTED_STEPS):
                 steps[method]()
         if counts["calls"]:

@@ -13,8 +13,10 @@ Entry points, from the highest level down:
 - ``adasum_allreduce_plan(plan, tensors, outputs)``: bucket by bucket, no checks;
 - ``adasum_allreduce_flat(buffer, segments)``: one flat buffer, in place (what
   ``adasum_hook`` runs on a DDP bucket);
-- ``AdaSumReducer``: a ``DistributedGradReducer`` whose buckets combine by
-  AdaSum during backward (``DistributedOptimizer(reduce_method="adasum")``);
+- ``AdaSumReducer`` (``adasum_reducer.py``, a layer up): a
+  ``DistributedGradReducer`` whose buckets combine by AdaSum during backward
+  (``DistributedOptimizer(reduce_method="adasum")``), built on
+  ``adasum_flat_unchecked``;
 - ``adasum_halve`` / ``adasum_gather`` with ``adasum_tree_share``: the tree's
   two phases apart, for ``DistributedOptimizer(shard=True)``, which steps the
   slice the halving leaves each rank and gathers the parameters by the
@@ -35,13 +37,11 @@ import torch.distributed as dist
 
 from . import kernels
 from ._checks import tensor_list
-from .allreduce import PendingBucket
 from .buckets import Bucket, BucketPlan
 from .precision import communication_dtype
 from .process_group import (consecutive_block, global_ranks, refuse_one_shot_in_capture,
                             require_process_group, verify_same_on_all_ranks)
-from .sharded import _all_gather
-from .reducer import DistributedGradReducer
+from .sharded import start_all_gather
 
 
 def check_local_size(local_size, world_size: int) -> int:
@@ -146,60 +146,6 @@ def check_adasum_reduce_dtype(reduce_dtype: torch.dtype) -> torch.dtype:
         raise ValueError(f"AdaSum combines in float32 or float64 buffers: reduce_dtype="
                          f"{reduce_dtype} cannot be used with it")
     return reduce_dtype
-
-
-class AdaSumReducer(DistributedGradReducer):
-    """A ``DistributedGradReducer`` whose buckets combine by AdaSum, not by a sum.
-
-    Each bucket, once its gradients are ready (or on a call), is flattened
-    into an fp32/fp64 buffer times ``1/local_size`` and combined along
-    AdaSum's tree (``adasum_allreduce_flat``), one coefficient pair per
-    parameter: the result is bitwise ``adasum_allreduce`` of the gradients,
-    whatever the bucketing. The tree is a chain of dependent point-to-point
-    steps, run when the bucket starts (as ``adasum_hook`` runs it).
-
-    Args:
-        parameters: as ``DistributedGradReducer``'s.
-        group: the process group; default: the world.
-        local_size: average inside consecutive blocks of this many ranks
-            first (a node's GPUs), then AdaSum across the blocks.
-        bucket_cap_mb: the byte cap of a fused bucket, in MiB.
-        reduce_dtype: float32 (16-bit gradients are combined in fp32) or
-            float64.
-        backend: the kernels' backend.
-        clipping: ``max_grad_norm``, ``norm_type`` and ``error_if_nonfinite``
-            as ``DistributedGradReducer`` takes them (the norm of the combined
-            gradients).
-
-    Raises:
-        ValueError: ``reduce_dtype`` is 16-bit (AdaSum's statistics and
-            combine need fp32 or fp64 buffers), or ``local_size`` does not
-            divide the world size; and ``DistributedGradReducer``'s errors.
-    """
-
-    def __init__(self, parameters, group: Optional[dist.ProcessGroup] = None, *,
-                 local_size: int = 1, bucket_cap_mb: float = 25.0,
-                 reduce_dtype: torch.dtype = torch.float32, backend: str = "auto",
-                 **clipping) -> None:
-        check_adasum_reduce_dtype(reduce_dtype)
-        super().__init__(parameters, mean=False, group=group, bucket_cap_mb=bucket_cap_mb,
-                         reduce_dtype=reduce_dtype, backend=backend, **clipping)
-        self.local_size = check_local_size(local_size, self.world_size)
-        # prescaled by 1/local_size in the flatten, as adasum_allreduce does
-        self._scales = [(1.0 / local_size, 1.0)] * len(self.plan.buckets)
-
-    _sums_buffers = False  # AdaSum combines: no count can ride in the buffers
-
-    def _start_flat(self, bucket, tensors, buffer: torch.Tensor) -> PendingBucket:
-        prescale, _ = self._scales[bucket.index]
-        self.plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=self.backend)
-        return self._communicate(bucket, buffer, None)
-
-    def _communicate(self, bucket, buffer: torch.Tensor, spare) -> PendingBucket:
-        adasum_flat_unchecked(buffer, adasum_bucket_boundaries(bucket), self.group,
-                              self.local_size, self.backend, prescaled=True,
-                              exchanges_only=False)
-        return PendingBucket(bucket, buffer, None)
 
 
 def adasum_bucket_boundaries(bucket: Bucket) -> List[int]:
@@ -362,7 +308,7 @@ def adasum_gather(buffer: torch.Tensor, share: TreeShare, group, local_size: int
         pieces = kernels.scratch_buffer("adasum_pieces", (piece * local_size,), buffer.dtype,
                                         buffer.device)
         send[:end - start].copy_(buffer[start:end])
-        _all_gather(pieces, send, consecutive_block(group, local_size)).wait()
+        start_all_gather(pieces, send, consecutive_block(group, local_size)).wait()
         buffer[lo:hi].copy_(pieces[:hi - lo])
     column, me = _column(group, local_size)
     _gather_along_tree(buffer, share.levels, column, me, group)

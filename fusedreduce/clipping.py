@@ -40,9 +40,8 @@ from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .kernels._backends import backend_for
-from .kernels._checks import refuse_in_capture
-from .kernels._common import NORM_ROW
+from . import kernels
+from .kernels import NORM_ROW, refuse_in_capture
 
 #: ``split_norm=None`` splits the norm's reading where it spares each rank at
 #: least this many elements (``elements - elements // world_size``), by the
@@ -203,7 +202,7 @@ def norm_powers(buffers: Sequence[torch.Tensor], norm_type: float,
                 backend: str = "auto") -> torch.Tensor:
     """Each buffer's sum of ``|x| ** norm_type`` (max ``|x|`` for ``math.inf``),
     as one fp64 vector on their device, in the fixed order the module describes."""
-    return backend_for(backend, buffers[0].device).norm_powers(buffers, norm_type)
+    return kernels.norm_powers(buffers, norm_type, backend=backend)
 
 
 def clip_scales(powers: torch.Tensor, postscales: Sequence[float], max_norm: float,
@@ -219,8 +218,8 @@ def clip_scales(powers: torch.Tensor, postscales: Sequence[float], max_norm: flo
     ``norm_dtype``; one-element fp64 tensors on the device: the unflatten's
     scale). The gradients keep their loss scale: a GradScaler unscales them
     as usual."""
-    return backend_for(backend, powers.device).clip_scales(powers, postscales, max_norm,
-                                                           norm_type, loss_scale, norm_dtype)
+    return kernels.clip_scales(powers, postscales, max_norm, norm_type, loss_scale,
+                               backend=backend, norm_dtype=norm_dtype)
 
 
 def clip_buffers(buffers: Sequence[torch.Tensor], postscales: Sequence[float],
@@ -238,8 +237,8 @@ def clip_buffers(buffers: Sequence[torch.Tensor], postscales: Sequence[float],
     are the bits the unsplit call gives, for ``1 / world_size`` of its reading.
     """
     if split is None or split.world_size == 1:
-        return backend_for(backend, buffers[0].device).clip_buffers(
-            buffers, postscales, max_norm, norm_type, loss_scale, norm_dtype)
+        return kernels.clip_buffers(buffers, postscales, max_norm, norm_type, loss_scale,
+                                    backend=backend, norm_dtype=norm_dtype)
     partials, work = share_norm(buffers, norm_type, split, backend)
     work.wait()
     return clip_shared(partials, buffers, postscales, max_norm, norm_type, loss_scale, backend,
@@ -252,8 +251,8 @@ def share_norm(buffers: Sequence[torch.Tensor], norm_type: float, split: NormSpl
     share of the norm's row partials (zero elsewhere) and the asynchronous
     all-reduce that adds every rank's into ``partials``; ``clip_shared`` of
     them once ``work`` is done."""
-    partials = backend_for(backend, buffers[0].device).norm_partials(
-        buffers, norm_type, (split.rank, split.world_size))
+    partials = kernels.norm_partials(buffers, norm_type, (split.rank, split.world_size),
+                                     backend=backend)
     return partials, dist.all_reduce(partials, group=split.group, async_op=True)
 
 
@@ -263,8 +262,8 @@ def clip_shared(partials: torch.Tensor, buffers: Sequence[torch.Tensor],
                 norm_dtype: torch.dtype = torch.float32,
 ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``clip_buffers``' result from the all-reduced ``partials`` of ``share_norm``."""
-    return backend_for(backend, buffers[0].device).clip_partials(
-        partials, buffers, postscales, max_norm, norm_type, loss_scale, norm_dtype)
+    return kernels.clip_partials(partials, buffers, postscales, max_norm, norm_type,
+                                 loss_scale, backend=backend, norm_dtype=norm_dtype)
 
 
 def max_over_ranks(values: torch.Tensor, group, world_size: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ from .adasum import adasum_allreduce_plan, adasum_flat_unchecked, check_local_si
 from .buckets import BucketPlan, TensorSpec
 from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers, clip_shared,
                        norm_dtype_of, norm_split_for, raise_if_nonfinite, share_norm)
-from .kernels._checks import refuse_in_capture
+from .kernels import refuse_in_capture
 from .precision import communication_dtype, split_scale
 from .process_group import (backend_to_compare, global_ranks, require_process_group,
                             verify_same_on_all_ranks)

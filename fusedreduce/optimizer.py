@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_bool, check_instance, check_int
-from .kernels._checks import refuse_in_capture
-from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
-                     check_local_size)
+from .kernels import refuse_in_capture
+from .adasum import adasum_allreduce, check_adasum_reduce_dtype, check_local_size
+from .adasum_reducer import AdaSumReducer
 from .broadcast import PackedBroadcast, broadcast_tensors
 from .buckets import storage_bytes
 from .checkpoint_group import check_timeout, checkpoint_group, meet_for, rank_in

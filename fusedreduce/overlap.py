@@ -28,7 +28,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 import torch
 
 from .allreduce import PendingBucket, wait_for
-from .kernels._checks import refuse_in_capture
+from .kernels import refuse_in_capture
 from .buckets import BucketPlan
 
 StartBucket = Callable[[int, Sequence[Optional[torch.Tensor]]], PendingBucket]

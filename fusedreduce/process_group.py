@@ -15,8 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .kernels import resolve_backend
-from .kernels._checks import refuse_in_capture
+from .kernels import refuse_in_capture, resolve_backend
 
 
 def require_process_group(group=None) -> int:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from .kernels._checks import metadata_guard, refuse_in_capture
+from .kernels import metadata_guard, refuse_in_capture
 from ._checks import (check_bool, check_distinct, check_int, check_loss_scale, check_prescale,
                       tensor_list)
 from .allreduce import (PendingBucket, finish_bucket, start_all_reduce, start_bucket_all_reduce,

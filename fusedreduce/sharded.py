@@ -35,7 +35,10 @@ def _reduce_scatter(part: torch.Tensor, buffer: torch.Tensor, group):
     return collective(part, buffer, group=group, async_op=True)
 
 
-def _all_gather(buffer: torch.Tensor, part: torch.Tensor, group):
+def start_all_gather(buffer: torch.Tensor, part: torch.Tensor, group):
+    """Start gathering every rank's ``part`` of ``group``, in rank order, into
+    ``buffer`` (``world_size`` parts long); returns the collective's handle.
+    The sharded all-gathers and AdaSum's gather share this one call."""
     collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return collective(buffer, part, group=group, async_op=True)
 
@@ -153,7 +156,7 @@ def start_bucket_all_gather(bucket: Bucket, part: torch.Tensor, buffer: torch.Te
     """Start gathering every rank's ``part`` of ``bucket`` into ``buffer``."""
     if world_size == 1:
         return PendingBucket(bucket, part, None)
-    work = _all_gather(buffer, part, group) if bucket.size else None
+    work = start_all_gather(buffer, part, group) if bucket.size else None
     return PendingBucket(bucket, buffer, work)
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from .kernels._checks import refuse_in_capture
+from .kernels import refuse_in_capture
 from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_halve,
                      adasum_tree_share)
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
@@ -39,8 +39,8 @@ from .buckets import Bucket, BucketPlan
 from .clipping import max_over_ranks, norm_dtype_of, norm_powers
 from .process_group import comm_device, global_rank
 from .reducer import DistributedGradReducer
-from .sharded import (PartRange, _all_gather, broadcast_from, broadcast_slots, part_ranges,
-                      ranges_between, start_bucket_reduce_scatter)
+from .sharded import (PartRange, broadcast_from, broadcast_slots, part_ranges, ranges_between,
+                      start_all_gather, start_bucket_reduce_scatter)
 from .sharded_checkpoint import collect_pieces, make_piece, pack_pieces, state_over
 
 #: optimizers whose step updates every element from that element's gradient
@@ -895,7 +895,7 @@ class ShardedParameters:
             if self._gather_by_broadcasts:
                 work = broadcast_slots(flat, self.group, self.world_size)
             else:
-                work = _all_gather(flat, self._send[bucket.index], self.group)
+                work = start_all_gather(flat, self._send[bucket.index], self.group)
             pending = PendingBucket(bucket, flat, work)
         else:
             return
@@ -950,6 +950,13 @@ class ShardedParameters:
         indices = {self._awaited[p] for p in module._parameters.values() if p in self._awaited}
         if indices:
             self.finish_gather(sorted(indices, reverse=True))
+
+    def owned_grad_slices(self, params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The slices this rank holds of ``params``' gradients, in their order
+        (parameters without a gradient, or not sharded here, left out): the
+        share of a norm this rank reads."""
+        return [_slice_of(p.grad, self.by_param[p]) for p in params
+                if p.grad is not None and p in self.by_param]
 
     def grad_norm(self, norm_type: float) -> torch.Tensor:
         """The norm of order ``norm_type`` of the whole reduced gradient, from

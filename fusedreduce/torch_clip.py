@@ -42,7 +42,6 @@ import torch.distributed as dist
 import torch.nn.utils.clip_grad as _torch_clip
 
 from .clipping import max_over_ranks
-from .sharded_optimizer import _slice_of
 
 #: the sharded optimizers of more than one rank alive in this process
 _SHARDED: "weakref.WeakSet" = weakref.WeakSet()
@@ -141,9 +140,7 @@ def _whole_norm(optimizer, params: Sequence[torch.Tensor], norm_type: float,
             f"gradients of a DistributedOptimizer(shard=True): an order of 0 or below cannot "
             f"be combined from the ranks' shares; use a positive order, or clip with " + FIX)
     sharded = optimizer.sharded
-    by_param = sharded.by_param
-    slices = [_slice_of(p.grad, by_param[p]) for p in params
-              if p.grad is not None and p in by_param]
+    slices = sharded.owned_grad_slices(params)
     # decided from the parameters, not this rank's gradients, so that every
     # rank returns the same dtype and device (with shard_gradients a rank may
     # hold none of the gradients)

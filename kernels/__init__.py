@@ -5,9 +5,9 @@ This module is the public kernel API. Each function validates its arguments
 (raising before anything is written), picks a backend for the device
 (``resolve_backend``: Triton on CUDA, the torch fallback elsewhere) and
 dispatches to it; nothing else happens here. The backends implement one
-protocol (``_backends.py``), one op family per subpackage: ``flatten/`` and
-``adasum/``, each with a ``triton_backend`` and a ``torch_backend`` module side
-by side. Constants and helpers both families share are in ``_common.py``.
+protocol (``_backends.py``), one op family per subpackage: ``flatten/``,
+``adasum/`` and ``norm/``, each with a ``triton_backend`` and a ``torch_backend``
+module side by side. Constants and helpers both families share are in ``_common.py``.
 
 Flatten semantics (both backends):
 
@@ -23,12 +23,21 @@ Flatten semantics (both backends):
 ``|x| ** p`` in a fixed order (rows of ``NORM_ROW`` elements summed in fp32,
 fp64 for fp64 buffers, the rows then added in fp64), the same bits on every
 rank that holds the same buffers; on Triton two launches for any number of
-buffers.
+buffers. It and the clip functions built on it (``norm_partials``,
+``clip_scales``, ``clip_partials``, ``clip_buffers``) are in ``_norms.py``.
+
+Also public, for the layers above: ``capturing``, ``refuse_in_capture`` and
+``metadata_guard`` (``_checks.py``), what every CUDA-graph-aware step and
+per-step layout check uses; and, for the benchmarks, the kept launches seen
+from outside (``kept_launch``, ``count_launches``,
+``compiled_launch_arguments``, ``allow_cpu_launches``: ``_instrument.py``).
+fusedreduce's other modules and its benchmarks use only the names in
+``__all__`` (``tests/test_layers.py`` holds that).
 
 AdaSum functions take the segments of their flat buffers as ``segments``: the
 ``n + 1`` boundaries ``[0, ..., size]`` of ``n`` segments (one per tensor).
 
-Over 300 lines because of the seven public functions' docstrings (semantics,
+Over 300 lines because of the public functions' docstrings (semantics,
 errors, examples); their code is a validation and one dispatch each.
 """
 from __future__ import annotations
@@ -40,10 +49,13 @@ import torch
 from . import _checks, _prepared
 from ._backends import (backend_for, check_backend, resolve_backend, triton_available,
                         triton_unavailable_reason)
-from ._checks import check_disjoint, check_scale
+from ._checks import capturing, check_disjoint, check_scale, metadata_guard, refuse_in_capture
 from ._common import (ADASUM_CHUNK, ADASUM_FP32_LIMIT, ADASUM_NORM_FLOOR, ALIGN_BYTES,
                       NORM_ROW, SIXTEEN_BIT_DTYPES, SUPPORTED_DTYPES, adasum_chunk_counts as _chunk_counts,
                       packed_boundaries, scratch_buffer)
+from ._instrument import (LAUNCH_OUTCOMES, allow_cpu_launches, compiled_launch_arguments,
+                          count_launches, kept_launch)
+from ._norms import clip_buffers, clip_partials, clip_scales, norm_partials, norm_powers
 
 __all__ = [
     "flatten_cast_scale",
@@ -55,6 +67,10 @@ __all__ = [
     "adasum_combine",
     "check_segments",
     "norm_powers",
+    "norm_partials",
+    "clip_scales",
+    "clip_partials",
+    "clip_buffers",
     "NORM_ROW",
     "packed_boundaries",
     "scratch_buffer",
@@ -68,8 +84,16 @@ __all__ = [
     "check_backend",
     "check_scale",
     "check_disjoint",
+    "capturing",
+    "refuse_in_capture",
+    "metadata_guard",
     "SUPPORTED_DTYPES",
     "SIXTEEN_BIT_DTYPES",
+    "kept_launch",
+    "count_launches",
+    "LAUNCH_OUTCOMES",
+    "compiled_launch_arguments",
+    "allow_cpu_launches",
 ]
 
 
@@ -278,50 +302,6 @@ def check_segments(segments: Sequence[int], size: Optional[int] = None) -> List[
         [0, 3, 3, 5]
     """
     return _checks.check_boundaries(segments, size)
-
-
-def norm_powers(buffers: Sequence[torch.Tensor], norm_type: float = 2.0, *,
-                backend: str = "auto") -> torch.Tensor:
-    """Each buffer's sum of ``|x| ** norm_type`` (its max ``|x|`` for
-    ``math.inf``), as one float64 vector on the buffers' device.
-
-    The order of the sum is fixed by the buffers' sizes alone (rows of
-    ``NORM_ROW`` elements, each summed in fp32, or fp64 for fp64 buffers, then
-    the rows added in fp64), so two processes holding the same buffers get the
-    same bits, whatever their thread count; the two backends may differ in
-    the last bits. ``norm_powers(bufs, p).sum() ** (1 / p)`` is the buffers'
-    total p-norm. The reducers' ``max_grad_norm`` is built on it.
-
-    Args:
-        buffers: 1-D contiguous tensors of one device, any supported dtypes
-            (at least one; empty ones give 0).
-        norm_type: the order p, positive; ``math.inf`` for the max norm.
-        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see ``resolve_backend``).
-
-    Raises:
-        TypeError: ``buffers`` not a list or tuple of tensors, an unsupported
-            dtype, or ``norm_type`` not a number.
-        ValueError: no buffers, a buffer not 1-D contiguous, buffers on
-            different devices, or ``norm_type`` not positive.
-        RuntimeError: the backend cannot run here (see ``resolve_backend``).
-
-    Examples:
-        >>> norm_powers([torch.tensor([3.0, -4.0]), torch.tensor([1.0])])
-        tensor([25.,  1.], dtype=torch.float64)
-        >>> norm_powers([torch.tensor([3.0, -4.0])], float("inf"))
-        tensor([4.], dtype=torch.float64)
-    """
-    buffers = _checks.check_tensors(buffers, "buffers")
-    if not buffers:
-        raise ValueError("buffers must hold at least one tensor")
-    for i, b in enumerate(buffers):
-        _checks.check_flat(b, f"buffers[{i}]")
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
-        raise TypeError(f"norm_type must be a number, got {type(norm_type).__name__}")
-    if not norm_type > 0:  # NaN fails too
-        raise ValueError(f"norm_type must be positive (math.inf for the max norm), "
-                         f"got {norm_type}")
-    return backend_for(backend, buffers[0].device).norm_powers(buffers, float(norm_type))
 
 
 def _chunk_partials(rows: int, device: torch.device) -> torch.Tensor:

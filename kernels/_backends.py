@@ -196,6 +196,18 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+#: set by ``allow_cpu_launches``: a stand-in Triton driver takes CPU tensors
+_cpu_launches = False
+
+
+def allow_cpu_launches() -> None:
+    """Let the Triton backend take CPU tensors without the interpreter from
+    now on, in this process: a driver standing in for a GPU's does the
+    launches (``_instrument.allow_cpu_launches``)."""
+    global _cpu_launches
+    _cpu_launches = True
+
+
 def check_backend(backend) -> str:
     """``backend`` itself if it names a backend (``"auto"``, ``"triton"`` or
     ``"torch"``); whether it can run is decided per device by ``resolve_backend``.
@@ -222,7 +234,7 @@ def backend_for(backend: str, device: torch.device) -> Backend:
         raise RuntimeError(
             f"the Triton backend is needed for tensors on {device} but cannot be used: "
             f"{_triton_error}. Or pass backend='torch' to use the slower torch fallback")
-    if device.type == "cpu" and not _interpreting():
+    if device.type == "cpu" and not (_cpu_launches or _interpreting()):
         raise RuntimeError(
             "backend='triton' on CPU tensors needs Triton's interpreter: set "
             "TRITON_INTERPRET=1 before importing triton, or use backend='torch'")

@@ -1,4 +1,5 @@
-"""Element helpers every Triton kernel shares: widening on load, rounding on store.
+"""What every Triton backend shares: widening on load, rounding on store, a
+float64 scale carried in two 32-bit words, launch tables moved to the device.
 
 Imported only where Triton is (the Triton backends). Element math is in fp32,
 or fp64 when fp64 is involved; 16-bit results are always rounded from an fp32
@@ -6,8 +7,36 @@ value, as torch's own casts do, so the two backends agree.
 """
 from __future__ import annotations
 
+import struct
+
+import numpy as np
+import torch
 import triton
 import triton.language as tl
+
+
+def scale_words(scale: float):
+    """The float64 ``scale`` as two signed 32-bit words (high, low): kernel
+    arguments that carry its exact bits and never change the launch signature."""
+    bits = struct.unpack("<q", struct.pack("<d", scale))[0]
+    low = bits & 0xFFFFFFFF
+    return bits >> 32, low - (1 << 32) if low >= 1 << 31 else low
+
+
+@triton.jit
+def scale_from_words(high, low):
+    """The float64 scale from its two 32-bit words (``scale_words``)."""
+    bits = (high.to(tl.int64) << 32) | (low.to(tl.int64) & 0xFFFFFFFF)
+    return bits.to(tl.float64, bitcast=True)
+
+
+def to_device(table: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A launch table on ``device``; to a GPU from pinned memory, without
+    waiting (the copy is ordered before the launches that read it)."""
+    host = torch.from_numpy(table)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 @triton.jit

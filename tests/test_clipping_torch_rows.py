@@ -52,7 +52,7 @@ import warnings
 import pytest
 import torch
 
-from fusedreduce.kernels._common import NORM_ROW
+from fusedreduce.kernels import NORM_ROW
 from harness import ranks_once_getter
 from reference import reference_clip
 from test_clipping import norm_bits

@@ -5,7 +5,8 @@ import importlib
 import pytest
 
 MODULES = ["fusedreduce.kernels", "fusedreduce.kernels._checks", "fusedreduce.kernels._common",
-           "fusedreduce.kernels._backends", "fusedreduce.kernels._prepared", "fusedreduce.buckets",
+           "fusedreduce.kernels._backends", "fusedreduce.kernels._prepared",
+           "fusedreduce.kernels._norms", "fusedreduce.kernels._instrument", "fusedreduce.buckets",
            "fusedreduce.precision", "fusedreduce.clipping"]
 
 

@@ -37,7 +37,7 @@ def _reducer_on_rank(rank, world_size):
     """What each way of building a reducer on replicas that differ does. The
     last rank alone has another seed, so the error must name it."""
     from fusedreduce import DistributedGradReducer
-    from fusedreduce.adasum import AdaSumReducer
+    from fusedreduce.adasum_reducer import AdaSumReducer
 
     seed = 1 if rank == world_size - 1 else 0
     seen = {}

@@ -44,7 +44,6 @@ the uint8 flag) happens here.
 """
 from __future__ import annotations
 
-import struct
 from typing import Callable, Sequence
 
 import numpy as np
@@ -54,7 +53,7 @@ import triton.language as tl
 
 from .._common import ALIGN_BYTES
 from .._launcher import CompiledLaunch
-from .._triton_common import downcast, upcast
+from .._triton_common import downcast, scale_from_words, scale_words, to_device, upcast
 
 BLOCK = 2048
 NUM_WARPS = 4
@@ -78,18 +77,11 @@ def _flag_nonfinite(x, flag, CHECK_FINITE: tl.constexpr):
 
 
 @triton.jit
-def _scale(high, low):
-    """The float64 scale from its two 32-bit words (``scale_words``)."""
-    bits = (high.to(tl.int64) << 32) | (low.to(tl.int64) & 0xFFFFFFFF)
-    return bits.to(tl.float64, bitcast=True)
-
-
-@triton.jit
 def _scale_of(scale_ptr, high, low, SCALE_TENSOR: tl.constexpr):
     """The launch's float64 scale: from the device tensor, or from its words."""
     if SCALE_TENSOR:
         return tl.load(scale_ptr).to(tl.float64)
-    return _scale(high, low)
+    return scale_from_words(high, low)
 
 
 @triton.jit
@@ -304,23 +296,6 @@ def build_table(tensors, starts, extents, flat, base):
     return table, work, programs
 
 
-def _to_device(table: np.ndarray, device: torch.device) -> torch.Tensor:
-    """The launch table on ``device``; to a GPU from pinned memory, without
-    waiting (the copy is ordered before the launches that read it)."""
-    host = torch.from_numpy(table)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
-def scale_words(scale: float):
-    """The float64 ``scale`` as two signed 32-bit words (high, low): kernel
-    arguments that carry its exact bits and never change the launch signature."""
-    bits = struct.unpack("<q", struct.pack("<d", scale))[0]
-    low = bits & 0xFFFFFFFF
-    return bits >> 32, low - (1 << 32) if low >= 1 << 31 else low
-
-
 def _scale_arguments(scale, placeholder: torch.Tensor):
     """``(high, low, scale_ptr, SCALE_TENSOR)`` for a Python or a tensor scale;
     a float's ``scale_ptr`` is ``placeholder`` (never read)."""
@@ -369,8 +344,8 @@ class _Layout:
         self.n_segments = len(seen)
         self.kinds = kinds_mask(t.dtype for t in seen)
         self.host_table, work, self.programs = build_table(seen, starts, extents, flat, base)
-        self.table = _to_device(self.host_table, flat.device)
-        self.work = _to_device(work, flat.device)
+        self.table = to_device(self.host_table, flat.device)
+        self.work = to_device(work, flat.device)
         self.flat_vec = ALIGN_BYTES // flat.element_size()
         # moved tensors are re-pointed (``rebind``) when every offset is from the
         # flat buffer, whose address the kept layout pins: the call's tensors
@@ -396,7 +371,7 @@ class _Layout:
         table[self.address_rows] = src - remainder
         table[self.kind_rows] = self.kind_fixed | (remainder << 8)
         self.host_table = table
-        self.table = _to_device(table, self.table.device)
+        self.table = to_device(table, self.table.device)
 
     def accepts_flat_at(self, address: int) -> bool:
         """Whether the flat buffer can move to ``address``: the table assumes

@@ -37,8 +37,7 @@ import triton.language as tl
 from .._checks import refuse_in_capture
 from .._common import NORM_ROW, postscale_vectors, share_bounds
 from .._launcher import launch_for
-from .._triton_common import upcast
-from ..flatten.triton_backend import _scale, _to_device, scale_words
+from .._triton_common import scale_from_words, scale_words, to_device, upcast
 
 NUM_WARPS = 4
 #: consecutive rows one program of ``_row_powers_kernel`` sums
@@ -173,11 +172,11 @@ def _finish_kernel(partials, ranges, powers, post, total_out, scales_out, n_buff
                 good = (loss > 0) & (loss < float("inf"))
                 total = tl.where(good, total / loss, float("nan"))
             else:
-                total = total / _scale(loss_high, loss_low)
+                total = total / scale_from_words(loss_high, loss_low)
         # torch's coefficient in the norm's dtype (fp64 for fp64 gradients):
         # the limit comes as float64 words, and a float literal would be an
         # fp32 constant, so fp64's 1e-6 is made explicitly
-        max_norm = _scale(max_high, max_low)
+        max_norm = scale_from_words(max_high, max_low)
         if NORM64:
             coefficient = max_norm / (total + tl.full([], 1e-6, tl.float64))
         else:
@@ -206,7 +205,7 @@ class _Layout:
         # each buffer's programs inside [lo, hi), as pieces [start, stop)
         mine = [(min(max(lo - int(f), 0), c), max(min(hi - int(f), c), 0))
                 for f, c in zip(firsts, counts)]
-        self.ranges = _to_device(np.concatenate([firsts, np.asarray(counts, dtype=np.int64)]),
+        self.ranges = to_device(np.concatenate([firsts, np.asarray(counts, dtype=np.int64)]),
                                  device)
         self.groups = []
         for dtype in dict.fromkeys(b.dtype for b in buffers):
@@ -221,8 +220,8 @@ class _Layout:
                              + [buffers[i].numel() for i in members]
                              + [int(firsts[i]) for i in members], dtype=np.int64)
             compute = tl.float64 if dtype == torch.float64 else tl.float32
-            self.groups.append((members[0], len(members), _to_device(table, device),
-                                _to_device(work, device), len(work), compute))
+            self.groups.append((members[0], len(members), to_device(table, device),
+                                to_device(work, device), len(work), compute))
 
 
 _layouts: "OrderedDict[tuple, _Layout]" = OrderedDict()
