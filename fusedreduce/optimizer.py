@@ -183,8 +183,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             whole bucket all-reduced, the part kept: gloo's default, where
             the reduce-scatter all-reduces inside and is slower). None
             (default): chosen from the process group's backend. For tests
-            and benchmarks (NCCL's path on gloo ranks, say): the steps are
-            bitwise the same either way, and a world of one rank
+            and benchmarks (NCCL's path on gloo ranks, say): either leaves
+            the ranks bitwise alike (the two may differ from each other by
+            the rounding of another summation order); a world of one rank
             communicates nothing.
         parameter_gather: with ``shard=True`` (not AdaSum), how the stepped
             parts come back into every rank's parameters: ``"all_gather"``
@@ -197,7 +198,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``"broadcast_direct"`` (as ``"broadcast"``, every bucket of one
             dtype and contiguous parameters straight into them, whatever
             their size). None (default): chosen from the process group's
-            backend. For tests and benchmarks, as ``gradient_collective``.
+            backend. For tests and benchmarks; each gives the same
+            parameters (the gathers copy bits).
         max_grad_norm: clip the reduced gradients to this total norm in the
             pass that writes them back (``DistributedGradReducer``'s
             option; with ``shard=True`` the norm of every rank's part and one

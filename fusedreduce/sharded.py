@@ -95,27 +95,20 @@ class PartRange:
 
 
 @dataclass(frozen=True)
-class OwnedRange:
-    """The elements of one parameter that this rank owns, in a ``ShardLayout``.
+class OwnedRange(PartRange):
+    """The elements of one parameter that this rank owns, in a ``ShardLayout``:
+    a ``PartRange`` of this rank's part (``start``/``end`` in the parameter's
+    flattened order, ``offset`` in the part, ``tensor`` its index in the
+    plan), with the parameter and bucket it belongs to.
 
     Attributes:
         param: the parameter's index in the optimizer's parameter order
             (``param_groups``, in order).
         bucket: the index of its bucket in ``ShardLayout.plan.buckets``.
-        start: its first element owned (in the parameter's flattened order).
-        end: one past its last element owned.
-        offset: where ``start`` sits in this rank's part of the bucket.
     """
 
     param: int
     bucket: int
-    start: int
-    end: int
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)

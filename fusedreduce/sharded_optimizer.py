@@ -270,7 +270,7 @@ class ShardedGradReducer(DistributedGradReducer):
         # the same, per parameter, as the optimizer's read-only record
         self.layout = ShardLayout(
             self.plan, self.rank, self.world_size, tuple(self.owned),
-            tuple(OwnedRange(self._order[r.tensor], b.index, r.start, r.end, r.offset)
+            tuple(OwnedRange(r.tensor, r.start, r.end, r.offset, self._order[r.tensor], b.index)
                   for b in self.plan.buckets for r in self._owned_ranges[b.index]))
         # the tensor elements outside this rank's part: zeros in its .grad
         self._not_owned = [ranges_between(b, 0, self.owned[b.index][0])
