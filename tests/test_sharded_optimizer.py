@@ -183,6 +183,12 @@ def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1
     seen["param_numel"] = sum(p.numel() for p in model.parameters())
     seen["padding"] = sum(b.size - sum(b.numels) for b in optimizer.layout.plan.buckets)
     seen["masters"] = _masters(optimizer)
+    layout = optimizer.layout
+    seen["layout"] = {"ranges": [(r.param, r.start, r.end, r.bucket, r.offset)
+                                 for r in layout.ranges],
+                      "parts": list(layout.parts), "rank": layout.rank,
+                      "world_size": layout.world_size,
+                      "shapes": [tuple(p.shape) for p in model.parameters()]}
     return seen
 
 
@@ -1676,6 +1682,29 @@ def test_sharded_gradients_recover_from_a_backward_that_raised(ranks_once, world
                 assert record["started_then_failed"] >= 1, f"rank {rank}, {path}"
             assert all(record["params_equal"]), f"rank {rank}, {path}"
             assert record["held"] == [0, 0, 0], f"rank {rank}, {path}"
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_unpacked_sum", "bf16_without_masters"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_the_ranks_layouts_own_every_element_once(ranks_once, world_size, name):
+    """``opt.layout``: each rank's part of each bucket is part ``rank`` of
+    ``world_size`` equal ones (``lo == rank * part size``), and the
+    parameter ranges the ranks own cover
+    every element of every parameter exactly once, each at its offset in
+    its bucket's part."""
+    layouts = [r[name]["layout"] for r in ranks_once(world_size)]
+    shapes = layouts[0]["shapes"]
+    owners = [torch.zeros(math.prod(shape), dtype=torch.int64) for shape in shapes]
+    for rank, layout in enumerate(layouts):
+        assert (layout["rank"], layout["world_size"]) == (rank, world_size)
+        for lo, hi in layout["parts"]:
+            assert lo == rank * (hi - lo), f"rank {rank}: part {lo}:{hi}"
+        for param, start, end, bucket, offset in layout["ranges"]:
+            lo, hi = layout["parts"][bucket]
+            assert 0 <= offset and offset + end - start <= hi - lo, f"rank {rank}"
+            owners[param][start:end] += 1
+    assert all(bool((count == 1).all()) for count in owners), \
+        [count.tolist() for count in owners]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
