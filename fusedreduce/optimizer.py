@@ -24,6 +24,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from . import kernels
 from ._checks import check_bool, check_instance, check_int
 from .kernels._checks import refuse_in_capture
 from .adasum import (AdaSumReducer, adasum_allreduce, check_adasum_reduce_dtype,
@@ -200,6 +201,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             their size). None (default): chosen from the process group's
             backend. For tests and benchmarks; each gives the same
             parameters (the gathers copy bits).
+        backend: the kernels' backend, as ``DistributedGradReducer``'s:
+            ``"auto"`` (default: Triton on CUDA tensors, torch's ops
+            elsewhere), ``"triton"`` or ``"torch"`` (``kernels``).
         max_grad_norm: clip the reduced gradients to this total norm in the
             pass that writes them back (``DistributedGradReducer``'s
             option; with ``shard=True`` the norm of every rank's part and one
@@ -251,9 +255,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``checkpoint_timeout``, ``gradient_collective`` or
             ``parameter_gather`` without ``shard``; ``gradient_collective``
             or ``parameter_gather`` not a value listed above, or given with
-            AdaSum; ``checkpoint_timeout``
-            not above zero; a tensor twice in ``buffers``, or one of the
-            parameters there.
+            AdaSum; ``backend`` not ``"auto"``, ``"triton"`` or ``"torch"``;
+            ``checkpoint_timeout`` not above zero; a tensor twice in
+            ``buffers``, or one of the parameters there.
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``;
             ``shard``, ``shard_gradients``, ``find_unused_parameters``,
             ``param_pack``, ``gradient_as_bucket_view``,
@@ -311,6 +315,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         checkpoint_timeout: Union[float, timedelta, None] = None,
         gradient_collective: Optional[str] = None,
         parameter_gather: Optional[str] = None,
+        backend: str = "auto",
     ) -> None:
         if not isinstance(shard, bool):
             raise TypeError(f"shard must be True or False, got {shard!r}")
@@ -346,6 +351,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              f"{reduce_method!r}")
         check_collectives(gradient_collective, parameter_gather, shard=shard,
                           adasum=reduce_method == "adasum")
+        kernels.check_backend(backend)
         if reduce_method != "adasum" and local_size != 1:
             raise ValueError(f"local_size={local_size!r} applies to reduce_method='adasum' only")
         check_int(bcast_period, "bcast_period", minimum=-1)
@@ -373,7 +379,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._reducer_args = dict(group=group, bucket_cap_mb=cap_bytes / 2 ** 20,
                                   reduce_dtype=reduce_dtype, max_grad_norm=max_grad_norm,
                                   norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
-                                  split_norm=split_norm, initial_parameters="unchecked")
+                                  split_norm=split_norm, initial_parameters="unchecked",
+                                  backend=backend)
         if reduce_method == "adasum":
             self._reducer_class = AdaSumReducer
             self._reducer_args["local_size"] = local_size

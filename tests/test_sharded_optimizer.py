@@ -1306,6 +1306,8 @@ def _bad_arguments(rank, world_size):
             gradient_collective="reduce_scatter"),
         "parameter_gather with adasum": wrap(reduce_method="adasum",
                                              parameter_gather="all_gather"),
+        "misspelt backend": lambda: DistributedOptimizer(
+            torch.optim.AdamW(nn.Linear(3, 2).parameters()), backend="cuda"),
     })
 
 
@@ -1900,6 +1902,7 @@ def test_bad_arguments_are_refused_before_any_collective():
         "parameter_gather with adasum": (
             "ValueError", "parameter_gather='all_gather' does not combine with "
                           "reduce_method='adasum'"),
+        "misspelt backend": ("ValueError", "backend must be one of"),
     })
     for r in results:
         assert "another model" in r["another_model"]["error"]
