@@ -97,7 +97,8 @@ def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
 @dataclass(frozen=True)
 class FlatBuffers:
     """The flat buffers a reducer or a ``DistributedOptimizer`` holds, per
-    bucket, as tensor objects: what ``buffer_bytes`` counts, by role. For
+    bucket, as tensor objects, by role: what ``buffer_bytes`` counts (beside
+    the zeros a sharded reducer keeps for frozen parameters). For
     memory accounting, tests and benchmarks: read them, never write them
     (the next backward or step overwrites them, and a kept launch is found
     by the buffer's identity). A buffer whose memory was given back
@@ -116,8 +117,8 @@ class FlatBuffers:
             ``shard_gradients`` a tensor of its own); None until made.
         gathers: with ``shard=True``, per bucket, the buffer the parameters
             are all-gathered into (most reuse the ``gradients`` buffer's
-            memory); None until made (with ``shard_gradients``, never for a
-            bucket gathered straight into the parameters).
+            memory); None until made (a bucket gathered straight into the
+            parameters, with ``shard_gradients``, needs none).
 
     Examples:
         >>> reducer = DistributedGradReducer([torch.zeros(10)])  # doctest: +SKIP

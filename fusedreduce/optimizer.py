@@ -496,8 +496,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The flat buffers this optimizer holds, by role and bucket
         (``buckets.FlatBuffers``: the reduction's, this rank's parts and the
         all-gather's with ``shard=True``, the bucket views' buffers), as the
-        tensor objects: what ``buffer_bytes`` counts, for memory accounting,
-        tests and benchmarks. Read them, never write them.
+        tensor objects: the memory ``buffer_bytes`` counts, for memory
+        accounting, tests and benchmarks. Read them, never write them.
 
         Examples:
             >>> opt = DistributedOptimizer(torch.optim.AdamW(model.parameters()),  # doctest: +SKIP
