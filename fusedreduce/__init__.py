@@ -22,11 +22,12 @@ from . import hooks, kernels
 from .adasum import adasum_allreduce, adasum_allreduce_flat
 from .allreduce import all_reduce_plan
 from .broadcast import broadcast_optimizer_state, broadcast_tensors, parameter_broadcast
-from .buckets import Bucket, BucketPlan, TensorSpec
+from .buckets import Bucket, BucketPlan, FlatBuffers, TensorSpec
 from .optimizer import AdaSumByDeltaWeight, DistributedOptimizer
 from .precision import communication_dtype
 from .reducer import DistributedGradReducer
-from .sharded import PartRange, all_gather_plan, part_ranges, reduce_scatter_plan
+from .sharded import (OwnedRange, PartRange, ShardLayout, all_gather_plan, part_ranges,
+                      reduce_scatter_plan)
 from .sharded_checkpoint import consolidate_sharded_state_dict
 
 __all__ = [
@@ -38,7 +39,10 @@ __all__ = [
     "adasum_allreduce_flat",
     "DistributedGradReducer",
     "DistributedOptimizer",
+    "FlatBuffers",
+    "OwnedRange",
     "PartRange",
+    "ShardLayout",
     "all_gather_plan",
     "all_reduce_plan",
     "broadcast_optimizer_state",

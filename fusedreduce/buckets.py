@@ -94,6 +94,46 @@ def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+@dataclass(frozen=True)
+class FlatBuffers:
+    """The flat buffers a reducer or a ``DistributedOptimizer`` holds, per
+    bucket, as tensor objects, by role: what ``buffer_bytes`` counts (beside
+    the zeros a sharded reducer keeps for frozen parameters). For
+    memory accounting, tests and benchmarks: read them, never write them
+    (the next backward or step overwrites them, and a kept launch is found
+    by the buffer's identity). A buffer whose memory was given back
+    (``shard_gradients=True`` between its uses) stays the same tensor with
+    a storage of 0 bytes.
+
+    Attributes:
+        gradients: per bucket, the flat buffer its gradients are reduced in
+            (in the bucket's communication dtype; the hooks' path); None
+            until made.
+        calls: per bucket, the call path's (``reducer(grads)``), likewise.
+        views: with ``gradient_as_bucket_view``, the buffers the ``.grad``
+            tensors of other dtypes than their bucket's are views of.
+        parts: with ``shard=True``, per bucket, this rank's part of the
+            reduced gradient (a slot of its ``gradients`` buffer, or with
+            ``shard_gradients`` a tensor of its own); None until made.
+        gathers: with ``shard=True``, per bucket, the buffer the parameters
+            are all-gathered into (most reuse the ``gradients`` buffer's
+            memory); None until made (a bucket gathered straight into the
+            parameters, with ``shard_gradients``, needs none).
+
+    Examples:
+        >>> reducer = DistributedGradReducer([torch.zeros(10)])  # doctest: +SKIP
+        >>> _ = reducer([torch.ones(10)])                        # doctest: +SKIP
+        >>> len(reducer.flat_buffers.calls)   # one bucket         # doctest: +SKIP
+        1
+    """
+
+    gradients: Tuple[Optional[torch.Tensor], ...] = ()
+    calls: Tuple[Optional[torch.Tensor], ...] = ()
+    views: Tuple[torch.Tensor, ...] = ()
+    parts: Tuple[Optional[torch.Tensor], ...] = ()
+    gathers: Tuple[Optional[torch.Tensor], ...] = ()
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

@@ -190,6 +190,21 @@ class HookState:
         """The group's size (resolves the group on first use)."""
         return self._resolve()
 
+    @property
+    def wire_buffers(self) -> List[torch.Tensor]:
+        """The kept buffers the compress hooks cast each DDP bucket into (one
+        per bucket buffer and wire dtype, see ``wire_for``), as the tensor
+        objects: for memory accounting and tests; read them, never write
+        them.
+
+        Examples:
+            >>> model.register_comm_hook(state, hooks.fp16_compress_hook)  # doctest: +SKIP
+            >>> loss.backward()                                           # doctest: +SKIP
+            >>> [w.dtype for w in state.wire_buffers]                     # doctest: +SKIP
+            [torch.float16, torch.float16]
+        """
+        return [entry[0] for entry in self._wires.values()]
+
     def _resolve(self) -> int:
         if self._world_size is None:
             world_size = require_process_group(self.group)

@@ -16,6 +16,7 @@ the original.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 from datetime import timedelta
 from typing import Iterable, Optional, Sequence, Union
@@ -23,12 +24,13 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from . import kernels
 from ._checks import check_bool, check_instance, check_int
 from .kernels import refuse_in_capture
 from .adasum import adasum_allreduce, check_adasum_reduce_dtype, check_local_size
 from .adasum_reducer import AdaSumReducer
 from .broadcast import PackedBroadcast, broadcast_tensors
-from .buckets import storage_bytes
+from .buckets import FlatBuffers, storage_bytes
 from .checkpoint_group import check_timeout, checkpoint_group, meet_for, rank_in
 from .clipping import (check_clipping, check_error_if_nonfinite, check_limit,
                        check_norm_type, check_split_norm, refuse_scaled_clip,
@@ -37,8 +39,9 @@ from .process_group import require_process_group, value_checksums, verify_same_o
 from .reducer import DistributedGradReducer
 from .sharded_checkpoint import (ShardSource, check_shapes, make_piece, pieces_by_index,
                                  read_shards, sharded_state, state_over, whole_state_dict)
-from .sharded_optimizer import (ShardedGradReducer, ShardedParameters, check_master_dtype,
-                                check_shardable, master_dtype_of)
+from .sharded import ShardLayout
+from .sharded_optimizer import (ShardedGradReducer, ShardedParameters, check_collectives,
+                                check_master_dtype, check_shardable, master_dtype_of)
 from .torch_clip import track as track_torch_clip
 
 
@@ -175,6 +178,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
             comes between and with the forward itself (Megatron's and FSDP2's
             prefetch). Parameters read outside a module's forward need
             ``finish_param_gather()`` first.
+        gradient_collective: with ``shard=True`` (not AdaSum), how each
+            bucket leaves every rank its part of the reduced gradient:
+            ``"reduce_scatter"`` (NCCL's default) or ``"all_reduce"`` (the
+            whole bucket all-reduced, the part kept: gloo's default, where
+            the reduce-scatter all-reduces inside and is slower). None
+            (default): chosen from the process group's backend. For tests
+            and benchmarks (NCCL's path on gloo ranks, say): either leaves
+            the ranks bitwise alike (the two may differ from each other by
+            the rounding of another summation order); a world of one rank
+            communicates nothing.
+        parameter_gather: with ``shard=True`` (not AdaSum), how the stepped
+            parts come back into every rank's parameters: ``"all_gather"``
+            (one per bucket into its buffer, then written into the
+            parameters: NCCL's default); ``"broadcast"`` (one broadcast per
+            rank's part instead, gloo's default, whose all-gather copies
+            through a temporary; a bucket of one dtype whose contiguous
+            tensors hold 2**17 elements or more on average goes by one
+            broadcast per tensor range straight into the parameters);
+            ``"broadcast_direct"`` (as ``"broadcast"``, every bucket of one
+            dtype and contiguous parameters straight into them, whatever
+            their size). None (default): chosen from the process group's
+            backend. For tests and benchmarks; each gives the same
+            parameters (the gathers copy bits).
+        backend: the kernels' backend, as ``DistributedGradReducer``'s:
+            ``"auto"`` (default: Triton on CUDA tensors, torch's ops
+            elsewhere), ``"triton"`` or ``"torch"`` (``kernels``).
         max_grad_norm: clip the reduced gradients to this total norm in the
             pass that writes them back (``DistributedGradReducer``'s
             option; with ``shard=True`` the norm of every rank's part and one
@@ -222,10 +251,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             world size; a 16-bit ``reduce_dtype`` with AdaSum; ``shard=True``
             with an optimizer not known to be elementwise (LBFGS, ...) unless
             ``assume_elementwise``, or with ``gradient_as_bucket_view``;
-            ``overlap_param_gather``, ``shard_gradients`` or
-            ``checkpoint_timeout`` without ``shard``; ``checkpoint_timeout``
-            not above zero; a tensor twice in ``buffers``, or one of the
-            parameters there.
+            ``overlap_param_gather``, ``shard_gradients``,
+            ``checkpoint_timeout``, ``gradient_collective`` or
+            ``parameter_gather`` without ``shard``; ``gradient_collective``
+            or ``parameter_gather`` not a value listed above, or given with
+            AdaSum; ``backend`` not ``"auto"``, ``"triton"`` or ``"torch"``;
+            ``checkpoint_timeout`` not above zero; a tensor twice in
+            ``buffers``, or one of the parameters there.
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``;
             ``shard``, ``shard_gradients``, ``find_unused_parameters``,
             ``param_pack``, ``gradient_as_bucket_view``,
@@ -233,6 +265,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             (a string ``"False"`` included); ``master_dtype`` is not a
             floating dtype (with or without ``shard``);
             ``checkpoint_timeout`` is neither seconds nor a timedelta;
+            ``gradient_collective`` or ``parameter_gather`` is neither None
+            nor a string;
             ``buffers`` is not an iterable of dense tensors (a module, say).
         RuntimeError: torch.distributed is not initialised; the ranks of
             ``group`` pass different ``bcast_period`` values, parameter or
@@ -279,6 +313,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         split_norm: Optional[bool] = None,
         buffers: Optional[Iterable[torch.Tensor]] = None,
         checkpoint_timeout: Union[float, timedelta, None] = None,
+        gradient_collective: Optional[str] = None,
+        parameter_gather: Optional[str] = None,
+        backend: str = "auto",
     ) -> None:
         if not isinstance(shard, bool):
             raise TypeError(f"shard must be True or False, got {shard!r}")
@@ -312,6 +349,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if reduce_method not in ("sum", "mean", "adasum"):
             raise ValueError(f"reduce_method must be 'sum', 'mean' or 'adasum', got "
                              f"{reduce_method!r}")
+        check_collectives(gradient_collective, parameter_gather, shard=shard,
+                          adasum=reduce_method == "adasum")
+        kernels.check_backend(backend)
         if reduce_method != "adasum" and local_size != 1:
             raise ValueError(f"local_size={local_size!r} applies to reduce_method='adasum' only")
         check_int(bcast_period, "bcast_period", minimum=-1)
@@ -339,7 +379,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._reducer_args = dict(group=group, bucket_cap_mb=cap_bytes / 2 ** 20,
                                   reduce_dtype=reduce_dtype, max_grad_norm=max_grad_norm,
                                   norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
-                                  split_norm=split_norm, initial_parameters="unchecked")
+                                  split_norm=split_norm, initial_parameters="unchecked",
+                                  backend=backend)
         if reduce_method == "adasum":
             self._reducer_class = AdaSumReducer
             self._reducer_args["local_size"] = local_size
@@ -350,6 +391,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.find_unused_parameters = find_unused_parameters
         self.shard = shard
         self.shard_gradients = shard_gradients
+        self._gradient_collective = gradient_collective
+        self._parameter_gather = parameter_gather
         self.master_dtype = master_dtype
         self.overlap_param_gather = bool(overlap_param_gather)
         self._trainable = self._trainable_now()
@@ -432,6 +475,57 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return storage_bytes(held)
 
     @property
+    def layout(self) -> Optional[ShardLayout]:
+        """With ``shard=True``: which elements of which bucket and parameter
+        this rank owns (``sharded.ShardLayout``: the plan, each bucket's
+        owned range, each parameter's owned elements), the table the
+        sharded step, ``.grad``'s write-back and ``optimizer.state`` follow;
+        None without ``shard``. Read-only data, made at construction (again
+        by ``add_param_group``).
+
+        Examples:
+            >>> opt = DistributedOptimizer(torch.optim.AdamW(model.parameters()),  # doctest: +SKIP
+            ...                            shard=True)
+            >>> owned = opt.layout.range_of(0)   # parameter 0's elements here  # doctest: +SKIP
+            >>> model.weight.grad.view(-1)[owned.start:owned.end]             # doctest: +SKIP
+        """
+        return self.reducer.layout if self.shard else None
+
+    @property
+    def flat_buffers(self) -> FlatBuffers:
+        """The flat buffers this optimizer holds, by role and bucket
+        (``buckets.FlatBuffers``: the reduction's, this rank's parts and the
+        all-gather's with ``shard=True``, the bucket views' buffers), as the
+        tensor objects: the memory ``buffer_bytes`` counts, for memory
+        accounting, tests and benchmarks. Read them, never write them.
+
+        Examples:
+            >>> opt = DistributedOptimizer(torch.optim.AdamW(model.parameters()),  # doctest: +SKIP
+            ...                            shard=True, shard_gradients=True)
+            >>> [b.untyped_storage().nbytes() for b in opt.flat_buffers.gradients]  # doctest: +SKIP
+            [0, 0, 0]   # given back between steps
+        """
+        held = self.reducer.flat_buffers
+        if self.sharded is None:
+            return held
+        return dataclasses.replace(held, gathers=tuple(self.sharded.gathers))
+
+    @property
+    def param_gather_in_flight(self) -> bool:
+        """With ``overlap_param_gather=True``: whether all-gathers that
+        ``step()`` left in flight have not all been written into the
+        parameters yet (the next forward, ``finish_param_gather()`` or any
+        call that needs the parameters writes them); False otherwise.
+
+        Examples:
+            >>> opt.step(); opt.param_gather_in_flight        # doctest: +SKIP
+            True
+            >>> _ = model(x); opt.param_gather_in_flight      # doctest: +SKIP
+            False
+        """
+        return self.sharded is not None and self.sharded.gathering
+
+    @property
     def loss_scale(self):
         """With ``max_grad_norm`` under a GradScaler: the scale the gradients
         carry (set it before each backward to
@@ -469,7 +563,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         args["split_norm"] = False  # the sharded norm reads each rank's part already
         reducer = ShardedGradReducer(self._all_params(), mean=mean,
                                      adasum_local_size=local_size,
-                                     shard_gradients=self.shard_gradients, **args)
+                                     shard_gradients=self.shard_gradients,
+                                     gradient_collective=self._gradient_collective, **args)
         self._follow_unused(reducer)
         return reducer.register_hooks(self.backward_passes_per_step)
 
@@ -481,7 +576,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """This rank's slices of the parameters, and its part of ``full_state``
         (per-parameter state, keyed by parameter)."""
         self.sharded = ShardedParameters(self._all_params(), self.reducer, self.master_dtype,
-                                         self.group)
+                                         self.group, self._parameter_gather)
         self.reducer.before_communicating = self.sharded.finish_gather
         self.state = self.sharded.take_state(full_state)
 

@@ -25,7 +25,7 @@ from ._checks import (check_bool, check_distinct, check_int, check_loss_scale, c
 from .allreduce import (PendingBucket, finish_bucket, start_all_reduce, start_bucket_all_reduce,
                         wait_for)
 from .bucket_views import BucketViews
-from .buckets import BucketPlan, storage_bytes
+from .buckets import BucketPlan, FlatBuffers, storage_bytes
 from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers, clip_scales,
                        norm_dtype_of, norm_split_for, raise_if_nonfinite, warn_if_exhausted)
 from .overlap import BackwardOverlap
@@ -685,6 +685,26 @@ class DistributedGradReducer:
         if self._views is not None:
             held += self._views.grad_buffers.values()
         return held
+
+    @property
+    def flat_buffers(self) -> FlatBuffers:
+        """The flat buffers this reducer keeps, by role (``gradients``: the
+        hooks' path, ``calls``: the call path, ``views``: the buffers of
+        bucket views of other dtypes); read-only, for memory accounting,
+        tests and benchmarks (``buckets.FlatBuffers``).
+
+        Examples:
+            >>> reducer = DistributedGradReducer([torch.zeros(10)])  # doctest: +SKIP
+            >>> _ = reducer([torch.ones(10)])                        # doctest: +SKIP
+            >>> reducer.flat_buffers.gradients, len(reducer.flat_buffers.calls)  # doctest: +SKIP
+            ((None,), 1)
+        """
+        unmade = (None,) * len(self.plan.buckets)
+        return FlatBuffers(gradients=unmade if self._buffers is None else tuple(self._buffers),
+                           calls=unmade if self._call_buffers is None
+                           else tuple(self._call_buffers),
+                           views=() if self._views is None
+                           else tuple(self._views.grad_buffers.values()))
 
     @property
     def buffer_bytes(self) -> int:

@@ -97,6 +97,64 @@ class PartRange:
         return self.end - self.start
 
 
+@dataclass(frozen=True)
+class OwnedRange(PartRange):
+    """The elements of one parameter that this rank owns, in a ``ShardLayout``:
+    a ``PartRange`` of this rank's part (``start``/``end`` in the parameter's
+    flattened order, ``offset`` in the part, ``tensor`` its index in the
+    plan), with the parameter and bucket it belongs to.
+
+    Attributes:
+        param: the parameter's index in the optimizer's parameter order
+            (``param_groups``, in order).
+        bucket: the index of its bucket in ``ShardLayout.plan.buckets``.
+    """
+
+    param: int
+    bucket: int
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which elements of which bucket and parameter one rank owns, as data:
+    what ``DistributedOptimizer(..., shard=True).layout`` returns. The
+    layout is fixed at construction (``add_param_group`` makes a new one);
+    frozen parameters keep their elements.
+
+    Attributes:
+        plan: the bucket plan the parts are cut from (``shards`` parts per
+            bucket, padding at bucket ends only).
+        rank: the owner's rank in the optimizer's process group.
+        world_size: the number of ranks the buckets are shared among.
+        parts: per bucket, the ``(first, last)`` elements of the bucket this
+            rank owns (``bucket[first:last]``; part ``rank`` of each bucket,
+            or with AdaSum the slice its tree's halving leaves the rank,
+            unequal and chunk-aligned).
+        ranges: the parameter elements this rank owns, in plan order; a
+            parameter appears at most once (its elements are contiguous in
+            one bucket), and not at all when it owns none of them.
+
+    Examples:
+        >>> opt = DistributedOptimizer(torch.optim.AdamW(model.parameters()),  # doctest: +SKIP
+        ...                            shard=True)
+        >>> [(r.param, r.start, r.end) for r in opt.layout.ranges]          # doctest: +SKIP
+        [(2, 0, 65), (3, 0, 5), (0, 40, 91)]
+        >>> opt.layout.range_of(1) is None   # none of parameter 1 on this rank  # doctest: +SKIP
+        True
+    """
+
+    plan: BucketPlan
+    rank: int
+    world_size: int
+    parts: Tuple[Tuple[int, int], ...]
+    ranges: Tuple[OwnedRange, ...]
+
+    def range_of(self, param: int) -> Optional[OwnedRange]:
+        """The elements of parameter ``param`` (its index in the optimizer's
+        parameter order) this rank owns; None where it owns none."""
+        return next((r for r in self.ranges if r.param == param), None)
+
+
 def part_ranges(bucket: Bucket, part: int) -> List[PartRange]:
     """The tensor elements held by part ``part`` of ``bucket``, in bucket order.
 

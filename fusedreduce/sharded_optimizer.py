@@ -35,12 +35,12 @@ from .kernels import refuse_in_capture
 from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_halve,
                      adasum_tree_share)
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
-from .buckets import Bucket, BucketPlan
+from .buckets import Bucket, BucketPlan, FlatBuffers
 from .clipping import max_over_ranks, norm_dtype_of, norm_powers
 from .process_group import comm_device, global_rank
 from .reducer import DistributedGradReducer
-from .sharded import (PartRange, broadcast_from, broadcast_slots, part_ranges, ranges_between,
-                      start_all_gather, start_bucket_reduce_scatter)
+from .sharded import (OwnedRange, PartRange, ShardLayout, broadcast_from, broadcast_slots,
+                      part_ranges, ranges_between, start_all_gather, start_bucket_reduce_scatter)
 from .sharded_checkpoint import collect_pieces, make_piece, pack_pieces, state_over
 
 #: optimizers whose step updates every element from that element's gradient
@@ -95,6 +95,44 @@ def check_master_dtype(master_dtype) -> torch.dtype:
         raise TypeError(f"master_dtype must be torch.float16, bfloat16, float32 or float64, "
                         f"got {master_dtype!r}")
     return master_dtype
+
+
+#: ``gradient_collective=`` values: how the sharded reduction leaves each
+#: rank its part of a bucket
+GRADIENT_COLLECTIVES = ("reduce_scatter", "all_reduce")
+#: ``parameter_gather=`` values: how the stepped parts come back into the
+#: parameters of every rank
+PARAMETER_GATHERS = ("all_gather", "broadcast", "broadcast_direct")
+
+
+def check_collectives(gradient_collective: Optional[str], parameter_gather: Optional[str], *,
+                      shard: bool, adasum: bool) -> None:
+    """Refuse a collective choice that is not one of the sharded step's.
+
+    Raises:
+        TypeError: ``gradient_collective`` or ``parameter_gather`` is neither
+            None nor a string.
+        ValueError: not one of ``GRADIENT_COLLECTIVES`` / ``PARAMETER_GATHERS``;
+            given without ``shard``, or with AdaSum (whose tree is its own
+            collective both ways).
+    """
+    for name, value, known in (("gradient_collective", gradient_collective,
+                                GRADIENT_COLLECTIVES),
+                               ("parameter_gather", parameter_gather, PARAMETER_GATHERS)):
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be None or one of {', '.join(map(repr, known))}, "
+                            f"got {value!r}")
+        if value not in known:
+            raise ValueError(f"{name} must be None or one of {', '.join(map(repr, known))}, "
+                             f"got {value!r}")
+        if not shard:
+            raise ValueError(f"{name}={value!r} applies to shard=True only (unsharded, every "
+                             f"bucket is all-reduced)")
+        if adasum:
+            raise ValueError(f"{name}={value!r} does not combine with reduce_method='adasum': "
+                             f"AdaSum's tree reduces the gradients and gathers the parameters")
 
 
 def master_dtype_of(param: torch.Tensor, master_dtype: torch.dtype) -> torch.dtype:
@@ -170,7 +208,8 @@ class ShardedGradReducer(DistributedGradReducer):
     def __init__(self, parameters: Sequence[torch.Tensor], *, group, mean: bool,
                  bucket_cap_mb: float, reduce_dtype: torch.dtype,
                  adasum_local_size: Optional[int] = None, backend: str = "auto",
-                 shard_gradients: bool = False, **clipping) -> None:
+                 shard_gradients: bool = False, gradient_collective: Optional[str] = None,
+                 **clipping) -> None:
         super().__init__(parameters, mean=mean and adasum_local_size is None, group=group,
                          bucket_cap_mb=bucket_cap_mb, reduce_dtype=reduce_dtype,
                          backend=backend, **clipping)
@@ -228,6 +267,11 @@ class ShardedGradReducer(DistributedGradReducer):
         # they start in it: what the part's write-back launch fills
         self._owned_ranges = [ranges_between(b, *self.owned[b.index]) for b in self.plan.buckets]
         self._owned_offsets = [tuple(r.offset for r in ranges) for ranges in self._owned_ranges]
+        # the same, per parameter, as the optimizer's read-only record
+        self.layout = ShardLayout(
+            self.plan, self.rank, self.world_size, tuple(self.owned),
+            tuple(OwnedRange(r.tensor, r.start, r.end, r.offset, self._order[r.tensor], b.index)
+                  for b in self.plan.buckets for r in self._owned_ranges[b.index]))
         # the tensor elements outside this rank's part: zeros in its .grad
         self._not_owned = [ranges_between(b, 0, self.owned[b.index][0])
                            + ranges_between(b, self.owned[b.index][1], b.size)
@@ -236,8 +280,10 @@ class ShardedGradReducer(DistributedGradReducer):
         # torch's gloo backend reduce-scatters by all-reducing the whole input
         # and copying the part out (measured slower than the all-reduce alone:
         # docs/guides/optimizer.md): there, all-reduce and keep the part
-        self._all_reduce_instead = self.world_size > 1 and \
-            dist.get_backend(group) == dist.Backend.GLOO
+        if gradient_collective is None and self.world_size > 1:
+            gloo = dist.get_backend(group) == dist.Backend.GLOO
+            gradient_collective = "all_reduce" if gloo else "reduce_scatter"
+        self._all_reduce_instead = self.world_size > 1 and gradient_collective == "all_reduce"
         self._plant_sites = self._sites_not_owned()
         self._overflow = [min((_overflow_at(self.plan.specs[slot].dtype, b.dtype)
                                for slot in b.tensor_indices), default=math.inf)
@@ -261,6 +307,11 @@ class ShardedGradReducer(DistributedGradReducer):
         memory only from that start until the bucket's collective has
         finished (the last two buckets': until ``.grad`` is written)."""
         return self._buffers
+
+    @property
+    def flat_buffers(self) -> FlatBuffers:
+        """``buffers`` and ``parts``, by role (``buckets.FlatBuffers``)."""
+        return FlatBuffers(gradients=tuple(self._buffers), parts=tuple(self.parts))
 
     def _buffer_for(self, index: int) -> torch.Tensor:
         """Bucket ``index``'s flat buffer, its memory allocated again if it was
@@ -646,10 +697,12 @@ class ShardedParameters:
         reducer: the sharded reducer over ``params`` (its plan and buffers).
         master_dtype: the dtype 16-bit parameters are stepped in.
         group: the process group.
+        parameter_gather: one of ``PARAMETER_GATHERS``; None: from the
+            process group (``DistributedOptimizer``'s argument).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], reducer: ShardedGradReducer,
-                 master_dtype: torch.dtype, group) -> None:
+                 master_dtype: torch.dtype, group, parameter_gather: Optional[str] = None) -> None:
         self.params = list(params)
         self.reducer = reducer
         self.plan: BucketPlan = reducer.plan
@@ -677,8 +730,12 @@ class ShardedParameters:
         self._hook = None
         # gloo's all-gather copies through a temporary of the whole buffer and
         # was slower than one broadcast per rank (see broadcast_slots)
-        self._gather_by_broadcasts = self.world_size > 1 and \
-            dist.get_backend(group) == dist.Backend.GLOO
+        if parameter_gather is None and self.world_size > 1:
+            gloo = dist.get_backend(group) == dist.Backend.GLOO
+            parameter_gather = "broadcast" if gloo else "all_gather"
+        self._gather_by_broadcasts = self.world_size > 1 and parameter_gather != "all_gather"
+        self._direct_mean_numel = 0 if parameter_gather == "broadcast_direct" \
+            else _DIRECT_MEAN_NUMEL
         self._gather_dtypes = [self._gather_dtype(b) for b in self.plan.buckets]
         self._direct = [self._direct_pieces(b) for b in self.plan.buckets]
         # a bucket's all-gather buffer, what this rank sends from it and the
@@ -702,7 +759,7 @@ class ShardedParameters:
         if not self._gather_by_broadcasts or self.reducer.tree_shares is not None:
             return None
         slots = bucket.tensor_indices
-        if not slots or sum(bucket.numels) < _DIRECT_MEAN_NUMEL * len(slots) \
+        if not slots or sum(bucket.numels) < self._direct_mean_numel * len(slots) \
                 or len({self.plan.specs[slot].dtype for slot in slots}) > 1 \
                 or not all(self._targets[slot].is_contiguous() for slot in slots):
             return None
@@ -746,6 +803,11 @@ class ShardedParameters:
         each rank sends is its slot of them); with ``shard_gradients`` their
         memory is held only while a gather is in flight."""
         return [flat for flat in self._gather_flat if flat is not None]
+
+    @property
+    def gathers(self) -> List[Optional[torch.Tensor]]:
+        """Per bucket, its all-gather buffer (``FlatBuffers.gathers``)."""
+        return self._gather_flat
 
     def _gather_dtype(self, bucket: Bucket) -> torch.dtype:
         """The widest dtype of the bucket's parameters: it carries each exactly

@@ -261,10 +261,10 @@ def sharded_job(rank, world_size, kind):
             params, held = [], []
             for step in range(STEPS):
                 loss_of(model, rank, step, spec["widths"], device).backward()
-                if optimizer.sharded is not None:
+                if optimizer.layout is not None:
                     held.append({"held": [p.grad is not None for p in model.parameters()],
-                                 "owns": [p in optimizer.sharded.by_param
-                                          for p in model.parameters()]})
+                                 "owns": [optimizer.layout.range_of(i) is not None
+                                          for i in range(len(list(model.parameters())))]})
                 optimizer.step()
                 optimizer.zero_grad()
                 params.append([p.detach().clone() for p in model.parameters()])

@@ -343,7 +343,7 @@ def _built_buckets(rank, world_size):
                                          torch.float32, cap)
         _, _, ours = sharded_bench._build("fused_sharded_grads_adamw", "resnet50",
                                           sharded_bench.QUICK_SIZES[0], torch.float32, cap)
-        seen[cap] = (ddp.bucket_bytes_cap, len(ours.reducer.plan.buckets))
+        seen[cap] = (ddp.bucket_bytes_cap, len(ours.layout.plan.buckets))
     return seen
 
 

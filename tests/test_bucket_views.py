@@ -98,7 +98,7 @@ def test_bucket_views_give_the_default_mode_s_gradients_bitwise(reduce_dtype, ca
 
 
 def _storages(reducer):
-    buffers = list(reducer._buffers) + list(reducer._views.grad_buffers.values())
+    buffers = [*reducer.flat_buffers.gradients, *reducer.flat_buffers.views]
     return {b.untyped_storage().data_ptr() for b in buffers}
 
 
@@ -115,7 +115,7 @@ def _views_in_place(rank, world_size):
             "ids": [id(g) for g in grads],
             "fp32_in_comm_buffer": [
                 g.untyped_storage().data_ptr() in
-                {b.untyped_storage().data_ptr() for b in reducer._buffers}
+                {b.untyped_storage().data_ptr() for b in reducer.flat_buffers.gradients}
                 for g in grads if g.dtype == torch.float32]})
         model.zero_grad(set_to_none=False)
     return seen

@@ -197,10 +197,10 @@ def capture_on_rank(rank, world_size):
         for capture_from in (None, 2):
             model = _Net()
             # the default options otherwise: their steady state reads nothing
-            optimizer = DistributedOptimizer(sgd(model), param_pack_thd=150, **options)
             # the GPU's kernels (under Triton's interpreter): the torch
             # fallback reads a tensor scale on the host, which is refused
-            optimizer.reducer.backend = "triton"
+            optimizer = DistributedOptimizer(sgd(model), param_pack_thd=150, backend="triton",
+                                             **options)
             _train(model, optimizer, rank, 4, capture_from=capture_from)
             runs.append([p.detach().clone() for p in model.parameters()])
         results[name] = runs
@@ -395,10 +395,10 @@ def _capture_and_replay(rank, world_size, hooked: bool, clipped: bool):
                                              backend="auto" if on_gpu else "triton",
                                              **clip).register_hooks()
             return model, adam, reducer
+        # off the GPU, the GPU's kernels, interpreted
         optimizer = DistributedOptimizer(adam, param_pack_thd=150,
-                                         find_unused_parameters=False, **clip)
-        if not on_gpu:
-            optimizer.reducer.backend = "triton"  # the GPU's kernels, interpreted
+                                         find_unused_parameters=False,
+                                         backend="auto" if on_gpu else "triton", **clip)
         return model, optimizer, None
 
     graphed, graphed_optimizer, graphed_reducer = make()

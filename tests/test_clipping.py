@@ -115,8 +115,7 @@ def _optimizer(rank, shard, max_norm=1.0, norm_type=2.0, backend="auto", **kwarg
     params = _params()
     opt = DistributedOptimizer(torch.optim.SGD(params, lr=1.0), param_pack_thd=4000,
                                shard=shard, max_grad_norm=max_norm, norm_type=norm_type,
-                               **kwargs)
-    opt.reducer.backend = backend
+                               backend=backend, **kwargs)
     _backward(params, _grads(rank, 0))
     opt.step()
     return {"grads": [-p.detach().clone() for p in params], "norm": opt.grad_norm.clone()}

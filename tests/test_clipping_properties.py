@@ -110,8 +110,8 @@ def _clip_cases(rank, world_size, cases):
         elif mode == "sharded":
             opt = DistributedOptimizer(torch.optim.SGD(params, lr=1.0), shard=True,
                                        param_pack_thd=max(1, int(cap_mb * 2 ** 20)),
-                                       reduce_method="mean" if mean else "sum", **clipping)
-            opt.reducer.backend = backend
+                                       reduce_method="mean" if mean else "sum",
+                                       backend=backend, **clipping)
             sum((p * g).sum() for p, g in zip(params, grads)).backward()
             opt.step()  # SGD(lr=1) from zeros: each parameter is minus its gradient
             out = [-p.detach().clone() for p in params]

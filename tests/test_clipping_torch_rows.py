@@ -159,8 +159,7 @@ def _run(entry, grads, max_norm, norm_type, error_if_nonfinite):
                     return {"raised": "and scaled the gradients"}
                 raise
         else:
-            opt = DistributedOptimizer(sgd, shard=shard, **clip)
-            opt.reducer.backend = backend
+            opt = DistributedOptimizer(sgd, shard=shard, backend=backend, **clip)
             _Given(params)(grads).backward()
             norm = opt.grad_norm
         opt.step()

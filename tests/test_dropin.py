@@ -208,7 +208,7 @@ def _compress_hook_wires(rank, world_size):
         model.zero_grad()
         x, y = _batch(rank, step)
         ((model(x) - y) ** 2).sum().backward()
-        wires = sorted((id(entry[0]) for entry in state._wires.values()))
+        wires = sorted(map(id, state.wire_buffers))
         launches = {id(entry.launch) for entry in _prepared.LAUNCHES._entries.values()}
         seen.append((wires, launches))
     return seen

@@ -75,7 +75,7 @@ def _train(rank, world_size, local_size, cap_mb, bucket_view, passes):
         plain.zero_grad()
         seen["params"].append(_params(model))
         seen["reference"].append(_params(reference))
-    seen["buckets"] = len(optimizer.reducer.plan.buckets)
+    seen["buckets"] = len(optimizer.flat_buffers.gradients)  # one per bucket
     return seen
 
 

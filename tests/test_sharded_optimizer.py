@@ -33,10 +33,12 @@ ranks (one spawn per world size runs every scenario; the tests judge):
 
 Rank functions never assert: they return what they saw.
 """
+import contextlib
 import copy
 import math
 import os
 import tempfile
+from datetime import timedelta
 from unittest import mock
 
 import pytest
@@ -47,11 +49,12 @@ from torch import nn
 import fusedreduce
 from fusedreduce import (DistributedGradReducer, DistributedOptimizer,
                          consolidate_sharded_state_dict)
-from fusedreduce import sharded_optimizer
 from fusedreduce.buckets import storage_bytes
+from fusedreduce.checkpoint_group import DEFAULT_TIMEOUT_S, checkpoint_group
 from fusedreduce.sharded_checkpoint import pieces_of
-from harness import (FailingBackward, InfOnOneRank, assert_raised_before_any_collective,
-                     outcomes_and_collectives, ranks_once_getter, record_collectives, run_ranks)
+from harness import (COLLECTIVES, FailingBackward, InfOnOneRank,
+                     assert_raised_before_any_collective, outcomes_and_collectives,
+                     ranks_once_getter, run_ranks)
 
 STEPS = 4
 LR = 0.01
@@ -109,6 +112,40 @@ def _step_reference(model, masters, plain, grads):
             p.copy_(m)
 
 
+@contextlib.contextmanager
+def _issued(events):
+    """Append ``(name, first argument)`` of every torch.distributed collective
+    issued inside (the functions are restored on exit)."""
+    with contextlib.ExitStack() as stack:
+        for name in (n for n in COLLECTIVES if hasattr(dist, n)):
+            def recording(*args, _real=getattr(dist, name), _name=name, **kwargs):
+                events.append((_name, args[0] if args else None))
+                return _real(*args, **kwargs)
+            stack.enter_context(mock.patch.object(dist, name, recording))
+        yield events
+
+
+def _into_parameters(events, model):
+    """How many of ``events`` (``_issued``) are broadcasts straight into the
+    memory of one of ``model``'s parameters."""
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(name == "broadcast" and tensor.untyped_storage().data_ptr() in storages
+               for name, tensor in events)
+
+
+#: the collectives NCCL's process groups get, forced on gloo: a reduce-scatter
+#: and an all-gather per bucket
+NCCL_COLLECTIVES = {"gradient_collective": "reduce_scatter", "parameter_gather": "all_gather"}
+
+
+def _masters(optimizer):
+    """Elements of this rank's master copies (``"master_weight"`` in its
+    ``sharded_state_dict()``)."""
+    return sum(piece["slices"]["master_weight"].numel()
+               for piece in pieces_of(optimizer.sharded_state_dict()).values()
+               if "master_weight" in piece["slices"])
+
+
 # ---------------------------------------------------------------- scenarios
 
 def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1,
@@ -122,23 +159,45 @@ def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1
     range straight into the parameters, as a model of large tensors does."""
     kwargs = {} if dtypes is None else {"dtypes": dtypes}
     model, reference = _model(**kwargs), _model(**kwargs)
-    with mock.patch.object(sharded_optimizer, "_DIRECT_MEAN_NUMEL",
-                           0 if gather_direct else sharded_optimizer._DIRECT_MEAN_NUMEL):
-        optimizer = DistributedOptimizer(make(model.parameters()), reduce_method=reduce_method,
-                                         param_pack=param_pack, param_pack_thd=cap_bytes,
-                                         backward_passes_per_step=passes, shard=True, **options)
-    events = []
     if reduce_scatter:
         # NCCL's path: a reduce-scatter and an all-gather per bucket, both in place
-        optimizer.reducer._all_reduce_instead = False
-        optimizer.sharded._gather_by_broadcasts = False
-        record_collectives(events)
+        options.update(NCCL_COLLECTIVES)
+    if gather_direct:
+        options["parameter_gather"] = "broadcast_direct"
+    optimizer = DistributedOptimizer(make(model.parameters()), reduce_method=reduce_method,
+                                     param_pack=param_pack, param_pack_thd=cap_bytes,
+                                     backward_passes_per_step=passes, shard=True, **options)
+    events = []
     reducer = DistributedGradReducer(list(reference.parameters()),
                                      mean=reduce_method == "mean")
     masters, plain = _masters_reference(reference, make,
                                         options.get("master_dtype", torch.float32))
-    seen = {"params": [], "reference": [], "buckets": len(optimizer.reducer.plan.buckets),
-            "direct_buckets": sum(d is not None for d in optimizer.sharded._direct)}
+    seen = {"params": [], "reference": [], "buckets": len(optimizer.layout.plan.buckets)}
+    with _issued(events):
+        _train_against_reference(rank, model, reference, optimizer, reducer, masters, plain,
+                                 passes, seen)
+    names = [name for name, _ in events]
+    seen["reduce_scatters"] = sum(e.startswith("reduce_scatter") for e in names)
+    seen["all_gathers"] = sum(e.startswith("all_gather") for e in names)
+    seen["direct_broadcasts"] = _into_parameters(events, model)
+    seen["state"] = _state_elements(optimizer)
+    seen["param_numel"] = sum(p.numel() for p in model.parameters())
+    seen["padding"] = sum(b.size - sum(b.numels) for b in optimizer.layout.plan.buckets)
+    seen["masters"] = _masters(optimizer)
+    layout = optimizer.layout
+    seen["layout"] = {"ranges": [(r.param, r.start, r.end, r.bucket, r.offset)
+                                 for r in layout.ranges],
+                      "parts": list(layout.parts), "rank": layout.rank,
+                      "world_size": layout.world_size,
+                      "shapes": [tuple(p.shape) for p in model.parameters()]}
+    return seen
+
+
+def _train_against_reference(rank, model, reference, optimizer, reducer, masters, plain, passes,
+                             seen):
+    """``STEPS`` steps of ``optimizer`` and of the all-reduce reference; into
+    ``seen`` the parameters of both after each, the first step's local and
+    owned gradients, and the largest gradient outside the owned elements."""
     for step in range(STEPS):
         for k in range(passes):
             _loss(model, rank, step, k).backward()
@@ -154,34 +213,27 @@ def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1
         _step_reference(reference, masters, plain, grads)
         seen["params"].append(_snapshot(model))
         seen["reference"].append(_snapshot(reference))
-    seen["reduce_scatters"] = sum(e.startswith("reduce_scatter") for e in events)
-    seen["all_gathers"] = sum(e.startswith("all_gather") for e in events)
-    seen["state"] = _state_elements(optimizer)
-    seen["param_numel"] = sum(p.numel() for p in model.parameters())
-    seen["padding"] = sum(b.size - sum(b.numels) for b in optimizer.reducer.plan.buckets)
-    seen["masters"] = sum(s.tensor.numel() for s in optimizer.sharded.masters)
-    return seen
 
 
 def _owned_grads(optimizer, model):
     """(parameter index, start, end, values) of each gradient slice this rank owns."""
-    index = {id(p): i for i, p in enumerate(model.parameters())}
-    return [(index[id(s.param)], s.range.start, s.range.end,
-             s.param.grad.detach().reshape(-1)[s.range.start:s.range.end].double())
-            for s in optimizer.sharded.by_param.values() if s.param.grad is not None]
+    params = list(model.parameters())
+    return [(r.param, r.start, r.end,
+             params[r.param].grad.detach().reshape(-1)[r.start:r.end].double())
+            for r in optimizer.layout.ranges if params[r.param].grad is not None]
 
 
 def _largest_not_owned(optimizer, model):
     """The largest magnitude in the ``.grad`` elements this rank does not own
     (0.0 where it owns them all)."""
     largest = 0.0
-    for p in model.parameters():
+    for i, p in enumerate(model.parameters()):
         if p.grad is None:
             continue
         rest = p.grad.detach().reshape(-1).double().clone()
-        shard = optimizer.sharded.by_param.get(p)
-        if shard is not None:
-            rest[shard.range.start:shard.range.end] = 0
+        owned = optimizer.layout.range_of(i)
+        if owned is not None:
+            rest[owned.start:owned.end] = 0
         largest = max(largest, float(rest.abs().max()))
     return largest
 
@@ -262,7 +314,7 @@ def _adasum_pair(rank, world_size, local_size=1, dtypes=(torch.float32,) * 3):
             out["state"] = _state_elements(optimizer)
             out["param_numel"] = sum(p.numel() for p in model.parameters())
             out["padding_bytes"] = 4 * sum(b.size - sum(b.numels)
-                                           for b in optimizer.reducer.plan.buckets)
+                                           for b in optimizer.layout.plan.buckets)
     return out
 
 
@@ -376,11 +428,11 @@ def _deferred_gathers(rank, world_size):
             loss = _loss(model, rank, step)
             loss.backward()
             optimizer.step()
-            seen["in_flight"].append(optimizer.sharded.gathering)
+            seen["in_flight"].append(optimizer.param_gather_in_flight)
             optimizer.zero_grad()
             seen["losses"].append(float(loss))
         seen["final_loss"] = float(_loss(model, rank, STEPS))  # the forward finishes them
-        seen["in_flight_after_forward"] = optimizer.sharded.gathering
+        seen["in_flight_after_forward"] = optimizer.param_gather_in_flight
         optimizer.finish_param_gather()
         seen["params"] = _snapshot(model)
         runs.append(seen)
@@ -607,7 +659,8 @@ def _gathered_in_rounds(rank, world_size):
         optimizer.zero_grad()
     sharded = optimizer.sharded
     part = sharded.part_to_send(optimizer.state)
-    checkpoint = optimizer._checkpoint_group
+    # the optimizer's own: one group per (process group, timeout)
+    checkpoint = checkpoint_group(None, timedelta(seconds=DEFAULT_TIMEOUT_S))
     want = sharded.whole_state(sharded.gather_parts(part, checkpoint))
     sizes = [None] * world_size
     dist.all_gather_object(sizes, sum(t.numel() * t.element_size() for entry in
@@ -916,7 +969,7 @@ GRADS_SHARDED_OPTIONS = {
     "adasum": {"reduce_method": "adasum"},
     "accumulation": {"backward_passes_per_step": 2},
     "bf16_masters": {"master_dtype": torch.bfloat16},
-    "reduce_scatter": {},  # NCCL's collectives, forced on gloo
+    "reduce_scatter": NCCL_COLLECTIVES,  # forced on gloo
 }
 
 
@@ -935,10 +988,6 @@ def _grads_sharded(rank, world_size):
                                            param_pack_thd=300, shard_gradients=sharded,
                                            **options)
                       for m, sharded in zip(models, (False, True))]
-        if name == "reduce_scatter":
-            for optimizer in optimizers:
-                optimizer.reducer._all_reduce_instead = False
-                optimizer.sharded._gather_by_broadcasts = False
         released_early = []
 
         def note_release(grad, model=models[1]):
@@ -960,20 +1009,20 @@ def _grads_sharded(rank, world_size):
                         _loss(model, rank, step, k).backward()
             zero1, zero2 = models
             owned_equal = True
-            for a, b in zip(zero1.parameters(), zero2.parameters()):
-                s = optimizers[1].sharded.by_param.get(b)
-                if s is not None and b.grad is not None:
-                    owned_equal &= torch.equal(
-                        a.grad.reshape(-1)[s.range.start:s.range.end],
-                        b.grad.reshape(-1)[s.range.start:s.range.end])
+            layout = optimizers[1].layout
+            for i, (a, b) in enumerate(zip(zero1.parameters(), zero2.parameters())):
+                r = layout.range_of(i)
+                if r is not None and b.grad is not None:
+                    owned_equal &= torch.equal(a.grad.reshape(-1)[r.start:r.end],
+                                               b.grad.reshape(-1)[r.start:r.end])
                     # zeros outside the owned elements of a parameter a boundary cuts
-                    rest = torch.cat([b.grad.reshape(-1)[:s.range.start],
-                                      b.grad.reshape(-1)[s.range.end:]])
+                    rest = torch.cat([b.grad.reshape(-1)[:r.start],
+                                      b.grad.reshape(-1)[r.end:]])
                     owned_equal &= bool((rest == 0).all())
             record["owned_equal"].append(owned_equal)
             record["held"].append([p.grad is not None for p in zero2.parameters()])
-            record["owns"].append([p in optimizers[1].sharded.by_param
-                                   for p in zero2.parameters()])
+            record["owns"].append([layout.range_of(i) is not None
+                                   for i in range(len(list(zero2.parameters())))])
             record["grad_bytes"].append(storage_bytes(
                 [p.grad for p in zero2.parameters() if p.grad is not None]))
             record["full_grad_bytes"].append(storage_bytes(
@@ -1012,7 +1061,7 @@ def _grads_sharded_tiny(rank, world_size):
             optimizer.zero_grad()
             params.append(_snapshot(model))
         out.append({"held": held, "params": params, "scale": float(scaler.get_scale()),
-                    "owned": sum(s.range.numel for s in optimizer.sharded.by_param.values())})
+                    "owned": sum(r.numel for r in optimizer.layout.ranges)})
     return out
 
 
@@ -1034,26 +1083,29 @@ def _grads_sharded_after_a_failed_backward(rank, world_size):
     seen = {}
     for path in ("gloo", "reduce_scatter"):
         models = [_model(), _model()]
+        options = NCCL_COLLECTIVES if path == "reduce_scatter" else {}
         optimizers = [DistributedOptimizer(_adamw(m.parameters()), shard=True,
-                                           param_pack_thd=300, shard_gradients=sharded)
+                                           param_pack_thd=300, shard_gradients=sharded,
+                                           **options)
                       for m, sharded in zip(models, (False, True))]
-        if path == "reduce_scatter":
-            for optimizer in optimizers:
-                optimizer.reducer._all_reduce_instead = False
-                optimizer.sharded._gather_by_broadcasts = False
-        record = {"params_equal": [], "held": [], "errors": [], "left_in_flight": None}
+        record = {"params_equal": [], "held": [], "errors": [], "started_then_failed": None}
         for step in range(3):
             for model, optimizer in zip(models, optimizers):
                 if step == 1:
-                    try:
-                        _failing_loss(model, rank, step).backward()
-                    except RuntimeError as exc:
-                        record["errors"].append(str(exc))
-                    if optimizer.reducer.shard_gradients:
-                        record["left_in_flight"] = len(optimizer.reducer._in_flight)
+                    with _issued([]) as started:
+                        try:
+                            _failing_loss(model, rank, step).backward()
+                        except RuntimeError as exc:
+                            record["errors"].append(str(exc))
+                    if optimizer.shard_gradients:
+                        # one collective per bucket started: the last one or
+                        # two are left in flight (a bucket's is waited for
+                        # when the bucket after next starts, the last ones
+                        # when backward ends)
+                        record["started_then_failed"] = len(started)
                     optimizer.zero_grad()
                 _loss(model, rank, step).backward()
-                if optimizer.reducer.shard_gradients:
+                if optimizer.shard_gradients:
                     record["held"].append(optimizer.buffer_bytes)
                 optimizer.step()
                 optimizer.zero_grad()
@@ -1084,10 +1136,26 @@ def _buffer_bytes(rank, world_size):
             "bucket_bytes": sum(b.size * b.dtype.itemsize for b in buckets),
             "part_bytes": sum(getattr(b, "part_size", 0) * b.dtype.itemsize for b in buckets),
             "elements": sum(p.numel() for p in model.parameters()),
-            "grads_in_buffers": storage_bytes(optimizer.reducer._held_buffers() + grads)
+            "grads_in_buffers": storage_bytes(_flat_buffers(optimizer) + grads)
             == optimizer.buffer_bytes}
     seen["grads_sharded"] = _buffers_of_sharded_gradients(rank)
     return seen
+
+
+def _flat_buffers(optimizer):
+    """Every flat buffer ``optimizer`` holds."""
+    held = optimizer.flat_buffers
+    return [b for b in (*held.gradients, *held.calls, *held.views, *held.parts, *held.gathers)
+            if b is not None]
+
+
+def _gather_dtype(dtypes):
+    """The dtype a bucket of parameters of ``dtypes`` is all-gathered in: the
+    widest, fp32 for fp16 beside bf16 (it carries each exactly)."""
+    if len(dtypes) == 1:
+        return next(iter(dtypes))
+    widest = max(dtypes, key=lambda d: d.itemsize)
+    return torch.float32 if widest.itemsize == 2 else widest
 
 
 def _buffers_of_sharded_gradients(rank):
@@ -1101,83 +1169,81 @@ def _buffers_of_sharded_gradients(rank):
     optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True,
                                      shard_gradients=True, overlap_param_gather=True,
                                      param_pack_thd=300)
-    reducer = optimizer.reducer
+    layout = optimizer.layout
     during, starts, writes, objects = [], [], [], []
     # the first layer's gradient is the last one made: later buckets have
     # started by then
     model[0].bias.register_hook(lambda grad: during.append(optimizer.buffer_bytes))
     held = {"built": optimizer.buffer_bytes}
+    buckets = layout.plan.buckets
     unflatten = fusedreduce.kernels.unflatten_cast_scale
-    flatten = reducer.plan.flatten
+    flatten = fusedreduce.kernels.flatten_cast_scale
 
     def part_bytes(index):
         # the last two buckets' parts are slots of their buffers, still
         # in flight when backward ends
-        bucket = reducer.plan.buckets[index]
-        if dist.get_world_size() > 1 and index >= len(reducer.parts) - 2:  # _ALIVE
+        bucket = buckets[index]
+        if dist.get_world_size() > 1 and index >= len(buckets) - 2:  # _ALIVE
             return bucket.size * bucket.dtype.itemsize
-        lo, hi = reducer.owned[index]
+        lo, hi = layout.parts[index]
         return (hi - lo) * bucket.dtype.itemsize
 
     def written(part, *args, **kwargs):
-        index = next(i for i, p in enumerate(reducer.parts) if p is part)
-        unwritten = sum(part_bytes(i) for i in range(index, len(reducer.parts)))
+        index = next(i for i, p in enumerate(optimizer.flat_buffers.parts) if p is part)
+        unwritten = sum(part_bytes(i) for i in range(index, len(buckets)))
         writes[-1].append((optimizer.buffer_bytes, unwritten))
         return unflatten(part, *args, **kwargs)
 
     def flattening(*args, **kwargs):
+        # each bucket's flatten into its buffer (or its part, on one rank)
         starts[-1].append(sum(b.untyped_storage().nbytes() > 0
-                              for b in reducer.buffers if b is not None))
+                              for b in optimizer.flat_buffers.gradients if b is not None))
         return flatten(*args, **kwargs)
 
-    reducer.plan.flatten = flattening
     for step in range(2):
         optimizer.zero_grad()
         writes.append([])
         starts.append([])
-        fusedreduce.kernels.unflatten_cast_scale = written
-        try:
+        with mock.patch.object(fusedreduce.kernels, "unflatten_cast_scale", written), \
+                mock.patch.object(fusedreduce.kernels, "flatten_cast_scale", flattening):
             _loss(model, rank, step).backward()
-        finally:
-            fusedreduce.kernels.unflatten_cast_scale = unflatten
         held[f"backward_{step}"] = optimizer.buffer_bytes
         optimizer.step()
         held[f"gathering_{step}"] = optimizer.buffer_bytes
         optimizer.finish_param_gather()
         held[f"gathered_{step}"] = optimizer.buffer_bytes
-        objects.append([*map(id, reducer.buffers), *map(id, reducer.parts),
-                        *map(id, optimizer.sharded._gather_flat)])
-    buckets = reducer.plan.buckets
-    gathers = optimizer.sharded._gather_dtypes
+        kept = optimizer.flat_buffers
+        objects.append([*map(id, kept.gradients), *map(id, kept.parts), *map(id, kept.gathers)])
+    specs = layout.plan.specs
+    gathers = [_gather_dtype({specs[slot].dtype for slot in b.tensor_indices}) for b in buckets]
     return {**held, "during": during, "writes": writes, "starts": starts,
             "gathered_in_turn": _gather_buffers_in_turn(rank),
             "same_objects": objects[0] == objects[1],
-            "written_buckets": sum(1 for ranges in reducer._owned_ranges if ranges),
+            "written_buckets": len({r.bucket for r in layout.ranges}),
             "bucket_bytes": sum(b.size * b.dtype.itemsize for b in buckets),
             "gather_bytes": sum(b.size * d.itemsize for b, d in zip(buckets, gathers))}
 
 
 def _gather_buffers_in_turn(rank):
     """A ``shard_gradients`` optimizer gathering in ``step()`` (not
-    deferred): per step, the all-gather buffers with memory as each is made,
-    and ``buffer_bytes`` after the step."""
+    deferred): per step, the all-gather buffers with memory as each bucket
+    is written into the parameters, and ``buffer_bytes`` after the step."""
     model = _model()
     optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True,
                                      shard_gradients=True, param_pack_thd=300)
-    sharded, seen = optimizer.sharded, {"alive": [], "after": []}
-    flat_for = sharded._flat_for
+    seen = {"alive": [], "after": []}
+    unflatten = fusedreduce.kernels.unflatten_cast_scale
 
-    def made(index):
-        flat = flat_for(index)
+    def writing(*args, **kwargs):
         seen["alive"][-1].append(sum(f.untyped_storage().nbytes() > 0
-                                     for f in sharded._gather_flat if f is not None))
-        return flat
+                                     for f in optimizer.flat_buffers.gathers if f is not None))
+        return unflatten(*args, **kwargs)
 
-    sharded._flat_for = made
     for step in range(2):
         seen["alive"].append([])
         _loss(model, rank, step).backward()
-        optimizer.step()
+        with mock.patch.object(fusedreduce.kernels, "unflatten_cast_scale", writing):
+            optimizer.step()
         optimizer.zero_grad()
         seen["after"].append(optimizer.buffer_bytes)
     return seen
@@ -1226,6 +1292,17 @@ def _bad_arguments(rank, world_size):
         "shard_gradients without shard": lambda: DistributedOptimizer(
             torch.optim.AdamW(nn.Linear(3, 2).parameters()), shard_gradients=True),
         "shard_gradients not a bool": wrap(shard_gradients=1),
+        "misspelt gradient_collective": wrap(gradient_collective="allreduce"),
+        "gradient_collective not a string": wrap(gradient_collective=True),
+        "misspelt parameter_gather": wrap(parameter_gather="all-gather"),
+        "parameter_gather not a string": wrap(parameter_gather=0),
+        "gradient_collective without shard": lambda: DistributedOptimizer(
+            torch.optim.AdamW(nn.Linear(3, 2).parameters()),
+            gradient_collective="reduce_scatter"),
+        "parameter_gather with adasum": wrap(reduce_method="adasum",
+                                             parameter_gather="all_gather"),
+        "misspelt backend": lambda: DistributedOptimizer(
+            torch.optim.AdamW(nn.Linear(3, 2).parameters()), backend="cuda"),
     })
 
 
@@ -1318,8 +1395,9 @@ def test_sharded_steps_are_the_all_reduce_steps(ranks_once, world_size, name):
     if name != "bf16_without_masters" and name != "sgd_unpacked_sum":
         assert first["buckets"] > 1
     if name.startswith("adamw_direct"):
-        # gloo gathers these (not a world of one, which gathers nothing)
-        assert (first["direct_buckets"] > 0) == (world_size > 1)
+        # gloo gathers these straight into the parameters (not a world of
+        # one, which gathers nothing)
+        assert (first["direct_broadcasts"] > 0) == (world_size > 1)
     if name == "adamw_reduce_scatter":
         # one per bucket and step (a world of one rank communicates nothing)
         assert first["reduce_scatters"] == (STEPS * first["buckets"] if world_size > 1 else 0)
@@ -1484,11 +1562,12 @@ def test_buffer_bytes_counts_the_buckets_and_the_sharded_parts(ranks_once, world
         assert grads["same_objects"]
         # gathering in step(), bucket by bucket: at most two all-gather
         # buffers have memory at a time (a bucket's is released once it is
-        # written into the parameters, before the bucket after next starts)
+        # written into the parameters, before the bucket after next starts):
+        # two at each write but the last
         in_turn = grads["gathered_in_turn"]
         assert in_turn["after"] == [0, 0], f"rank {rank}"
         for alive in in_turn["alive"]:
-            assert alive == [min(i + 1, 2) for i in range(n_buckets)], f"rank {rank}: {alive}"
+            assert alive == [2] * (n_buckets - 1) + [1], f"rank {rank}: {alive}"
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -1596,10 +1675,33 @@ def test_sharded_gradients_recover_from_a_backward_that_raised(ranks_once, world
     for rank, seen in enumerate(r["grads_sharded_failure"] for r in ranks_once(world_size)):
         for path, record in seen.items():
             assert record["errors"] == ["a backward error"] * 2, f"rank {rank}, {path}"
-            if world_size > 1:  # the case this test is for
-                assert record["left_in_flight"] >= 1, f"rank {rank}, {path}"
+            if world_size > 1:  # the case this test is for: buckets left in flight
+                assert record["started_then_failed"] >= 1, f"rank {rank}, {path}"
             assert all(record["params_equal"]), f"rank {rank}, {path}"
             assert record["held"] == [0, 0, 0], f"rank {rank}, {path}"
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_unpacked_sum", "bf16_without_masters"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_the_ranks_layouts_own_every_element_once(ranks_once, world_size, name):
+    """``opt.layout``: each rank's part of each bucket is part ``rank`` of
+    ``world_size`` equal ones (``lo == rank * part size``), and the
+    parameter ranges the ranks own cover
+    every element of every parameter exactly once, each at its offset in
+    its bucket's part."""
+    layouts = [r[name]["layout"] for r in ranks_once(world_size)]
+    shapes = layouts[0]["shapes"]
+    owners = [torch.zeros(math.prod(shape), dtype=torch.int64) for shape in shapes]
+    for rank, layout in enumerate(layouts):
+        assert (layout["rank"], layout["world_size"]) == (rank, world_size)
+        for lo, hi in layout["parts"]:
+            assert lo == rank * (hi - lo), f"rank {rank}: part {lo}:{hi}"
+        for param, start, end, bucket, offset in layout["ranges"]:
+            lo, hi = layout["parts"][bucket]
+            assert 0 <= offset and offset + end - start <= hi - lo, f"rank {rank}"
+            owners[param][start:end] += 1
+    assert all(bool((count == 1).all()) for count in owners), \
+        [count.tolist() for count in owners]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -1784,6 +1886,18 @@ def test_bad_arguments_are_refused_before_any_collective():
         "shard not a bool": ("TypeError", "shard"),
         "shard_gradients without shard": ("ValueError", "shard_gradients=True applies"),
         "shard_gradients not a bool": ("TypeError", "shard_gradients must be"),
+        "misspelt gradient_collective": (
+            "ValueError", "gradient_collective must be None or one of 'reduce_scatter', "
+                          "'all_reduce', got 'allreduce'"),
+        "gradient_collective not a string": ("TypeError", "gradient_collective must be"),
+        "misspelt parameter_gather": ("ValueError", "parameter_gather must be None or one of"),
+        "parameter_gather not a string": ("TypeError", "parameter_gather must be"),
+        "gradient_collective without shard": (
+            "ValueError", "gradient_collective='reduce_scatter' applies to shard=True only"),
+        "parameter_gather with adasum": (
+            "ValueError", "parameter_gather='all_gather' does not combine with "
+                          "reduce_method='adasum'"),
+        "misspelt backend": ("ValueError", "backend must be one of"),
     })
     for r in results:
         assert "another model" in r["another_model"]["error"]
