@@ -113,13 +113,15 @@ def _step_reference(model, masters, plain, grads):
 
 def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1,
                  reduce_method="mean", param_pack=True, reduce_scatter=False,
-                 gather_direct=False, **options):
+                 gather_direct=False, nan_buffers=False, **options):
     """Sharded vs the all-reduce reference, ``STEPS`` steps. ``reduce_scatter``:
     NCCL's path (a reduce-scatter and an all-gather per bucket) even on gloo,
     where the reducer all-reduces, as gloo's reduce-scatter does inside, and
     the parameters come back by one broadcast per rank. ``gather_direct``:
     on gloo every bucket of one dtype comes back by one broadcast per tensor
-    range straight into the parameters, as a model of large tensors does."""
+    range straight into the parameters, as a model of large tensors does.
+    ``nan_buffers``: the buffers start as NaN (no element the reduction does
+    not write may be read)."""
     kwargs = {} if dtypes is None else {"dtypes": dtypes}
     model, reference = _model(**kwargs), _model(**kwargs)
     with mock.patch.object(sharded_optimizer, "_DIRECT_MEAN_NUMEL",
@@ -127,6 +129,9 @@ def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1
         optimizer = DistributedOptimizer(make(model.parameters()), reduce_method=reduce_method,
                                          param_pack=param_pack, param_pack_thd=cap_bytes,
                                          backward_passes_per_step=passes, shard=True, **options)
+    if nan_buffers:
+        for buffer in optimizer.reducer.buffers:
+            buffer.fill_(math.nan)
     events = []
     if reduce_scatter:
         # NCCL's path: a reduce-scatter and an all-gather per bucket, both in place
@@ -138,7 +143,8 @@ def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1
     masters, plain = _masters_reference(reference, make,
                                         options.get("master_dtype", torch.float32))
     seen = {"params": [], "reference": [], "buckets": len(optimizer.reducer.plan.buckets),
-            "direct_buckets": sum(d is not None for d in optimizer.sharded._direct)}
+            "direct_buckets": sum(d is not None for d in optimizer.sharded._direct),
+            "nonfinite": []}
     for step in range(STEPS):
         for k in range(passes):
             _loss(model, rank, step, k).backward()
@@ -149,6 +155,7 @@ def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1
             seen["outside"] = _largest_not_owned(optimizer, model)
         grads = reducer([p.grad for p in reference.parameters()])
         reference.zero_grad()
+        seen["nonfinite"].append(bool(optimizer.reducer.found_nonfinite))
         optimizer.step()
         optimizer.zero_grad()
         _step_reference(reference, masters, plain, grads)
@@ -867,6 +874,12 @@ def on_rank(rank, world_size):
         "adamw_direct": _equivalence(rank, world_size, _adamw, gather_direct=True),
         "adamw_direct_grads_sharded": _equivalence(rank, world_size, _adamw, gather_direct=True,
                                                    shard_gradients=True),
+        # fp32 buckets, not prescaled: on 2 gloo ranks each is reduce-scattered
+        # by one exchange of the ranks' elements (two passes: the sent
+        # gradients are the accumulated ones; the padding read as zeros)
+        "fp32_direct_accumulation": _equivalence(rank, world_size, _adamw, gather_direct=True,
+                                                 dtypes=(torch.float32,) * 3, passes=2,
+                                                 nan_buffers=True),
         "sgd_unpacked_sum": _equivalence(rank, world_size, _sgd, param_pack=False,
                                          reduce_method="sum"),
         "accumulation_fp64": _equivalence(rank, world_size, _adamw, passes=2,
@@ -1308,12 +1321,13 @@ def ranks_once(request, tmp_path_factory):
 WORLD_SIZES = [1, 2, 3, 4]
 EQUIVALENCE = ["adamw", "adamw_reduce_scatter", "adamw_fused", "sgd_unpacked_sum",
                "accumulation_fp64", "bf16_without_masters", "adamw_grads_sharded",
-               "accumulation_grads_sharded", "adamw_direct", "adamw_direct_grads_sharded"]
+               "accumulation_grads_sharded", "adamw_direct", "adamw_direct_grads_sharded",
+               "fp32_direct_accumulation"]
 #: per-element state tensors each parameter has: AdamW's two moments, SGD's momentum
 STATE_TENSORS = {"adamw": 2, "adamw_reduce_scatter": 2, "adamw_fused": 2,
                  "sgd_unpacked_sum": 1, "accumulation_fp64": 2, "bf16_without_masters": 2,
                  "adamw_grads_sharded": 2, "accumulation_grads_sharded": 2,
-                 "adamw_direct": 2, "adamw_direct_grads_sharded": 2}
+                 "adamw_direct": 2, "adamw_direct_grads_sharded": 2, "fp32_direct_accumulation": 2}
 
 
 @pytest.mark.parametrize("name", EQUIVALENCE)
@@ -1331,6 +1345,8 @@ def test_sharded_steps_are_the_all_reduce_steps(ranks_once, world_size, name):
         assert first["reduce_scatters"] == (STEPS * first["buckets"] if world_size > 1 else 0)
         assert first["all_gathers"] == first["reduce_scatters"]
     for rank, seen in enumerate(results):
+        # every gradient is finite: no rank may read one that is not
+        assert not any(seen["nonfinite"]), f"rank {rank}"
         # a rank's .grad holds its reduced part and zeros elsewhere
         assert seen["outside"] == 0.0, f"rank {rank}"
         for step in range(STEPS):
