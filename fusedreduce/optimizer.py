@@ -180,10 +180,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``finish_param_gather()`` first.
         gradient_collective: with ``shard=True`` (not AdaSum), how each
             bucket leaves every rank its part of the reduced gradient:
-            ``"reduce_scatter"`` (NCCL's default) or ``"all_reduce"`` (the
+            ``"reduce_scatter"`` (NCCL's default), ``"all_reduce"`` (the
             whole bucket all-reduced, the part kept: gloo's default, where
-            the reduce-scatter all-reduces inside and is slower). None
-            (default): chosen from the process group's backend. For tests
+            the reduce-scatter all-reduces inside and is slower) or
+            ``"exchange"`` (on 2 ranks, every host bucket neither prescaled
+            nor cast goes by one exchange of the ranks' halves, the others
+            are all-reduced; gloo's default does so for buckets of few large
+            tensors only). None (default): chosen from the process group's
+            backend. For tests
             and benchmarks (NCCL's path on gloo ranks, say): either leaves
             the ranks bitwise alike (the two may differ from each other by
             the rounding of another summation order); a world of one rank

@@ -40,7 +40,8 @@ from .clipping import max_over_ranks, norm_dtype_of, norm_powers
 from .process_group import comm_device, global_rank
 from .reducer import DistributedGradReducer
 from .sharded import (OwnedRange, PartRange, ShardLayout, broadcast_from, broadcast_slots,
-                      part_ranges, ranges_between, start_all_gather, start_bucket_reduce_scatter)
+                      part_ranges, ranges_between, start_all_gather, start_bucket_exchange,
+                      start_bucket_reduce_scatter)
 from .sharded_checkpoint import collect_pieces, make_piece, pack_pieces, state_over
 
 #: optimizers whose step updates every element from that element's gradient
@@ -99,7 +100,7 @@ def check_master_dtype(master_dtype) -> torch.dtype:
 
 #: ``gradient_collective=`` values: how the sharded reduction leaves each
 #: rank its part of a bucket
-GRADIENT_COLLECTIVES = ("reduce_scatter", "all_reduce")
+GRADIENT_COLLECTIVES = ("reduce_scatter", "all_reduce", "exchange")
 #: ``parameter_gather=`` values: how the stepped parts come back into the
 #: parameters of every rank
 PARAMETER_GATHERS = ("all_gather", "broadcast", "broadcast_direct")
@@ -280,15 +281,39 @@ class ShardedGradReducer(DistributedGradReducer):
         # torch's gloo backend reduce-scatters by all-reducing the whole input
         # and copying the part out (measured slower than the all-reduce alone:
         # docs/guides/optimizer.md): there, all-reduce and keep the part
+        # on 2 ranks on the host, a bucket that is neither prescaled nor cast
+        # can be reduce-scattered by one exchange instead (start_bucket_exchange:
+        # half the bytes, the same bits), sent from the peer's slot of the
+        # buffer and received into this rank's: gloo's choice for a bucket of
+        # few large tensors, every such bucket with gradient_collective="exchange"
+        exchange_from = None
         if gradient_collective is None and self.world_size > 1:
             gloo = dist.get_backend(group) == dist.Backend.GLOO
             gradient_collective = "all_reduce" if gloo else "reduce_scatter"
-        self._all_reduce_instead = self.world_size > 1 and gradient_collective == "all_reduce"
+            exchange_from = _DIRECT_MEAN_NUMEL if gloo else None
+        elif gradient_collective == "exchange":
+            exchange_from = 0
+        self._all_reduce_instead = self.world_size > 1 and gradient_collective != "reduce_scatter"
+        self._exchange_from = exchange_from
+        self._peer_slots: List[Optional[torch.Tensor]] = [
+            self._buffers[b.index][(1 - self.rank) * b.part_size:(2 - self.rank) * b.part_size]
+            if self._exchanges(b) else None for b in self.plan.buckets]
         self._plant_sites = self._sites_not_owned()
         self._overflow = [min((_overflow_at(self.plan.specs[slot].dtype, b.dtype)
                                for slot in b.tensor_indices), default=math.inf)
                           for b in self.plan.buckets]
         self._bounds: Optional[torch.Tensor] = None
+
+    def _exchanges(self, bucket: Bucket) -> bool:
+        """Whether ``bucket`` can be reduce-scattered by ``start_bucket_exchange``
+        (its tensors' contiguity aside, checked as it starts)."""
+        slots = bucket.tensor_indices
+        return self._exchange_from is not None and self._all_reduce_instead \
+            and self.world_size == 2 and not self.shard_gradients \
+            and self.adasum_local_size is None and bucket.device.type == "cpu" \
+            and self._scales[bucket.index][0] == 1.0 and bool(slots) \
+            and all(self.plan.specs[slot].dtype == bucket.dtype for slot in slots) \
+            and sum(bucket.numels) >= self._exchange_from * len(slots)
 
     def _plan_shards(self) -> int:
         return self.world_size
@@ -469,6 +494,11 @@ class ShardedGradReducer(DistributedGradReducer):
         if self.adasum_local_size is not None:
             self._flatten_and_halve(bucket, tensors, buffer)
             return PendingBucket(bucket, buffer, None)
+        sent = self._peer_slots[index]
+        if self._all_reduce_instead and sent is not None \
+                and all(tensors[slot].is_contiguous() for slot in bucket.tensor_indices):
+            return start_bucket_exchange(bucket, tensors, self.parts[index], sent,
+                                         group=self.group, rank=self.rank, backend=self.backend)
         if self._all_reduce_instead:
             return start_bucket_all_reduce(self.plan, bucket, tensors, buffer,
                                            group=self.group, world_size=self.world_size,

@@ -140,7 +140,7 @@ def ranks_once_getter(request, tmp_path_factory, name: str, fn, module_name: str
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather_object", "broadcast_object_list",
                "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
-               "all_gather_single")
+               "all_gather_single", "all_to_all_single")
 
 
 def record_collectives(events):

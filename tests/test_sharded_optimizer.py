@@ -150,13 +150,17 @@ def _masters(optimizer):
 
 def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1,
                  reduce_method="mean", param_pack=True, reduce_scatter=False,
-                 gather_direct=False, **options):
+                 gather_direct=False, nan_buffers=False, **options):
     """Sharded vs the all-reduce reference, ``STEPS`` steps. ``reduce_scatter``:
     NCCL's path (a reduce-scatter and an all-gather per bucket) even on gloo,
     where the reducer all-reduces, as gloo's reduce-scatter does inside, and
     the parameters come back by one broadcast per rank. ``gather_direct``:
     on gloo every bucket of one dtype comes back by one broadcast per tensor
-    range straight into the parameters, as a model of large tensors does."""
+    range straight into the parameters, and on 2 ranks every bucket that is
+    neither prescaled nor cast is reduce-scattered by one exchange, as for a
+    model of large tensors.
+    ``nan_buffers``: the buffers start as NaN (no element the reduction does
+    not write may be read)."""
     kwargs = {} if dtypes is None else {"dtypes": dtypes}
     model, reference = _model(**kwargs), _model(**kwargs)
     if reduce_scatter:
@@ -164,15 +168,20 @@ def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1
         options.update(NCCL_COLLECTIVES)
     if gather_direct:
         options["parameter_gather"] = "broadcast_direct"
+        options.setdefault("gradient_collective", "exchange")
     optimizer = DistributedOptimizer(make(model.parameters()), reduce_method=reduce_method,
                                      param_pack=param_pack, param_pack_thd=cap_bytes,
                                      backward_passes_per_step=passes, shard=True, **options)
+    if nan_buffers:
+        for buffer in optimizer.flat_buffers.gradients:
+            buffer.fill_(math.nan)
     events = []
     reducer = DistributedGradReducer(list(reference.parameters()),
                                      mean=reduce_method == "mean")
     masters, plain = _masters_reference(reference, make,
                                         options.get("master_dtype", torch.float32))
-    seen = {"params": [], "reference": [], "buckets": len(optimizer.layout.plan.buckets)}
+    seen = {"params": [], "reference": [], "buckets": len(optimizer.layout.plan.buckets),
+            "nonfinite": []}
     with _issued(events):
         _train_against_reference(rank, model, reference, optimizer, reducer, masters, plain,
                                  passes, seen)
@@ -180,6 +189,7 @@ def _equivalence(rank, world_size, make, *, cap_bytes=300, dtypes=None, passes=1
     seen["reduce_scatters"] = sum(e.startswith("reduce_scatter") for e in names)
     seen["all_gathers"] = sum(e.startswith("all_gather") for e in names)
     seen["direct_broadcasts"] = _into_parameters(events, model)
+    seen["exchanges"] = names.count("all_to_all_single")
     seen["state"] = _state_elements(optimizer)
     seen["param_numel"] = sum(p.numel() for p in model.parameters())
     seen["padding"] = sum(b.size - sum(b.numels) for b in optimizer.layout.plan.buckets)
@@ -208,6 +218,7 @@ def _train_against_reference(rank, model, reference, optimizer, reducer, masters
             seen["outside"] = _largest_not_owned(optimizer, model)
         grads = reducer([p.grad for p in reference.parameters()])
         reference.zero_grad()
+        seen["nonfinite"].append(bool(optimizer.reducer.found_nonfinite))
         optimizer.step()
         optimizer.zero_grad()
         _step_reference(reference, masters, plain, grads)
@@ -914,6 +925,12 @@ def on_rank(rank, world_size):
         "adamw_direct": _equivalence(rank, world_size, _adamw, gather_direct=True),
         "adamw_direct_grads_sharded": _equivalence(rank, world_size, _adamw, gather_direct=True,
                                                    shard_gradients=True),
+        # fp32 buckets, not prescaled: on 2 gloo ranks each is reduce-scattered
+        # by one exchange of the ranks' elements (two passes: the sent
+        # gradients are the accumulated ones; the padding read as zeros)
+        "fp32_direct_accumulation": _equivalence(rank, world_size, _adamw, gather_direct=True,
+                                                 dtypes=(torch.float32,) * 3, passes=2,
+                                                 nan_buffers=True),
         "sgd_unpacked_sum": _equivalence(rank, world_size, _sgd, param_pack=False,
                                          reduce_method="sum"),
         "accumulation_fp64": _equivalence(rank, world_size, _adamw, passes=2,
@@ -1379,12 +1396,13 @@ def ranks_once(request, tmp_path_factory):
 WORLD_SIZES = [1, 2, 3, 4]
 EQUIVALENCE = ["adamw", "adamw_reduce_scatter", "adamw_fused", "sgd_unpacked_sum",
                "accumulation_fp64", "bf16_without_masters", "adamw_grads_sharded",
-               "accumulation_grads_sharded", "adamw_direct", "adamw_direct_grads_sharded"]
+               "accumulation_grads_sharded", "adamw_direct", "adamw_direct_grads_sharded",
+               "fp32_direct_accumulation"]
 #: per-element state tensors each parameter has: AdamW's two moments, SGD's momentum
 STATE_TENSORS = {"adamw": 2, "adamw_reduce_scatter": 2, "adamw_fused": 2,
                  "sgd_unpacked_sum": 1, "accumulation_fp64": 2, "bf16_without_masters": 2,
                  "adamw_grads_sharded": 2, "accumulation_grads_sharded": 2,
-                 "adamw_direct": 2, "adamw_direct_grads_sharded": 2}
+                 "adamw_direct": 2, "adamw_direct_grads_sharded": 2, "fp32_direct_accumulation": 2}
 
 
 @pytest.mark.parametrize("name", EQUIVALENCE)
@@ -1398,11 +1416,16 @@ def test_sharded_steps_are_the_all_reduce_steps(ranks_once, world_size, name):
         # gloo gathers these straight into the parameters (not a world of
         # one, which gathers nothing)
         assert (first["direct_broadcasts"] > 0) == (world_size > 1)
+    if name == "fp32_direct_accumulation":
+        # fp32 buckets, not prescaled: exchanged on 2 ranks, all-reduced on more
+        assert (first["exchanges"] > 0) == (world_size == 2)
     if name == "adamw_reduce_scatter":
         # one per bucket and step (a world of one rank communicates nothing)
         assert first["reduce_scatters"] == (STEPS * first["buckets"] if world_size > 1 else 0)
         assert first["all_gathers"] == first["reduce_scatters"]
     for rank, seen in enumerate(results):
+        # every gradient is finite: no rank may read one that is not
+        assert not any(seen["nonfinite"]), f"rank {rank}"
         # a rank's .grad holds its reduced part and zeros elsewhere
         assert seen["outside"] == 0.0, f"rank {rank}"
         for step in range(STEPS):

@@ -62,7 +62,7 @@ def _train(model, optimizer, rank, group, reduce):
         optimizer.zero_grad()
 
 
-def _optimizer_in_subgroups(rank, world_size, shard):
+def _optimizer_in_subgroups(rank, world_size, shard, **options):
     group, index = _my_group(rank)
     seen = {"group": index}
     # every rank starts from its own weights: bcast_period=0 makes them the
@@ -70,7 +70,7 @@ def _optimizer_in_subgroups(rank, world_size, shard):
     # group rank's part comes back from that rank (a broadcast on gloo)
     model = _model(seed=rank)
     optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                     group=group, shard=shard)
+                                     group=group, shard=shard, **options)
     seen["after_wrap"] = _flat(model)
     _train(model, optimizer, rank, group, reduce=False)
     seen["trained"] = _flat(model)
@@ -89,9 +89,19 @@ def _optimizer_in_subgroups(rank, world_size, shard):
     return seen
 
 
-@pytest.mark.parametrize("shard", [False, True])
-def test_distributed_optimizer_broadcasts_and_reduces_within_a_group_without_global_rank_0(shard):
-    seen = run_ranks(_optimizer_in_subgroups, WORLD, shard)
+def _optimizer_in_subgroups_of_large_tensors(rank, world_size, shard):
+    # every bucket taken for one of few large tensors: on a group of 2 gloo
+    # ranks it is reduce-scattered by one exchange of the ranks' elements and
+    # gathered by a broadcast per tensor range
+    return _optimizer_in_subgroups(rank, world_size, shard, gradient_collective="exchange",
+                                   parameter_gather="broadcast_direct")
+
+
+@pytest.mark.parametrize("shard,large", [(False, False), (True, False), (True, True)])
+def test_distributed_optimizer_broadcasts_and_reduces_within_a_group_without_global_rank_0(
+        shard, large):
+    seen = run_ranks(_optimizer_in_subgroups_of_large_tensors if large
+                     else _optimizer_in_subgroups, WORLD, shard)
     for index, ranks in enumerate(GROUPS):
         source = ranks[0]
         for rank in ranks:
