@@ -1911,7 +1911,7 @@ def test_bad_arguments_are_refused_before_any_collective():
         "shard_gradients not a bool": ("TypeError", "shard_gradients must be"),
         "misspelt gradient_collective": (
             "ValueError", "gradient_collective must be None or one of 'reduce_scatter', "
-                          "'all_reduce', got 'allreduce'"),
+                          "'all_reduce', 'exchange', got 'allreduce'"),
         "gradient_collective not a string": ("TypeError", "gradient_collective must be"),
         "misspelt parameter_gather": ("ValueError", "parameter_gather must be None or one of"),
         "parameter_gather not a string": ("TypeError", "parameter_gather must be"),
