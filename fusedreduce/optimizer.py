@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import operator
 from datetime import timedelta
 from typing import Iterable, Optional, Sequence, Union
@@ -35,6 +36,7 @@ from .checkpoint_group import check_timeout, checkpoint_group, meet_for, rank_in
 from .clipping import (check_clipping, check_error_if_nonfinite, check_limit,
                        check_norm_type, check_split_norm, refuse_scaled_clip,
                        stepping_grad_scaler)
+from .param_swap import swapped
 from .process_group import require_process_group, value_checksums, verify_same_on_all_ranks
 from .reducer import DistributedGradReducer
 from .sharded_checkpoint import (ShardSource, check_shapes, make_piece, pieces_by_index,
@@ -988,23 +990,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         params = self._all_params()
         grads = [p.grad for p in params]
-        lrs = [g.get("lr") for g in self.param_groups]
+        zero_lrs = [torch.zeros_like(g["lr"]) if isinstance(g.get("lr"), torch.Tensor) else 0.0
+                    for g in self.param_groups]
         try:
             # zeros where state is missing, None elsewhere: torch's step
             # skips a parameter without gradient
             for p in params:
                 p.grad = torch.zeros_like(p) if id(p) in missing else None
-            for g in self.param_groups:
-                if "lr" in g:
-                    g["lr"] = torch.zeros_like(g["lr"]) \
-                        if isinstance(g["lr"], torch.Tensor) else 0.0
-            self._initialise_state()
+            with swapped(self, lr=zero_lrs):
+                self._initialise_state()
         finally:
             for p, grad in zip(params, grads):
                 p.grad = grad
-            for g, lr in zip(self.param_groups, lrs):
-                if "lr" in g:
-                    g["lr"] = lr
 
     def _initialise_state(self) -> None:
         """The wrapped optimizer's step on the zero gradients in ``.grad``,
@@ -1135,11 +1132,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                 _STATE_DICT_FIX, to, cpu_offload)
         if full is None:
             return None
-        local, self.state = self.state, full
-        try:
+        with swapped(self, state=full):
             return super().state_dict()
-        finally:
-            self.state = local
 
     def load_state_dict(self, state_dict: dict) -> None:
         """``torch.optim.Optimizer.load_state_dict`` from the unsharded form
@@ -1173,21 +1167,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         stand_ins = [torch.empty(0, dtype=master_dtype_of(p, self.master_dtype), device=p.device)
                      for p in params]
         back = {id(s): p for s, p in zip(stand_ins, params)}
-        originals = [g["params"] for g in self.param_groups]
-        position = 0
-        for g in self.param_groups:
-            g["params"] = stand_ins[position:position + len(g["params"])]
-            position += len(g["params"])
-        try:
+        left = iter(stand_ins)
+        with swapped(self, params=[list(itertools.islice(left, len(g["params"])))
+                                   for g in self.param_groups]):
             super().load_state_dict(state_dict)
-        finally:
-            if self.param_groups and self.param_groups[0]["params"] and \
-                    id(self.param_groups[0]["params"][0]) in back:
-                for g in self.param_groups:
-                    g["params"] = [back[id(s)] for s in g["params"]]
-            else:
-                for g, original in zip(self.param_groups, originals):
-                    g["params"] = original
         full = {back[id(s)]: entry for s, entry in self.state.items()}
         self.state = self.sharded.take_state(full)
 
@@ -1233,11 +1216,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _param_groups_only(self) -> list:
         """``state_dict()["param_groups"]``, without gathering any state."""
-        local, self.state = self.state, {}
-        try:
+        with swapped(self, state={}):
             return super().state_dict()["param_groups"]
-        finally:
-            self.state = local
 
     def load_sharded_state_dict(self, shards: Sequence[ShardSource]) -> None:
         """Load a checkpoint that every rank saved with ``sharded_state_dict()``,

@@ -37,6 +37,7 @@ from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
 from .buckets import Bucket, BucketPlan, FlatBuffers
 from .clipping import max_over_ranks, norm_dtype_of, norm_powers
+from .param_swap import swapped
 from .process_group import comm_device, global_rank
 from .reducer import DistributedGradReducer
 from .sharded import (OwnedRange, PartRange, ShardLayout, broadcast_from, broadcast_slots,
@@ -891,12 +892,11 @@ class ShardedParameters:
         the slices for its duration. Parameters without a gradient, or owned
         by other ranks, are left out, as torch leaves out a parameter whose
         ``.grad`` is None."""
-        groups, state = optimizer.param_groups, optimizer.state
-        originals = [g["params"] for g in groups]
-        swapped: List[_Shard] = []
+        state = optimizer.state
+        moved: List[_Shard] = []
         try:
-            for g in groups:
-                stepped = []
+            stepped = [[] for _ in optimizer.param_groups]
+            for g, into in zip(optimizer.param_groups, stepped):
                 for p in g["params"]:
                     s = self.by_param.get(p)
                     if s is None or p.grad is None:
@@ -905,14 +905,12 @@ class ShardedParameters:
                         s.tensor.grad = self._grad_slice(s)
                         if p in state:
                             state[s.tensor] = state.pop(p)
-                        swapped.append(s)
-                    stepped.append(s.tensor)
-                g["params"] = stepped
-            return run_step()
+                        moved.append(s)
+                    into.append(s.tensor)
+            with swapped(optimizer, params=stepped):
+                return run_step()
         finally:
-            for g, params in zip(groups, originals):
-                g["params"] = params
-            for s in swapped:
+            for s in moved:
                 if s.tensor in state:
                     state[s.param] = state.pop(s.tensor)
                 s.tensor.grad = None

@@ -7,7 +7,7 @@ import pytest
 MODULES = ["fusedreduce.kernels", "fusedreduce.kernels._checks", "fusedreduce.kernels._common",
            "fusedreduce.kernels._backends", "fusedreduce.kernels._prepared",
            "fusedreduce.kernels._norms", "fusedreduce.kernels._instrument", "fusedreduce.buckets",
-           "fusedreduce.precision", "fusedreduce.clipping"]
+           "fusedreduce.precision", "fusedreduce.clipping", "fusedreduce.param_swap"]
 
 
 @pytest.mark.parametrize("name", MODULES)

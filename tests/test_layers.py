@@ -47,13 +47,15 @@ LAYER_NAMES = ("foundations", "layout and buffers", "collectives and pipelines",
                "user APIs", "integrations")
 #: every module of fusedreduce/ (``__init__`` is the package), by layer name
 LAYERS = {
-    # argument checks, dtypes, the process group, the bucket plan, clipping math
+    # argument checks, dtypes, the process group, the bucket plan, clipping math,
+    # an optimizer's param_groups swapped for a block
     "_checks": "foundations",
     "precision": "foundations",
     "process_group": "foundations",
     "checkpoint_group": "foundations",
     "buckets": "foundations",
     "clipping": "foundations",
+    "param_swap": "foundations",
     # what lives in the buffers, and for how long
     "bucket_views": "layout and buffers",
     # flatten -> collective -> write back, per kind of collective
