@@ -6,7 +6,8 @@ and scattered back (cast and postscaled in the same pass). Buckets are started
 one after the other and finished afterwards, so the flatten of bucket k+1
 overlaps bucket k's communication. ``DistributedGradReducer``,
 ``DistributedOptimizer`` and ``all_reduce_plan`` all reduce through
-``start_bucket_all_reduce`` / ``finish_bucket``.
+``start_bucket_all_reduce`` / ``finish_bucket``; the DDP hooks, whose buckets
+DDP has already flattened, through ``start_cast_all_reduce`` / ``cast_back``.
 """
 from __future__ import annotations
 
@@ -76,6 +77,41 @@ def start_all_reduce(bucket: Bucket, buffer: torch.Tensor, *, group, world_size:
     ``group``; a world of one rank starts no collective."""
     work = dist.all_reduce(buffer, group=group, async_op=True) if world_size > 1 else None
     return PendingBucket(bucket, buffer, work, spare)
+
+
+def start_cast_all_reduce(tensor: torch.Tensor, wire: torch.Tensor, *, group,
+                          prescale: float = 1.0,
+                          backend: str = "auto") -> torch.futures.Future:
+    """Start the sum over ``group`` of an already flat ``tensor`` (a DDP bucket)
+    in ``wire`` (kept by the caller, so that the kernels' launch prepared for it
+    is found again); returns the collective's future. Finish with ``cast_back``.
+
+    ``wire`` is ``tensor`` itself when no cast is needed: ``tensor`` is then
+    multiplied by ``prescale`` in place (DDP's own rounding: each addend times
+    the scale, then the sum), else cast into ``wire`` times ``prescale`` in one
+    fused pass. The collective starts on a world of one rank too, as DDP's own
+    hooks do.
+    """
+    if wire is tensor:
+        if prescale != 1.0:
+            tensor.mul_(prescale)
+    else:
+        kernels.flatten_cast_scale([tensor], wire, scale=prescale, backend=backend)
+    return dist.all_reduce(wire, group=group, async_op=True).get_future()
+
+
+def cast_back(wire: torch.Tensor, tensor: torch.Tensor, postscale, *,
+              backend: str = "auto") -> torch.Tensor:
+    """Write ``start_cast_all_reduce``'s reduced ``wire`` into ``tensor`` times
+    ``postscale`` (a number, or a one-element device tensor) and return
+    ``tensor``: one fused cast-back pass, or a multiply in place when ``wire``
+    is ``tensor``."""
+    if wire is not tensor:
+        kernels.unflatten_cast_scale(wire, [tensor], scale=postscale, backend=backend)
+        return tensor
+    if isinstance(postscale, torch.Tensor):
+        return tensor.mul_(postscale.to(tensor.dtype))
+    return tensor.mul_(postscale) if postscale != 1.0 else tensor
 
 
 def finish_bucket(plan: BucketPlan, pending: PendingBucket, outputs: Sequence[torch.Tensor], *,

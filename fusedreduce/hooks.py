@@ -31,6 +31,7 @@ import torch.distributed as dist
 from . import kernels
 from ._checks import check_int, check_loss_scale, check_prescale
 from .adasum import adasum_allreduce_plan, adasum_flat_unchecked, check_local_size
+from .allreduce import cast_back, start_cast_all_reduce
 from .buckets import BucketPlan, TensorSpec
 from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers, clip_shared,
                        norm_dtype_of, norm_split_for, raise_if_nonfinite, share_norm)
@@ -434,40 +435,27 @@ def _future_of(tensor: torch.Tensor) -> torch.futures.Future:
 
 def _reduce_in(state: HookState, bucket: dist.GradBucket, dtype: torch.dtype,
                hook: str) -> torch.futures.Future:
-    """All-reduce ``bucket`` in ``dtype``: one fused cast-and-prescale pass into a
-    temporary, the collective, one fused cast-back-and-postscale pass."""
+    """All-reduce ``bucket`` in ``dtype``: in place when that is the bucket's own
+    dtype, else through the state's kept wire buffer (one fused
+    cast-and-prescale pass before, one cast-back-and-postscale pass after)."""
     buffer = bucket.buffer()
     state._check_ranks_agree(hook, bucket, dtype)
     before, after = state.scales()
-    if buffer.dtype == dtype:
-        if before != 1.0:
-            # by default DDP's own rounding: each addend times fp32(1/n), then the sum
-            buffer.mul_(before)
-        work = dist.all_reduce(buffer, group=state.group, async_op=True)
-        if state.max_grad_norm is not None:
-            return state.clipped(bucket, work.get_future(), lambda: buffer, after,
-                                 lambda scale: buffer.mul_(scale.to(buffer.dtype)))
+    wire = buffer if buffer.dtype == dtype else state.wire_for(bucket, dtype)
+    reduced = start_cast_all_reduce(buffer, wire, group=state.group, prescale=before,
+                                    backend=state.backend)
 
-        def finish_in_place(future):
-            reduced = future.value()[0]
-            return reduced.mul_(after) if after != 1.0 else reduced
+    def write_back(scale):
+        return cast_back(wire, buffer, scale, backend=state.backend)
 
-        return work.get_future().then(finish_in_place)
-    wire = kernels.flatten_cast_scale([buffer], state.wire_for(bucket, dtype), scale=before,
-                                      backend=state.backend)
-    work = dist.all_reduce(wire, group=state.group, async_op=True)
     if state.max_grad_norm is not None:
-        def write_back(scale):
-            kernels.unflatten_cast_scale(wire, [buffer], scale=scale, backend=state.backend)
-            return buffer
-        return state.clipped(bucket, work.get_future(), lambda: wire, after, write_back)
+        return state.clipped(bucket, reduced, lambda: wire, after, write_back)
 
-    def decompress(future):
+    def finish(future):
         future.value()  # raises if the collective failed
-        kernels.unflatten_cast_scale(wire, [buffer], scale=after, backend=state.backend)
-        return buffer
+        return write_back(after)
 
-    return work.get_future().then(decompress)
+    return reduced.then(finish)
 
 
 def fusedreduce_allreduce_hook(state: Optional[HookState],
