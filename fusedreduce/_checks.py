@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -87,6 +87,28 @@ def check_bool(value, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} "
                         f"{value!r}")
+    return value
+
+
+def check_choice(value, name: str, choices: Sequence[str], *, optional: bool = False):
+    """``value`` if it is one of the strings ``choices`` (or None, with ``optional``).
+
+    Raises:
+        TypeError: not a string (nor None, with ``optional``), naming ``name``.
+        ValueError: a string that is not one of ``choices``, naming ``name``.
+
+    Examples:
+        >>> check_choice("verify", "initial_parameters", ("verify", "broadcast"))
+        'verify'
+    """
+    if optional and value is None:
+        return value
+    wanted = f"{name} must be {'None or ' if optional else ''}one of " \
+             f"{', '.join(map(repr, choices))}, got {value!r}"
+    if not isinstance(value, str):
+        raise TypeError(wanted)
+    if value not in choices:
+        raise ValueError(wanted)
     return value
 
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from . import kernels
 from .kernels import metadata_guard, refuse_in_capture
-from ._checks import (check_bool, check_distinct, check_int, check_loss_scale, check_prescale,
-                      tensor_list)
+from ._checks import (check_bool, check_choice, check_distinct, check_int, check_loss_scale,
+                      check_prescale, tensor_list)
 from .allreduce import (PendingBucket, finish_bucket, start_all_reduce, start_bucket_all_reduce,
                         wait_for)
 from .bucket_views import BucketViews
@@ -148,12 +148,7 @@ class DistributedGradReducer:
         self.parameters: List[torch.Tensor] = tensor_list(parameters, "parameters")
         check_bool(mean, "mean")  # a string such as "False" would be true
         check_bool(check_finite, "check_finite")
-        if not isinstance(initial_parameters, str):
-            raise TypeError(f"initial_parameters must be one of {INITIAL_PARAMETERS}, got "
-                            f"{type(initial_parameters).__name__}")
-        if initial_parameters not in INITIAL_PARAMETERS:
-            raise ValueError(f"initial_parameters must be one of {INITIAL_PARAMETERS}, got "
-                             f"{initial_parameters!r}")
+        check_choice(initial_parameters, "initial_parameters", INITIAL_PARAMETERS)
         self.max_grad_norm, self.norm_type = check_clipping(max_grad_norm, norm_type,
                                                             error_if_nonfinite)
         if self.max_grad_norm is not None:

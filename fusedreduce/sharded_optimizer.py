@@ -36,6 +36,7 @@ from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_
                      adasum_tree_share)
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
 from .buckets import Bucket, BucketPlan, FlatBuffers
+from ._checks import check_choice
 from .clipping import max_over_ranks, norm_dtype_of, norm_powers
 from .param_swap import swapped
 from .process_group import comm_device, global_rank
@@ -121,14 +122,8 @@ def check_collectives(gradient_collective: Optional[str], parameter_gather: Opti
     for name, value, known in (("gradient_collective", gradient_collective,
                                 GRADIENT_COLLECTIVES),
                                ("parameter_gather", parameter_gather, PARAMETER_GATHERS)):
-        if value is None:
+        if check_choice(value, name, known, optional=True) is None:
             continue
-        if not isinstance(value, str):
-            raise TypeError(f"{name} must be None or one of {', '.join(map(repr, known))}, "
-                            f"got {value!r}")
-        if value not in known:
-            raise ValueError(f"{name} must be None or one of {', '.join(map(repr, known))}, "
-                             f"got {value!r}")
         if not shard:
             raise ValueError(f"{name}={value!r} applies to shard=True only (unsharded, every "
                              f"bucket is all-reduced)")
