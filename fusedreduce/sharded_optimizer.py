@@ -36,6 +36,7 @@ from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_gather, adasum_
                      adasum_tree_share)
 from .allreduce import PendingBucket, start_bucket_all_reduce, wait_for
 from .buckets import Bucket, BucketPlan, FlatBuffers
+from .buffer_lifetime import materialise, reinterpret, release
 from ._checks import check_choice
 from .clipping import max_over_ranks, norm_dtype_of, norm_powers
 from .param_swap import swapped
@@ -146,29 +147,6 @@ def _overflow_at(grad_dtype: torch.dtype, bucket_dtype: torch.dtype) -> float:
     if narrow.max >= wide.max:
         return math.inf
     return narrow.max + math.ldexp(narrow.eps, math.frexp(narrow.max)[1] - 1) / 2
-
-
-def _materialise(buffer: torch.Tensor) -> None:
-    """Give ``buffer`` memory again if it was released (its storage resized
-    to nothing): the tensor and its views see the new memory."""
-    storage = buffer.untyped_storage()
-    nbytes = buffer.numel() * buffer.element_size()
-    if storage.nbytes() < nbytes:
-        storage.resize_(nbytes)
-
-
-def _release(buffer: torch.Tensor) -> None:
-    """Give ``buffer``'s memory back (its storage resized to nothing); the
-    tensor and its views stay, for ``_materialise``."""
-    buffer.untyped_storage().resize_(0)
-
-
-def _reinterpret(buffer: torch.Tensor, dtype: torch.dtype, numel: int) -> Optional[torch.Tensor]:
-    """``numel`` elements of ``dtype`` over ``buffer``'s memory, if it is large enough."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes > buffer.numel() * buffer.element_size():
-        return None
-    return buffer.view(torch.uint8)[:nbytes].view(dtype)
 
 
 class ShardedGradReducer(DistributedGradReducer):
@@ -347,7 +325,7 @@ class ShardedGradReducer(DistributedGradReducer):
             else:
                 self._owned_slots[index] = owned
         elif self.shard_gradients:  # only these are ever released
-            _materialise(buffer)
+            materialise(buffer)
         return buffer
 
     def _part_for(self, index: int) -> torch.Tensor:
@@ -364,13 +342,13 @@ class ShardedGradReducer(DistributedGradReducer):
             part = self.parts[index] = torch.empty(hi - lo, dtype=bucket.dtype,
                                                    device=bucket.device)
         else:
-            _materialise(part)
+            materialise(part)
         return part
 
     def _release_buffer(self, index: int) -> None:
         buffer = self._buffers[index]
         if buffer is not None:
-            _release(buffer)
+            release(buffer)
 
     def _release_buffers(self) -> None:
         for index in range(len(self._buffers)):
@@ -381,7 +359,7 @@ class ShardedGradReducer(DistributedGradReducer):
         """``shard_gradients``: release bucket ``index``'s part and buffer."""
         self._release_buffer(index)
         if not self._part_in_place[index] and self.parts[index] is not None:
-            _release(self.parts[index])
+            release(self.parts[index])
 
     def _retire(self, pending: PendingBucket) -> None:
         """``shard_gradients``: wait for ``pending``'s collective, copy this
@@ -803,11 +781,11 @@ class ShardedParameters:
         again) if need be."""
         flat = self._gather_flat[index]
         if flat is not None:
-            _materialise(flat)
+            materialise(flat)
             return flat
         bucket, dtype = self.plan.buckets[index], self._gather_dtypes[index]
         buffer = self.reducer.buffers[index] if self._keeps_flats else None
-        flat = None if buffer is None else _reinterpret(buffer, dtype, bucket.size)
+        flat = None if buffer is None else reinterpret(buffer, dtype, bucket.size)
         if flat is None:
             flat = torch.empty(bucket.size, dtype=dtype, device=bucket.device)
         self._gather_flat[index] = flat
@@ -822,7 +800,7 @@ class ShardedParameters:
         """``shard_gradients``: release the memory of bucket ``index``'s
         all-gather buffer (the tensor and its views stay, for the next gather)."""
         if not self._keeps_flats:
-            _release(self._gather_flat[index])
+            release(self._gather_flat[index])
 
     def held_buffers(self) -> List[torch.Tensor]:
         """The all-gather's buffers (most reuse the reducer's memory; what

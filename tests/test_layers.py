@@ -58,6 +58,7 @@ LAYERS = {
     "param_swap": "foundations",
     # what lives in the buffers, and for how long
     "bucket_views": "layout and buffers",
+    "buffer_lifetime": "layout and buffers",
     # flatten -> collective -> write back, per kind of collective
     "allreduce": "collectives and pipelines",
     "sharded": "collectives and pipelines",
