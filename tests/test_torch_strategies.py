@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from fusedreduce.kernels import _checks, _prepared, flatten_cast_scale, unflatten_cast_scale
-from fusedreduce.kernels.flatten import torch_backend
+from fusedreduce.kernels.flatten import strategy_choice, torch_backend
 from fusedreduce.kernels.flatten.torch_backend import (ACCUMULATE, STRATEGIES,
                                                        STRATEGY_VARIABLE, Choice)
 from flatten_cases import (DTYPES, Spec, assert_same_bits, build, layouts, lay_out,
@@ -193,7 +193,7 @@ def test_another_strategy_replaces_routes_only_when_clearly_faster(monkeypatch, 
                                                                    other_s, kept):
     # a fake clock: each run "takes" its candidate's time
     now = [0.0]
-    monkeypatch.setattr(torch_backend.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(strategy_choice.time, "perf_counter", lambda: now[0])
 
     def taking(seconds):
         def fn(tensors, scale):
@@ -317,7 +317,7 @@ def test_a_launch_for_one_call_never_runs_a_trial(monkeypatch):
 
 def test_a_trial_stops_after_its_budget_but_not_before_its_fewest_rounds(monkeypatch):
     import time
-    monkeypatch.setattr(torch_backend, "TRIAL_BUDGET_S", 0.001)
+    monkeypatch.setattr(strategy_choice, "TRIAL_BUDGET_S", 0.001)
     runs = []
     slow = {name: (lambda tensors, scale, name=name: (runs.append(name), time.sleep(0.002)))
             for name in ("routes", "foreach")}
