@@ -39,7 +39,7 @@ from .kernels import refuse_in_capture
 from .optimizer_options import build_step, check_options, check_ranks_agree
 from .param_swap import instance_of_both, params_of
 from .sharded import ShardLayout
-from .sharded_checkpoint import ShardSource, check_shapes, pieces_by_index, read_shards, sharded_state
+from .sharded_checkpoint import ShardSource
 
 __all__ = ["AdaSumByDeltaWeight", "DistributedOptimizer"]
 
@@ -862,13 +862,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             >>> opt.load_sharded_state_dict([f"ckpt/optim.{r}.pt" for r in range(8)])  # doctest: +SKIP
         """
         self.finish_param_gather()
-        params = self._all_params()
-        world_size = self.reducer.world_size
-        rank = self._step.options.rank
-        pieces = self._step.checkpoint_pieces(self, rank, world_size)
-        return sharded_state(rank, world_size, [p.shape for p in params],
-                             checkpoints.param_groups_only(self, super()), pieces,
-                             steps=self._steps)
+        return checkpoints.sharded_state_dict(self, self._step, super(), self._steps)
 
     def load_sharded_state_dict(self, shards: Sequence[ShardSource]) -> None:
         """Load a checkpoint that every rank saved with ``sharded_state_dict()``,
@@ -893,9 +887,4 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Examples:
             >>> opt.load_sharded_state_dict([f"ckpt/optim.{r}.pt" for r in range(8)])  # doctest: +SKIP
         """
-        loaded = read_shards(shards)
-        check_shapes(loaded, [p.shape for p in self._all_params()],
-                     [len(g["params"]) for g in self.param_groups])
-        by_index = pieces_by_index(loaded)
-        self.finish_param_gather()
-        self._step.load_pieces(self, super(), loaded, by_index)
+        checkpoints.load_sharded_state_dict(self, self._step, super(), shards)

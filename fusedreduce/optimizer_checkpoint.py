@@ -3,7 +3,8 @@ the per-rank files, and the state ``torch.distributed.checkpoint`` makes.
 
 - The shared part: ``check_loadable`` (a dict matched to the parameters
   before anything changes), ``check_state_dict_args``,
-  ``param_groups_only``, and the state made without a training step
+  ``param_groups_only``, the per-rank files (``sharded_state_dict``,
+  ``load_sharded_state_dict``), and the state made without a training step
   (``init_state``, ``is_checkpoint_initialisation``, ``initialise_state``).
 - The flavours, mixed into the step strategies: ``ReplicatedCheckpoint``
   (the state is whole on every rank: nothing communicated) and
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -28,7 +29,8 @@ from ._checks import check_instance, check_int
 from .checkpoint_group import meet_for, rank_in
 from .param_swap import params_of, swapped
 from .process_group import verify_same_on_all_ranks
-from .sharded_checkpoint import make_piece, state_over, whole_state_dict
+from .sharded_checkpoint import (ShardSource, check_shapes, make_piece, pieces_by_index,
+                                 read_shards, sharded_state, state_over, whole_state_dict)
 from .sharded_optimizer import master_dtype_of
 
 #: what a rank that calls the collective ``state_dict()`` alone is told to do
@@ -100,6 +102,28 @@ def param_groups_only(opt, wrapped) -> list:
     """``state_dict()["param_groups"]``, without gathering any state."""
     with swapped(opt, state={}):
         return wrapped.state_dict()["param_groups"]
+
+
+def sharded_state_dict(opt, strategy, wrapped, steps: int) -> dict:
+    """``DistributedOptimizer.sharded_state_dict``: this rank's pieces, as
+    ``strategy`` holds them, and the groups (nothing gathered)."""
+    params = params_of(opt)
+    world_size = strategy.reducer.world_size
+    rank = strategy.options.rank
+    pieces = strategy.checkpoint_pieces(opt, rank, world_size)
+    return sharded_state(rank, world_size, [p.shape for p in params],
+                         param_groups_only(opt, wrapped), pieces, steps=steps)
+
+
+def load_sharded_state_dict(opt, strategy, wrapped, shards: Sequence[ShardSource]) -> None:
+    """``DistributedOptimizer.load_sharded_state_dict``: the save checked
+    against the parameters, then the elements ``strategy`` holds loaded."""
+    loaded = read_shards(shards)
+    check_shapes(loaded, [p.shape for p in params_of(opt)],
+                 [len(g["params"]) for g in opt.param_groups])
+    by_index = pieces_by_index(loaded)
+    strategy.finish_param_gather()
+    strategy.load_pieces(opt, wrapped, loaded, by_index)
 
 
 def is_checkpoint_initialisation(opt, reducer) -> bool:
