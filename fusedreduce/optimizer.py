@@ -4,20 +4,24 @@
   fused buckets overlapped with backward. PyTorch counterpart of MegEngine's
   ``DistributedOptimizer`` (``reduce_method``, ``param_pack``/``param_pack_thd``,
   ``bcast_period``) with Horovod's ``backward_passes_per_step``.
-- ``AdaSumByDeltaWeight``: each rank steps locally, then the weight deltas are
-  combined with AdaSum. PyTorch counterpart of MindSpore's
-  ``AdaSumByDeltaWeightWrapCell``, for any world size.
+- ``AdaSumByDeltaWeight`` (``adasum_delta``, re-exported here): each rank
+  steps locally, then the weight deltas are combined with AdaSum.
 
 Both return an object that *is* an instance of the wrapped optimizer's class
 (it takes over its parameter groups and state), so learning-rate schedulers,
 ``torch.amp.GradScaler`` and ``state_dict()``/``load_state_dict()`` work as with
 the original.
+
+``DistributedOptimizer`` is a shell: its options are checked and its step
+strategy built in ``optimizer_options``; the strategy (``replicated_step``,
+``sharded_step``) owns the reducer, the step body, clipping and the
+sharded mode's parameters; ``optimizer_checkpoint`` holds the state dicts
+and checkpoint files. What stays here is what every mode shares: the class
+swap, the broadcasts, the refusals of ``step()`` and its counting.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
-import itertools
+import functools
 import operator
 from datetime import timedelta
 from typing import Iterable, Optional, Sequence, Union
@@ -25,37 +29,24 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from . import kernels
-from ._checks import check_bool, check_instance, check_int
+from . import optimizer_checkpoint as checkpoints
+from .adasum_delta import AdaSumByDeltaWeight
+from .broadcast import broadcast_tensors
+from .buckets import FlatBuffers
+from .clipping import (check_error_if_nonfinite, check_limit, check_norm_type,
+                       refuse_scaled_clip, stepping_grad_scaler)
 from .kernels import refuse_in_capture
-from .adasum import adasum_allreduce, check_adasum_reduce_dtype, check_local_size
-from .adasum_reducer import AdaSumReducer
-from .broadcast import PackedBroadcast, broadcast_tensors
-from .buckets import FlatBuffers, storage_bytes
-from .checkpoint_group import check_timeout, checkpoint_group, meet_for, rank_in
-from .clipping import (check_clipping, check_error_if_nonfinite, check_limit,
-                       check_norm_type, check_split_norm, refuse_scaled_clip,
-                       stepping_grad_scaler)
-from .param_swap import swapped
-from .process_group import require_process_group, value_checksums, verify_same_on_all_ranks
-from .reducer import DistributedGradReducer
-from .sharded_checkpoint import (ShardSource, check_shapes, make_piece, pieces_by_index,
-                                 read_shards, sharded_state, state_over, whole_state_dict)
+from .optimizer_options import build_step, check_options, check_ranks_agree
+from .param_swap import instance_of_both, params_of
 from .sharded import ShardLayout
-from .sharded_optimizer import (ShardedGradReducer, ShardedParameters, check_collectives,
-                                check_master_dtype, check_shardable, master_dtype_of)
-from .torch_clip import track as track_torch_clip
+from .sharded_checkpoint import ShardSource
 
+__all__ = ["AdaSumByDeltaWeight", "DistributedOptimizer"]
 
-def _instance_of_both(wrapper: type, optimizer) -> object:
-    """A bare instance of a class deriving from ``wrapper`` and ``optimizer``'s class."""
-    check_instance(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
-    base = type(optimizer)
-    if issubclass(base, (DistributedOptimizer, AdaSumByDeltaWeight)):
-        raise TypeError(f"optimizer is already wrapped ({base.__name__})")
-    combined = type(f"{wrapper.__name__.removesuffix('Optimizer')}{base.__name__}",
-                    (wrapper, base), {})
-    return object.__new__(combined)
+#: the options kept as attributes of the optimizer, as they were given
+_KEPT = ("group", "reduce_method", "bcast_period", "backward_passes_per_step",
+         "find_unused_parameters", "shard", "shard_gradients", "master_dtype",
+         "overlap_param_gather")
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -292,7 +283,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args, **kwargs):
-        return _instance_of_both(cls, optimizer)
+        return instance_of_both(cls, optimizer)
 
     def __init__(
         self,
@@ -323,126 +314,64 @@ class DistributedOptimizer(torch.optim.Optimizer):
         parameter_gather: Optional[str] = None,
         backend: str = "auto",
     ) -> None:
-        if not isinstance(shard, bool):
-            raise TypeError(f"shard must be True or False, got {shard!r}")
-        if not isinstance(shard_gradients, bool):
-            raise TypeError(f"shard_gradients must be True or False, got {shard_gradients!r}")
-        if not isinstance(find_unused_parameters, bool):
-            raise TypeError(f"find_unused_parameters must be True or False, got "
-                            f"{find_unused_parameters!r}")
-        for name, value in (("param_pack", param_pack),
-                            ("gradient_as_bucket_view", gradient_as_bucket_view),
-                            ("assume_elementwise", assume_elementwise),
-                            ("overlap_param_gather", overlap_param_gather)):
-            check_bool(value, name)  # a string such as "False" would be true
-        # its Raises holds with or without shard
-        check_master_dtype(master_dtype)
-        if shard:
-            check_shardable(optimizer, assume_elementwise)
-            if gradient_as_bucket_view:
-                raise ValueError(
-                    "gradient_as_bucket_view=True does not combine with shard=True: the flat "
-                    "buffers are the reduce-scatter's input and the all-gather's output, and "
-                    "each .grad receives this rank's share in one write-back launch already")
-        elif overlap_param_gather:
-            raise ValueError("overlap_param_gather=True applies to shard=True only")
-        elif checkpoint_timeout is not None:
-            raise ValueError("checkpoint_timeout applies to shard=True only (without it no "
-                             "checkpoint call communicates)")
-        elif shard_gradients:
-            raise ValueError("shard_gradients=True applies to shard=True only (the gradients "
-                             "are sharded along the optimizer state)")
-        if reduce_method not in ("sum", "mean", "adasum"):
-            raise ValueError(f"reduce_method must be 'sum', 'mean' or 'adasum', got "
-                             f"{reduce_method!r}")
-        check_collectives(gradient_collective, parameter_gather, shard=shard,
-                          adasum=reduce_method == "adasum")
-        kernels.check_backend(backend)
-        if reduce_method != "adasum" and local_size != 1:
-            raise ValueError(f"local_size={local_size!r} applies to reduce_method='adasum' only")
-        check_int(bcast_period, "bcast_period", minimum=-1)
-        check_int(param_pack_thd, "param_pack_thd")
-        check_int(backward_passes_per_step, "backward_passes_per_step")
-        max_grad_norm, norm_type = check_clipping(max_grad_norm, norm_type, error_if_nonfinite)
-        check_split_norm(split_norm)
-        timeout = check_timeout(checkpoint_timeout, "checkpoint_timeout")
-        world_size = require_process_group(group)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        buffer_sync = self._buffer_sync_of(buffers, params, group)
-        if reduce_method == "adasum":
-            # checked here too, before the optimizer's state is taken over
-            check_local_size(local_size, world_size)
-            check_adasum_reduce_dtype(reduce_dtype)
+        options = check_options(
+            optimizer, reduce_method=reduce_method, group=group, bcast_period=bcast_period,
+            param_pack=param_pack, param_pack_thd=param_pack_thd,
+            backward_passes_per_step=backward_passes_per_step, reduce_dtype=reduce_dtype,
+            gradient_as_bucket_view=gradient_as_bucket_view, local_size=local_size,
+            shard=shard, shard_gradients=shard_gradients, master_dtype=master_dtype,
+            assume_elementwise=assume_elementwise, overlap_param_gather=overlap_param_gather,
+            max_grad_norm=max_grad_norm, norm_type=norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+            find_unused_parameters=find_unused_parameters, split_norm=split_norm,
+            buffers=buffers, checkpoint_timeout=checkpoint_timeout,
+            gradient_collective=gradient_collective, parameter_gather=parameter_gather,
+            backend=backend)
         self.__dict__.update(optimizer.__dict__)
-        self.group = group
-        self.reduce_method = reduce_method
-        self.bcast_period = bcast_period
-        self.backward_passes_per_step = backward_passes_per_step
-        # param_pack=False: a one-byte cap puts every gradient in its own bucket
-        cap_bytes = param_pack_thd if param_pack else 1
-        # the replicas are made equal here (broadcast), or checked here
-        # (bcast_period=-1): the reducers need not check them again
-        self._reducer_args = dict(group=group, bucket_cap_mb=cap_bytes / 2 ** 20,
-                                  reduce_dtype=reduce_dtype, max_grad_norm=max_grad_norm,
-                                  norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
-                                  split_norm=split_norm, initial_parameters="unchecked",
-                                  backend=backend)
-        if reduce_method == "adasum":
-            self._reducer_class = AdaSumReducer
-            self._reducer_args["local_size"] = local_size
-        else:
-            self._reducer_class = DistributedGradReducer
-            self._reducer_args["mean"] = reduce_method == "mean"
-        self._gradient_as_bucket_view = gradient_as_bucket_view
-        self.find_unused_parameters = find_unused_parameters
-        self.shard = shard
-        self.shard_gradients = shard_gradients
-        self._gradient_collective = gradient_collective
-        self._parameter_gather = parameter_gather
-        self.master_dtype = master_dtype
-        self.overlap_param_gather = bool(overlap_param_gather)
-        self._trainable = self._trainable_now()
+        for name in _KEPT:
+            setattr(self, name, getattr(options, name))
         self._steps = 0
         # a finite clip under a GradScaler needs loss_scale: looked at (the
         # calling frames) until the first step on reduced gradients
-        self._scaler_unchecked = max_grad_norm is not None and max_grad_norm != float("inf")
-        self.sharded: Optional[ShardedParameters] = None
-        self._buffer_sync = buffer_sync
+        self._scaler_unchecked = options.clips
+        self._buffer_sync = options.buffer_sync
         # the reducer checks the parameters (before any collective)
-        self.reducer = self._sharded_reducer() if shard else self._hooked_reducer()
+        self._step = build_step(self, options)
         try:
-            if world_size > 1:
-                # before the first broadcast: a rank that skips it (-1), or
-                # broadcasts at other steps or other buffers, would leave the
-                # others waiting in a collective it never starts; so would a
-                # rank alone making the sharded mode's checkpoint group. Without
-                # a broadcast the replicas must be equal already: their
-                # checksums ride in the same all-reduce
-                names = [f"parameters[{i}] {tuple(p.shape)} {p.dtype}"
-                         for i, p in enumerate(params)]
-                verify_same_on_all_ranks(
-                    [(tuple(p.shape), str(p.dtype)) for p in params] + buffer_sync.description(),
-                    names + buffer_sync.names(), group, what="tensor",
-                    options=[("bcast_period", bcast_period), ("shard", shard)],
-                    values=value_checksums(params) if bcast_period == -1 else (),
-                    values_remedy="bcast_period=-1 skips the broadcast that makes the replicas "
-                                  "equal: pass bcast_period=0 (the default), or copy rank 0's "
-                                  "parameters first (fusedreduce.parameter_broadcast(model))")
+            check_ranks_agree(self._all_params(), options)
             if bcast_period != -1:
                 self.broadcast_parameters()
                 self.broadcast_buffers()
-            # made here, where every rank is: making a group is collective
-            self._checkpoint_group = checkpoint_group(group, timeout) if shard else None
-            self._checkpoint_timeout = timeout
+            self._step.connect()
         except Exception:
             self.reducer.remove_hooks()  # the caller's parameters keep no hook of ours
             raise
-        if shard:
-            # masters are taken from the broadcast parameters
-            self._take_shards(self.state)
-            if world_size > 1:
-                # torch's clip_grad_norm_ left in the loop: the whole gradient's norm
-                track_torch_clip(self)
+        # the masters are taken from the broadcast parameters
+        self._step.start(self)
+
+    @property
+    def reducer(self):
+        """The gradient reducer hooked on the parameters: a
+        ``DistributedGradReducer`` (``AdaSumReducer`` with AdaSum,
+        ``ShardedGradReducer`` with ``shard=True``), made again when the
+        trained set changes. For reading its state; ``step()`` drives it.
+
+        Examples:
+            >>> opt.reducer.world_size   # doctest: +SKIP
+            2
+        """
+        return self._step.reducer
+
+    @property
+    def sharded(self):
+        """With ``shard=True``: this rank's ``ShardedParameters`` (its slices of
+        the parameters, their masters, the gathers); None without ``shard``.
+        For reading; ``step()`` drives it.
+
+        Examples:
+            >>> len(opt.sharded.masters)   # slices stepped through a master  # doctest: +SKIP
+        """
+        return self._step.sharded
 
     @property
     def grad_norm(self) -> Optional[torch.Tensor]:
@@ -475,10 +404,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             >>> opt.buffer_bytes / sum(p.numel() for p in model.parameters())  # doctest: +SKIP
             4.0   # fp32 buckets (their padding aside)
         """
-        held = self.reducer._held_buffers()
-        if self.sharded is not None:
-            held += self.sharded.held_buffers()
-        return storage_bytes(held)
+        return self._step.buffer_bytes
 
     @property
     def layout(self) -> Optional[ShardLayout]:
@@ -495,7 +421,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             >>> owned = opt.layout.range_of(0)   # parameter 0's elements here  # doctest: +SKIP
             >>> model.weight.grad.view(-1)[owned.start:owned.end]             # doctest: +SKIP
         """
-        return self.reducer.layout if self.shard else None
+        return self._step.layout
 
     @property
     def flat_buffers(self) -> FlatBuffers:
@@ -511,10 +437,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             >>> [b.untyped_storage().nbytes() for b in opt.flat_buffers.gradients]  # doctest: +SKIP
             [0, 0, 0]   # given back between steps
         """
-        held = self.reducer.flat_buffers
-        if self.sharded is None:
-            return held
-        return dataclasses.replace(held, gathers=tuple(self.sharded.gathers))
+        return self._step.flat_buffers
 
     @property
     def param_gather_in_flight(self) -> bool:
@@ -529,7 +452,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             >>> _ = model(x); opt.param_gather_in_flight      # doctest: +SKIP
             False
         """
-        return self.sharded is not None and self.sharded.gathering
+        return self._step.param_gather_in_flight
 
     @property
     def loss_scale(self):
@@ -553,44 +476,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def loss_scale(self, value) -> None:
         self.reducer.loss_scale = value
 
-    # ------------------------------------------- which parameters are reduced
     def _all_params(self):
-        return [p for g in self.param_groups for p in g["params"]]
-
-    def _trainable_now(self):
-        return [p for p in self._all_params() if p.requires_grad]
-
-    def _sharded_reducer(self) -> ShardedGradReducer:
-        """The sharded plan over every parameter (frozen ones too: freezing
-        must not move the layout the state sits on), hooked."""
-        args = dict(self._reducer_args)
-        mean = args.pop("mean", False)
-        local_size = args.pop("local_size", None)
-        args["split_norm"] = False  # the sharded norm reads each rank's part already
-        reducer = ShardedGradReducer(self._all_params(), mean=mean,
-                                     adasum_local_size=local_size,
-                                     shard_gradients=self.shard_gradients,
-                                     gradient_collective=self._gradient_collective, **args)
-        self._follow_unused(reducer)
-        return reducer.register_hooks(self.backward_passes_per_step)
-
-    def _follow_unused(self, reducer: DistributedGradReducer) -> None:
-        reducer.unused_grads_to_none = self.find_unused_parameters
-        reducer.warn_missing = not self.find_unused_parameters
-
-    def _take_shards(self, full_state) -> None:
-        """This rank's slices of the parameters, and its part of ``full_state``
-        (per-parameter state, keyed by parameter)."""
-        self.sharded = ShardedParameters(self._all_params(), self.reducer, self.master_dtype,
-                                         self.group, self._parameter_gather)
-        self.reducer.before_communicating = self.sharded.finish_gather
-        self.state = self.sharded.take_state(full_state)
-
-    def _hooked_reducer(self) -> DistributedGradReducer:
-        reducer = self._reducer_class(self._trainable, **self._reducer_args)
-        self._follow_unused(reducer)
-        return reducer.register_hooks(self.backward_passes_per_step,
-                                      gradient_as_bucket_view=self._gradient_as_bucket_view)
+        return params_of(self)
 
     def _check_between_steps(self, what: str) -> None:
         if self.reducer.accumulated_passes or not self.reducer.syncing:
@@ -598,19 +485,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"{what} between the backward passes of one step (inside no_sync() or before "
                 f"the last of backward_passes_per_step={self.backward_passes_per_step}): the "
                 f"gradients accumulated so far would not be reduced alike; do it after step()")
-
-    def _rehook(self) -> None:
-        """Reduce ``self._trainable`` from the next backward on (a new reducer;
-        the old one's hooks are removed)."""
-        if self.shard:
-            self.reducer.rehook()  # the layout stays: the state sits on it
-            return
-        reduced, loss_scale = self.reducer.reduced, self.reducer.loss_scale
-        self.reducer.remove_hooks()
-        self.reducer = self._hooked_reducer()
-        self.reducer.loss_scale = loss_scale
-        if reduced:
-            self.reducer.mark_reduced()
 
     def add_param_group(self, param_group: dict) -> None:
         """``torch.optim.Optimizer.add_param_group``, and the group's trainable
@@ -632,78 +506,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Examples:
             >>> opt.add_param_group({"params": head.parameters(), "lr": 1e-3})  # doctest: +SKIP
         """
-        if getattr(self, "reducer", None) is None:  # torch.optim.Optimizer's own construction
+        if self.__dict__.get("_step") is None:  # torch.optim.Optimizer's own construction
             super().add_param_group(param_group)
             return
         self._check_between_steps("add_param_group() called")
-        if self.shard and self.reducer.reduced and \
-                any(p.grad is not None for p in self._all_params()):
-            raise RuntimeError(
-                "add_param_group() called between a backward pass and step() with shard=True: "
-                "the reduced gradients are laid out for the current parameters; call it after "
-                "step() (or after zero_grad())")
-        self.finish_param_gather()
-        full_state = self._full_state(
-            "DistributedOptimizer.add_param_group() with shard=True",
-            "Call it on every rank alike") if self.shard else None
+        self._step.add_param_group(self, functools.partial(self._add_group, param_group))
+
+    def _add_group(self, param_group: dict) -> None:
+        """The wrapped optimizer's ``add_param_group``, and the new parameters
+        broadcast unless ``bcast_period`` is -1."""
         super().add_param_group(param_group)
         added = self.param_groups[-1]["params"]
-        self._trainable = self._trainable_now()
         if self.bcast_period != -1 and added:
             with torch.no_grad():
                 first = len(self._all_params()) - len(added)
                 broadcast_tensors([p.data for p in added], 0, group=self.group,
                                   names=[f"parameters[{first + i}]" for i in range(len(added))])
-        if self.shard:
-            # a new layout over all the parameters: the state moves to its new owners
-            self.reducer.remove_hooks()
-            self.reducer = self._sharded_reducer()
-            self._take_shards(full_state)
-        else:
-            self._rehook()
 
     def _follow_requires_grad(self) -> None:
-        """Parameters frozen or unfrozen since the last step: reduce the
-        gradients of newly trainable ones that the hooks did not see (this
-        step's), and hook the new set from the next backward on."""
-        now = self._trainable_now()
-        if len(now) == len(self._trainable) and all(map(operator.is_, now, self._trainable)):
+        """Parameters frozen or unfrozen since the last step: the strategy
+        follows them (``follow``)."""
+        now = [p for p in self._all_params() if p.requires_grad]
+        trainable = self._step.trainable
+        if len(now) == len(trainable) and all(map(operator.is_, now, trainable)):
             return
         self._check_between_steps("parameters were frozen or unfrozen")
-        if self.shard:
-            # the layout covers frozen parameters too; the last backward read
-            # every gradient there was when it ended
-            self._trainable = now
-            self._rehook()
-            return
-        hooked = {id(p) for p in self._trainable}
-        unseen = [p for p in now if id(p) not in hooked]
-        self._trainable = now
-        self._rehook()
-        if unseen and self.reducer.reduced:
-            # the backward of this step ran with the old hooks: reduce these now
-            once = self._reducer_class(unseen, **self._reducer_args)
-            grads = once([p.grad if p.grad is not None else torch.zeros_like(p) for p in unseen])
-            for p, g in zip(unseen, grads):
-                p.grad = g
-
-    @staticmethod
-    def _buffer_sync_of(buffers, params, group) -> PackedBroadcast:
-        """The broadcast that keeps ``buffers`` equal to group rank 0's
-        (checked: a module, a non-tensor, a tensor twice or a parameter are
-        refused before anything is taken over)."""
-        if buffers is None:
-            buffers = ()
-        elif isinstance(buffers, torch.nn.Module):
-            raise TypeError("buffers must be an iterable of tensors, got a "
-                            f"{type(buffers).__name__} module: pass model.buffers()")
-        sync = PackedBroadcast(buffers, 0, group=group, name="buffers")
-        trained = {id(p) for p in params}
-        for i, b in enumerate(sync.tensors):
-            if id(b) in trained:
-                raise ValueError(f"buffers[{i}] is one of the optimizer's parameters: pass "
-                                 f"model.buffers(), which the parameters are not part of")
-        return sync
+        self._step.follow(self, now)
 
     def broadcast_buffers(self) -> None:
         """Copy the ``buffers`` of rank 0 of the optimizer's group to every
@@ -745,8 +573,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Examples:
             >>> opt.step(); opt.finish_param_gather(); torch.save(model.state_dict(), "m.pt")  # doctest: +SKIP
         """
-        if self.sharded is not None:
-            self.sharded.finish_gather()
+        self._step.finish_param_gather()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: Union[float, str] = 2.0,
                         error_if_nonfinite: bool = False,
@@ -791,20 +618,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if foreach is not None and not isinstance(foreach, bool):
             raise TypeError(f"foreach must be None, True or False, got {foreach!r}")
         with_grads = [p for p in self._all_params() if p.grad is not None]
-        if not self.shard:
-            return torch.nn.utils.clip_grad_norm_(with_grads, max_norm, norm_type,
-                                                  error_if_nonfinite=error_if_nonfinite,
-                                                  foreach=foreach)
-        grads = [p.grad for p in with_grads]
-        total = self.sharded.grad_norm(norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"the total norm of order {norm_type} of the gradients is non-finite, so it "
-                f"cannot be clipped (error_if_nonfinite=True)")
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
-        return total
+        return self._step.clip_grad_norm_(with_grads, max_norm, norm_type, error_if_nonfinite,
+                                          foreach)
 
     def reload_master_weights(self) -> None:
         """With ``shard=True`` and 16-bit parameters: take this rank's fp32
@@ -820,9 +635,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Examples:
             >>> model.weight.data.mul_(0.5); opt.reload_master_weights()   # doctest: +SKIP
         """
-        if self.sharded is not None:
-            self.sharded.finish_gather()
-            self.sharded.refresh_masters(everything=True)
+        self._step.reload_master_weights()
 
     def step(self, closure=None):
         """Run the wrapped optimizer's step on the reduced gradients.
@@ -891,29 +704,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "pass bcast_period=-1 to the optimizer you capture, and call "
                 "broadcast_buffers() between replays")
         self._follow_requires_grad()
-        if closure is None and self._is_checkpoint_initialisation():
-            self._initialise_state()
+        if closure is None and checkpoints.is_checkpoint_initialisation(self, self.reducer):
+            checkpoints.initialise_state(self, self._step, super())
             return None
-        if self.shard:
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            self._check_reduced()
-            self.sharded.finish_gather()
-            self.sharded.refresh_masters()
-            self.sharded.step(self, super().step)
-            self.sharded.gather(defer=self.overlap_param_gather)
-        elif closure is None:
-            self._check_reduced()
-            loss = super().step()
-        else:
-            def reduced_closure():
-                with torch.enable_grad():
-                    value = closure()
-                self._check_reduced()
-                return value
-            loss = super().step(reduced_closure)
+        loss = self._step.step(self, super(), closure, self._check_reduced)
         self.reducer.consume()
         self._steps += 1
         if self.bcast_period > 0 and self._steps % self.bcast_period == 0:
@@ -921,40 +715,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if syncs_buffers:
             self._buffer_sync()
         return loss
-
-    def _is_checkpoint_initialisation(self) -> bool:
-        """Whether this ``step()`` is ``torch.distributed.checkpoint``'s way
-        of making the state: ``_init_optim_state``
-        (``torch/distributed/checkpoint/state_dict.py``, lines 629-668 in
-        torch 2.13), when ``optim.state`` is empty and no ``.grad`` is set,
-        assigns ``torch.zeros_like(param)`` to every trainable parameter,
-        sets each group's ``"lr"`` to 0 and calls ``optim.step(closure=None)``.
-
-        It is recognised by what it sets up because nothing else of DCP
-        reaches the optimizer first: ``get_state_dict``,
-        ``get_optimizer_state_dict`` (line 916) and the ``set_*`` forms
-        (line 1093) call it before ``state_dict()`` / ``load_state_dict()``
-        (lines 917 and 1186), so state-dict pre-hooks run too late; and its
-        one test, ``if optim.state`` (line 633), cannot be answered ahead:
-        a state made at construction, by the one generic means (a step on
-        zeros), would change every run (AdamW would count that step, and
-        ``state_dict()`` before the first step would not be empty), and with
-        ``shard=True`` a rank that owns no element keeps an empty state for
-        good, so DCP calls ``step()`` there, alone, at every save and load.
-        ``init_state()`` makes the same state explicitly.
-
-        Each condition is needed for a step that communicates nothing:
-        gradients no backward reduced (a warm-up's step at lr 0 on a
-        backward's zeros is an ordinary step), all zeros (reduced, they are
-        the same zeros, so the state is the same on every rank), lr 0
-        (nothing moves, so nothing is gathered), and no state on this rank
-        (DCP's own condition; with state, gradients no backward reduced are
-        refused as before)."""
-        if self.reducer.reduced or self.state or \
-                any(float(g.get("lr", 1.0)) != 0.0 for g in self.param_groups):
-            return False
-        grads = [p.grad for p in self._all_params() if p.grad is not None]
-        return bool(grads) and not any(bool(g.any()) for g in grads)
 
     def init_state(self) -> None:
         """Make the optimizer state now, as ``torch.distributed.checkpoint``
@@ -984,50 +744,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             >>> opt.init_state()                                      # doctest: +SKIP
             >>> model_state, opt_state = get_state_dict(model, opt)  # no step inside  # doctest: +SKIP
         """
-        missing = {id(p) for p in self._trainable_now() if not self.state.get(p)
-                   and (self.sharded is None or p in self.sharded.by_param)}
-        if not missing:
-            return
-        params = self._all_params()
-        grads = [p.grad for p in params]
-        zero_lrs = [torch.zeros_like(g["lr"]) if isinstance(g.get("lr"), torch.Tensor) else 0.0
-                    for g in self.param_groups]
-        try:
-            # zeros where state is missing, None elsewhere: torch's step
-            # skips a parameter without gradient
-            for p in params:
-                p.grad = torch.zeros_like(p) if id(p) in missing else None
-            with swapped(self, lr=zero_lrs):
-                self._initialise_state()
-        finally:
-            for p, grad in zip(params, grads):
-                p.grad = grad
-
-    def _initialise_state(self) -> None:
-        """The wrapped optimizer's step on the zero gradients in ``.grad``,
-        at learning rate 0, with nothing communicated (reduced, zeros are
-        the same zeros on every rank): it makes the state as a first step
-        would, and is not counted as a step. What it stepped (the
-        parameters, or with ``shard=True`` this rank's slices and masters,
-        so nothing is gathered) is put back as it was: at learning rate 0
-        nothing should move, but torch's Adam on fp16 tensors turns them
-        into NaN (its ``eps`` of 1e-8 rounds to 0 in fp16, and 0 / 0 times
-        a zero step is NaN)."""
-        if self.shard:
-            self.sharded.finish_gather()
-            self.sharded.refresh_masters()
-            stepped = [s.tensor for s in self.sharded.by_param.values()]
-        else:
-            stepped = [p for p in self._all_params() if p.grad is not None]
-        with torch.no_grad():
-            kept = [t.detach().clone() for t in stepped]
-        if self.shard:
-            self.sharded.step(self, super().step)
-        else:
-            super().step()
-        with torch.no_grad():
-            for tensor, value in zip(stepped, kept):
-                tensor.copy_(value)
+        checkpoints.init_state(self, self._step, super())
 
     def _check_reduced(self) -> None:
         has_grads = any(p.grad is not None for p in self._all_params())
@@ -1042,25 +759,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.reducer.no_sync()
 
     # ------------------------------------------------------------ checkpoints
-    def _full_state(self, call: str, fix: str, to: Optional[int] = None,
-                    cpu_offload: bool = False) -> Optional[dict]:
-        """With ``shard=True``: every rank's part of the state put together
-        (collective, on the checkpoint group only), keyed by parameter; None
-        on ranks other than ``to``. ``call`` and ``fix`` make the error of a
-        call the other ranks do not make (``meet_for``)."""
-        if self.reducer.world_size == 1:
-            return self.sharded.whole_state([self.sharded.part_to_send(self.state)],
-                                            cpu_offload)
-        checkpoint = self._checkpoint_group
-        meet_for(checkpoint, self._checkpoint_timeout, call, fix)
-        # ranks passing different ``to`` would meet an all-gather with a
-        # gather, or gathers to different ranks, and wait in them
-        verify_same_on_all_ranks([], [], checkpoint, options=[("state_dict(to=...)", to)])
-        parts = self.sharded.gather_parts(self.sharded.part_to_send(self.state), checkpoint,
-                                          None if to is None else rank_in(checkpoint,
-                                                                          self.group, to))
-        return None if parts is None else self.sharded.whole_state(parts, cpu_offload)
-
     def state_dict(self, *, to: Optional[int] = None,
                    cpu_offload: bool = False) -> Optional[dict]:
         """``torch.optim.Optimizer.state_dict``, always in the unsharded form.
@@ -1114,26 +812,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             >>> state = opt.state_dict(to=0, cpu_offload=True)  # on every rank  # doctest: +SKIP
             >>> if state is not None: torch.save(state, "opt.pt")  # rank 0 only  # doctest: +SKIP
         """
-        if to is not None:
-            check_int(to, "to", minimum=0)
-            if to >= self.reducer.world_size:
-                raise ValueError(f"to={to} is not a rank of the group "
-                                 f"({self.reducer.world_size} ranks)")
-        if not isinstance(cpu_offload, bool):
-            raise TypeError(f"cpu_offload must be True or False, got {cpu_offload!r}")
-        if not self.shard:
-            if to is not None and self.reducer.world_size > 1 and \
-                    dist.get_rank(self.group) != to:
-                return None
-            whole = super().state_dict()
-            return _on_host(whole) if cpu_offload else whole
-        self.finish_param_gather()
-        full = self._full_state("DistributedOptimizer.state_dict() with shard=True",
-                                _STATE_DICT_FIX, to, cpu_offload)
-        if full is None:
-            return None
-        with swapped(self, state=full):
-            return super().state_dict()
+        checkpoints.check_state_dict_args(to, cpu_offload, self.reducer.world_size)
+        return self._step.state_dict(self, super(), to, cpu_offload)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """``torch.optim.Optimizer.load_state_dict`` from the unsharded form
@@ -1150,29 +830,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ValueError: the dict's groups or per-element state do not match the
                 parameters (a state dict of another model); nothing is changed.
         """
-        self._check_loadable(state_dict)
+        checkpoints.check_loadable(self, state_dict)
         self.finish_param_gather()
-        self._load_checked(self.sharded.own_part(state_dict) if self.shard else state_dict)
-
-    def _load_checked(self, state_dict: dict) -> None:
-        """``load_state_dict`` of a dict matched to the parameters (with
-        ``shard=True`` it may hold only this rank's parameters, a cut one's
-        per-element values as the 1-D slice this rank owns)."""
-        if not self.shard:
-            super().load_state_dict(_without_master_weights(state_dict))
-            return
-        # loaded against stand-ins in the dtype each slice is stepped in, so
-        # torch casts the state to it (not to a 16-bit parameter's dtype)
-        params = self._all_params()
-        stand_ins = [torch.empty(0, dtype=master_dtype_of(p, self.master_dtype), device=p.device)
-                     for p in params]
-        back = {id(s): p for s, p in zip(stand_ins, params)}
-        left = iter(stand_ins)
-        with swapped(self, params=[list(itertools.islice(left, len(g["params"])))
-                                   for g in self.param_groups]):
-            super().load_state_dict(state_dict)
-        full = {back[id(s)]: entry for s, entry in self.state.items()}
-        self.state = self.sharded.take_state(full)
+        self._step.load_checked(self, super(), self._step.own_part(state_dict))
 
     def sharded_state_dict(self) -> dict:
         """The state this rank holds, for a checkpoint saved one file per
@@ -1202,22 +862,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             >>> opt.load_sharded_state_dict([f"ckpt/optim.{r}.pt" for r in range(8)])  # doctest: +SKIP
         """
         self.finish_param_gather()
-        params = self._all_params()
-        world_size = self.reducer.world_size
-        rank = dist.get_rank(self.group) if world_size > 1 else 0
-        if self.shard:
-            pieces = self.sharded.checkpoint_pieces(self.state)
-        else:
-            pieces = {i: make_piece(p, 0, p.numel(), self.state[p])
-                      for i, p in enumerate(params)
-                      if i % world_size == rank and self.state.get(p)}
-        return sharded_state(rank, world_size, [p.shape for p in params],
-                             self._param_groups_only(), pieces, steps=self._steps)
-
-    def _param_groups_only(self) -> list:
-        """``state_dict()["param_groups"]``, without gathering any state."""
-        with swapped(self, state={}):
-            return super().state_dict()["param_groups"]
+        return checkpoints.sharded_state_dict(self, self._step, super(), self._steps)
 
     def load_sharded_state_dict(self, shards: Sequence[ShardSource]) -> None:
         """Load a checkpoint that every rank saved with ``sharded_state_dict()``,
@@ -1242,136 +887,4 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Examples:
             >>> opt.load_sharded_state_dict([f"ckpt/optim.{r}.pt" for r in range(8)])  # doctest: +SKIP
         """
-        loaded = read_shards(shards)
-        check_shapes(loaded, [p.shape for p in self._all_params()],
-                     [len(g["params"]) for g in self.param_groups])
-        by_index = pieces_by_index(loaded)
-        self.finish_param_gather()
-        if not self.shard:
-            self._load_checked(whole_state_dict(loaded, by_index))
-            return
-        # only the elements this rank owns are put together: a cut
-        # parameter's state as the 1-D slice that take_state keeps
-        groups = copy.deepcopy(loaded[0]["param_groups"])
-        ids = [i for g in groups for i in g["params"]]
-        state = {}
-        for p, s in self.sharded.by_param.items():
-            pieces = by_index.get(s.index)
-            if pieces:
-                state[ids[s.index]] = state_over(pieces, s.range.start, s.range.end,
-                                                 p.shape if s.whole else None)
-        self._load_checked({"state": state, "param_groups": groups})
-
-    def _check_loadable(self, state_dict: dict) -> None:
-        """Match ``state_dict`` to the parameters before anything changes."""
-        check_instance(state_dict, "state_dict", dict, "a dict from state_dict()")
-        if "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError("state_dict must have 'state' and 'param_groups' entries (the "
-                             "form state_dict() returns)")
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"state_dict has {len(groups)} parameter groups, the optimizer "
-                             f"{len(self.param_groups)}")
-        ids = []
-        for i, (saved, own) in enumerate(zip(groups, self.param_groups)):
-            if len(saved["params"]) != len(own["params"]):
-                raise ValueError(f"state_dict's param_groups[{i}] has {len(saved['params'])} "
-                                 f"parameters, the optimizer's {len(own['params'])}")
-            ids += list(saved["params"])
-        params = dict(zip(ids, self._all_params()))
-        for key, entry in state_dict["state"].items():
-            p = params.get(key)
-            if p is None:
-                raise ValueError(f"state_dict's state has an entry for parameter {key!r}, "
-                                 f"which no parameter group lists")
-            for name, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and \
-                        value.shape != p.shape:
-                    raise ValueError(
-                        f"state_dict's state[{key!r}][{name!r}] has shape {tuple(value.shape)} "
-                        f"but the parameter it belongs to has {tuple(p.shape)}: a state dict "
-                        f"of another model")
-
-
-#: what a rank that calls the collective ``state_dict()`` alone is told to do
-_STATE_DICT_FIX = ("Call `state = opt.state_dict(to=0)` on every rank and save it on one "
-                   "(`if state is not None: torch.save(state, path)`), or save "
-                   "`opt.sharded_state_dict()` on every rank, one file per rank (not collective)")
-
-
-def _on_host(state_dict: dict) -> dict:
-    """``state_dict`` with its state's tensors on the host (those already
-    there as they are, as torch's ``StateDictOptions(cpu_offload=True)``)."""
-    state = {k: {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()}
-             for k, entry in state_dict["state"].items()}
-    return {**state_dict, "state": state}
-
-
-def _without_master_weights(state_dict: dict) -> dict:
-    """``state_dict`` without the sharded mode's ``master_weight`` entries
-    (an unsharded optimizer steps the parameters themselves)."""
-    if not any("master_weight" in entry for entry in state_dict["state"].values()):
-        return state_dict
-    state = {k: {n: v for n, v in entry.items() if n != "master_weight"}
-             for k, entry in state_dict["state"].items()}
-    return {**state_dict, "state": state}
-
-
-class AdaSumByDeltaWeight(torch.optim.Optimizer):
-    """Step locally, then combine the ranks' weight deltas with AdaSum.
-
-    ``step()`` saves the weights, runs the wrapped optimizer on this rank's
-    own gradients, takes the delta, AdaSum-reduces the deltas of all ranks
-    (``adasum_allreduce``: one fused collective, per-parameter coefficients,
-    any world size) and sets ``weights = saved + AdaSum(deltas)``. Gradients
-    are not all-reduced: that is the point of the delta-weight formulation.
-
-    Use it for large-batch training where averaging gradients stalls
-    convergence: AdaSum adds orthogonal updates and averages parallel ones.
-    Start from the learning rate tuned for one rank's batch (AdaSum of k
-    identical deltas is the delta itself), and with ``local_size`` (ranks of a
-    node averaged first) from the rate tuned for one node's batch.
-
-    Args:
-        optimizer: any ``torch.optim.Optimizer``.
-        group: the process group; default: the world.
-        local_size: average inside consecutive blocks of this many ranks first.
-        bucket_cap_mb: the byte cap of a fused bucket.
-
-    Raises:
-        RuntimeError: torch.distributed is not initialised (AdaSum needs a
-            distributed run, as MindSpore's does).
-        ValueError: ``local_size`` does not divide the world size.
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
-
-    Examples:
-        >>> opt = AdaSumByDeltaWeight(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))  # doctest: +SKIP
-        >>> loss.backward(); opt.step(); opt.zero_grad()   # doctest: +SKIP
-    """
-
-    def __new__(cls, optimizer: torch.optim.Optimizer, *args, **kwargs):
-        return _instance_of_both(cls, optimizer)
-
-    def __init__(self, optimizer: torch.optim.Optimizer,
-                 group: Optional[dist.ProcessGroup] = None, *, local_size: int = 1,
-                 bucket_cap_mb: float = 25.0) -> None:
-        world_size = require_process_group(group)
-        check_local_size(local_size, world_size)
-        self.__dict__.update(optimizer.__dict__)
-        self.group = group
-        self.local_size = local_size
-        self.bucket_cap_mb = bucket_cap_mb
-
-    def step(self, closure=None):
-        """Local step, then ``weights = saved + AdaSum(deltas)`` on every rank."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        with torch.no_grad():
-            saved = [p.detach().clone() for p in params]
-        loss = super().step(closure)
-        with torch.no_grad():
-            deltas = torch._foreach_sub([p.detach() for p in params], saved)
-            combined = adasum_allreduce(deltas, self.group, local_size=self.local_size,
-                                        bucket_cap_mb=self.bucket_cap_mb)
-            torch._foreach_add_(saved, combined)
-            torch._foreach_copy_([p.detach() for p in params], saved)
-        return loss
+        checkpoints.load_sharded_state_dict(self, self._step, super(), shards)

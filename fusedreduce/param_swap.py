@@ -6,15 +6,47 @@ makes the state at learning rate 0 (``lr`` swapped), ``state_dict()`` on the
 gathered state (``state`` swapped), ``load_state_dict`` against stand-in
 parameters. ``swapped`` is the one way they do it: whatever the block does,
 raises included, the optimizer holds what it held before when it ends.
+
+The wrappers (``DistributedOptimizer``, ``AdaSumByDeltaWeight``) take an
+optimizer over whole: ``instance_of_both`` makes the object that is both the
+wrapper and the wrapped optimizer's class, ``params_of`` lists what it holds.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, List, Sequence, Set
 
 import torch
 
+from ._checks import check_instance
+
 _KEEP = object()
+#: the classes ``instance_of_both`` has combined an optimizer with
+_WRAPPERS: Set[type] = set()
+
+
+def instance_of_both(wrapper: type, optimizer) -> object:
+    """A bare instance of a class deriving from ``wrapper`` and ``optimizer``'s
+    class (``wrapper.__new__`` returns it, so the wrapper *is* an instance of
+    the wrapped optimizer's class).
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is
+            already wrapped by a class this function combined.
+    """
+    check_instance(optimizer, "optimizer", torch.optim.Optimizer, "a torch.optim.Optimizer")
+    _WRAPPERS.add(wrapper)
+    base = type(optimizer)
+    if issubclass(base, tuple(_WRAPPERS)):
+        raise TypeError(f"optimizer is already wrapped ({base.__name__})")
+    combined = type(f"{wrapper.__name__.removesuffix('Optimizer')}{base.__name__}",
+                    (wrapper, base), {})
+    return object.__new__(combined)
+
+
+def params_of(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """Every parameter of ``optimizer``'s groups, in group order."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 @contextmanager
