@@ -6,7 +6,7 @@ API reduces it.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 
@@ -46,3 +46,33 @@ def split_scale(total: float, prescale: Optional[float], default: float) -> Tupl
     """
     before = default if prescale is None else prescale
     return before, total / before
+
+
+def master_dtype_of(param: torch.Tensor, master_dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``param``'s slice is stepped in: ``master_dtype`` for 16-bit
+    parameters, the parameter's own dtype otherwise.
+
+    Examples:
+        >>> master_dtype_of(torch.zeros(2, dtype=torch.bfloat16), torch.float32)
+        torch.float32
+        >>> master_dtype_of(torch.zeros(2, dtype=torch.float64), torch.float32)
+        torch.float64
+    """
+    return master_dtype if param.dtype in SIXTEEN_BIT_DTYPES else param.dtype
+
+
+def exact_common_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """One dtype that carries a value of each of ``dtypes`` exactly: the
+    widest, and fp32 for fp16 beside bf16 (neither holds the other).
+
+    Examples:
+        >>> exact_common_dtype([torch.float16, torch.bfloat16])
+        torch.float32
+        >>> exact_common_dtype([torch.bfloat16, torch.float64])
+        torch.float64
+    """
+    dtypes = set(dtypes)
+    if len(dtypes) == 1:
+        return dtypes.pop()
+    widest = max(dtypes, key=lambda d: torch.empty((), dtype=d).element_size())
+    return torch.float32 if widest in SIXTEEN_BIT_DTYPES else widest

@@ -76,6 +76,15 @@ def broadcast_slots(buffer: torch.Tensor, group, world_size: int) -> _Works:
                           group)
 
 
+#: on gloo, a bucket of one dtype whose tensors hold this many elements on
+#: average is gathered by one broadcast per tensor range straight into the
+#: parameters (``broadcast_from``): each saves two copies of its elements (into
+#: the buffer this rank sends, out of the gathered buffer) and costs one more
+#: broadcast, about 0.1-0.2 ms on 2 gloo ranks; 2**17 fp32 elements copied
+#: twice take about as long (docs/benchmarks/sharded.md, "Few large tensors")
+DIRECT_MEAN_NUMEL = 1 << 17
+
+
 class _Exchange:
     """A two-rank reduce-scatter in flight (``start_bucket_exchange``):
     waiting for it adds this rank's elements into the peer's, received in

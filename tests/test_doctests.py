@@ -7,7 +7,8 @@ import pytest
 MODULES = ["fusedreduce.kernels", "fusedreduce.kernels._checks", "fusedreduce.kernels._common",
            "fusedreduce.kernels._backends", "fusedreduce.kernels._prepared",
            "fusedreduce.kernels._norms", "fusedreduce.kernels._instrument", "fusedreduce.buckets",
-           "fusedreduce.precision", "fusedreduce.clipping", "fusedreduce.param_swap"]
+           "fusedreduce.precision", "fusedreduce.clipping", "fusedreduce.param_swap",
+           "fusedreduce.buffer_lifetime"]
 
 
 @pytest.mark.parametrize("name", MODULES)

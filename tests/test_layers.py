@@ -62,6 +62,7 @@ LAYERS = {
     # flatten -> collective -> write back, per kind of collective
     "allreduce": "collectives and pipelines",
     "sharded": "collectives and pipelines",
+    "param_shard": "collectives and pipelines",
     "adasum": "collectives and pipelines",
     "broadcast": "collectives and pipelines",
     # running the buckets during backward
@@ -71,6 +72,8 @@ LAYERS = {
     "adasum_reducer": "user APIs",
     "hooks": "user APIs",
     "sharded_optimizer": "user APIs",
+    "sharded_params": "user APIs",
+    "shard_transport": "user APIs",
     "sharded_checkpoint": "user APIs",
     "torch_clip": "user APIs",
     "optimizer_checkpoint": "user APIs",

@@ -428,17 +428,24 @@ def _zero_grad_then_step(rank, world_size):
 
 def _deferred_gathers(rank, world_size):
     """overlap_param_gather=True against False: the same losses (the forward
-    waits for each layer's bucket) and parameters, step by step."""
+    waits for each layer's bucket) and parameters, step by step; and deferred
+    with ``parameter_gather="broadcast_direct"``, which must then gather
+    through the buffers: a broadcast straight into a parameter would write it
+    while code before the next forward may read it (how many did, in
+    ``"direct"``)."""
     runs = []
-    for overlap in (True, False):
+    for overlap, gather in ((True, None), (False, None), (True, "broadcast_direct")):
         model = _model()
         optimizer = DistributedOptimizer(_adamw(model.parameters()), shard=True,
-                                         param_pack_thd=300, overlap_param_gather=overlap)
-        seen = {"losses": [], "params": [], "in_flight": []}
+                                         param_pack_thd=300, overlap_param_gather=overlap,
+                                         parameter_gather=gather)
+        seen = {"losses": [], "params": [], "in_flight": [], "direct": 0}
         for step in range(STEPS):
             loss = _loss(model, rank, step)
             loss.backward()
-            optimizer.step()
+            with _issued([]) as events:
+                optimizer.step()
+            seen["direct"] += _into_parameters(events, model)
             seen["in_flight"].append(optimizer.param_gather_in_flight)
             optimizer.zero_grad()
             seen["losses"].append(float(loss))
@@ -1601,11 +1608,14 @@ def test_step_after_zero_grad_changes_nothing_and_makes_no_state(ranks_once, wor
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_deferred_all_gathers_give_the_same_training(ranks_once, world_size):
-    for rank, (deferred, direct) in enumerate(r["deferred"] for r in ranks_once(world_size)):
+    for rank, (deferred, direct, not_into_params) in enumerate(
+            r["deferred"] for r in ranks_once(world_size)):
         assert deferred["in_flight"] == [True] * STEPS, f"rank {rank}"
         assert direct["in_flight"] == [False] * STEPS
         assert deferred["in_flight_after_forward"] is False
-        assert deferred["losses"] == direct["losses"]
+        assert not_into_params["direct"] == deferred["direct"] == 0
+        assert not_into_params["losses"] == deferred["losses"] == direct["losses"]
+        _assert_bitwise(not_into_params["params"], direct["params"], f"rank {rank}")
         assert deferred["final_loss"] == direct["final_loss"]
         _assert_bitwise(deferred["params"], direct["params"], f"rank {rank}")
 
