@@ -120,10 +120,13 @@ class ShardBuffers:
         if buffer is not None:
             release(buffer)
 
-    def release_all(self) -> None:
-        for index in range(len(self.buffers)):
-            self.release_part(index)
-        self.in_flight = []
+    def pass_ended(self) -> None:
+        """A backward's buckets are written back (or it failed): released
+        buffers and parts give their memory back."""
+        if self.released:
+            for index in range(len(self.buffers)):
+                self.release_part(index)
+            self.in_flight = []
 
     def release_part(self, index: int) -> None:
         """Released: give back bucket ``index``'s part and buffer."""

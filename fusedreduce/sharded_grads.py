@@ -5,7 +5,8 @@ launch) and reduced as soon as it is ready, by the collective chosen once
 for the group (``grad_collectives.sharded_collective``), into the buffers
 and parts whose lifetime ``shard_buffers.ShardBuffers`` keeps; when
 backward ends, each ``.grad`` holds the reduced gradient on the elements
-this rank owns and zeros elsewhere (one write-back launch per bucket), and
+this rank owns and zeros elsewhere (one write-back launch per bucket; with
+``shard_gradients`` only the owned gradients: ``owned_writeback``), and
 one small all-reduce settles, for every rank alike, which parameters got no
 gradient anywhere and whether any owned gradient is non-finite
 (``nonfinite.OwnedNonfinite``). The bucket engine (``bucket_engine``) holds
@@ -18,13 +19,13 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import kernels
 from .kernels import refuse_in_capture
 from .allreduce import PendingBucket
 from .bucket_engine import BucketEngine, ReducerSurface
-from .buckets import Bucket, FlatBuffers
+from .buckets import FlatBuffers
 from .grad_collectives import sharded_collective
 from .nonfinite import OwnedNonfinite
+from .owned_writeback import OwnedGradients, PartsAndZeros
 from .shard_buffers import ShardBuffers
 from .sharded import OwnedRange, ShardLayout, ranges_between
 
@@ -71,7 +72,6 @@ class ShardedGradReducer(ReducerSurface):
             kind=type(self).__name__, shards=True, start=self._start, finish=self._finish,
             before_sync=self._before_sync, **clipping)
         self.shard_gradients = shard_gradients
-        engine.overlap.releases_grads = shard_gradients
         self.adasum_local_size = adasum_local_size
         self.rank = dist.get_rank(group) if self.world_size > 1 else 0
         engine.unused_grads_to_none = True
@@ -79,8 +79,7 @@ class ShardedGradReducer(ReducerSurface):
         collective = sharded_collective(
             engine.plan, group, engine.world_size, self.rank, backend,
             gradient_collective=gradient_collective, adasum_local_size=adasum_local_size,
-            shard_gradients=shard_gradients,
-            scales=engine.scales)
+            shard_gradients=shard_gradients, scales=engine.scales)
         engine.combine_by(collective)
         # AdaSum stops its tree after the halving: each rank owns the slice it
         # holds then (unequal, chunk-aligned), and the parameters come back
@@ -91,17 +90,16 @@ class ShardedGradReducer(ReducerSurface):
         plan, order = self.plan, self._order
         # the tensor elements each part holds and where they start in it:
         # what the part's write-back launch fills
-        self._owned_ranges = [ranges_between(b, *self.owned[b.index]) for b in plan.buckets]
-        self._owned_offsets = [tuple(r.offset for r in ranges) for ranges in self._owned_ranges]
+        owned_ranges = [ranges_between(b, *self.owned[b.index]) for b in plan.buckets]
         # the same, per parameter, as the optimizer's read-only record
         self.layout = ShardLayout(
             plan, self.rank, self.world_size, tuple(self.owned),
             tuple(OwnedRange(r.tensor, r.start, r.end, r.offset, order[r.tensor], b.index)
-                  for b in plan.buckets for r in self._owned_ranges[b.index]))
-        # the tensor elements outside this rank's part: zeros in its .grad
-        self._not_owned = [ranges_between(b, 0, self.owned[b.index][0])
-                           + ranges_between(b, self.owned[b.index][1], b.size)
-                           for b in plan.buckets]
+                  for b in plan.buckets for r in owned_ranges[b.index]))
+        self._write_back = (OwnedGradients if shard_gradients else PartsAndZeros)(
+            engine, self.owned, self._lifetime, owned_ranges,
+            [tuple(r.offset for r in ranges) for ranges in owned_ranges])
+        engine.overlap.releases_grads = self._write_back.releases_grads
         self._zeros: Dict[int, torch.Tensor] = {}
         self._nonfinite = OwnedNonfinite(self.parameters, order, plan, self.owned,
                                          shard_gradients)
@@ -151,7 +149,8 @@ class ShardedGradReducer(ReducerSurface):
         # released gradients cannot be read again: a bucket is held to the end
         # of backward while it is not known whether one of its gradients is
         # accumulated twice per pass (found in the first pass, as with bucket views)
-        self._engine.overlap.attach(passes_per_sync, hold_first_pass=self.shard_gradients,
+        self._engine.overlap.attach(passes_per_sync,
+                                    hold_first_pass=self._write_back.releases_grads,
                                     held_by="shard_gradients=True")
 
     def rehook(self) -> None:
@@ -183,23 +182,16 @@ class ShardedGradReducer(ReducerSurface):
                 if tensors[slot] is None:
                     tensors[slot] = self._zeros_for(slot)
         pending = self._lifetime.start(bucket, tensors, engine.scales[index][0])
-        if self.shard_gradients:
-            # the buffer holds them now (the launch that read them is queued
-            # before anything that can reuse their memory)
-            for slot in bucket.tensor_indices:
-                param = engine.parameters[engine.order[slot]]
-                if param.requires_grad:
-                    param.grad = None
+        self._write_back.started(bucket)
         return pending
 
     def _finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
         try:
             self._finish_buckets(pending, outputs)
         finally:
-            if self.shard_gradients:
-                # written into .grad (or the backward failed; its gradients
-                # are gone either way): nothing in the buffers is read again
-                self._lifetime.release_all()
+            # written into .grad (or the backward failed; its gradients are
+            # gone either way): nothing in the buffers is read again
+            self._lifetime.pass_ended()
 
     def _finish_buckets(self, pending: Sequence[PendingBucket],
                         outputs: Sequence[torch.Tensor]) -> None:
@@ -209,9 +201,7 @@ class ShardedGradReducer(ReducerSurface):
             scales = engine.clip(pending, parts)
         else:
             scales = engine.postscales_of(pending)
-        if not self.shard_gradients:
-            for p, part, postscale in zip(pending, parts, scales):
-                self._write_part_and_zeros(p.bucket, part, outputs, postscale)
+        self._write_back.before_settling(pending, parts, outputs, scales)
         nonfinite = self._nonfinite.flag(parts, scales)
         if engine.parameters:
             refuse_in_capture(engine.parameters[0].device,
@@ -219,77 +209,8 @@ class ShardedGradReducer(ReducerSurface):
                               "the host, so that GradScaler skips the step on every rank)",
                               "capture an unsharded step; shard=True runs eagerly")
         ranks = engine.settle_unused(nonfinite)
-        if self.shard_gradients:
-            self._write_owned(pending, scales)
+        self._write_back.after_settling(pending, scales)
         found = bool(ranks > 0)
         engine.found_nonfinite = torch.tensor(found)
         if found:
             self._nonfinite.plant_nan()
-
-    def _write_part_and_zeros(self, bucket: Bucket, part: torch.Tensor,
-                              outputs: Sequence[torch.Tensor], postscale) -> None:
-        """Write this rank's reduced part (postscaled) into its elements of
-        the bucket's gradients and zeros into the rest. The collective left
-        the part in its slot of the buffer (the whole buffer all-reduced on
-        gloo, the part in place on NCCL); the elements outside it are not
-        read: zeroing them in the buffer first and unflattening all of it
-        read and wrote each of them twice more."""
-        members = [outputs[slot] for slot in bucket.tensor_indices]
-        if not all(t.is_contiguous() for t in members):
-            lo, hi = self.owned[bucket.index]
-            flat = self._lifetime.buffers[bucket.index]
-            flat[:lo].zero_()
-            flat[hi:].zero_()
-            self.plan.unflatten(bucket, flat, outputs, scale=postscale, backend=self.backend)
-            return
-        ranges = self._owned_ranges[bucket.index]
-        if ranges:
-            kernels.unflatten_cast_scale(
-                part, [outputs[r.tensor].view(-1)[r.start:r.end] for r in ranges],
-                scale=postscale, backend=self.backend, offsets=self._owned_offsets[bucket.index])
-        zeros = [outputs[r.tensor].view(-1)[r.start:r.end] for r in self._not_owned[bucket.index]]
-        if zeros:
-            torch._foreach_zero_(zeros)
-
-    def _write_owned(self, pending: Sequence[PendingBucket], scales: Sequence) -> None:
-        """``shard_gradients``: a ``.grad`` for each used parameter this rank
-        owns elements of, from its part (one launch per bucket), each
-        part's memory released after its launch."""
-        unused = {self._order[slot] for slot in self.unused_slots}
-        written = 0
-        for p, postscale in zip(pending, scales):
-            index = p.bucket.index
-            destinations, offsets = [], []
-            for r in self._owned_ranges[index]:
-                param_index = self._order[r.tensor]
-                param = self.parameters[param_index]
-                if param_index in unused or not param.requires_grad:
-                    continue  # no gradient on any rank, or frozen: .grad stays None
-                whole = r.start == 0 and r.end == param.numel()
-                grad = (torch.empty if whole else torch.zeros)(
-                    param.shape, dtype=param.dtype, device=param.device)
-                param.grad = grad
-                destinations.append(grad.view(-1)[r.start:r.end])
-                offsets.append(r.offset)
-            if destinations:
-                # the kept tuple when every range is written: the kept launch
-                # then knows its offsets unchanged without comparing them
-                kept = self._owned_offsets[index]
-                kernels.unflatten_cast_scale(
-                    self.parts[index], destinations, scale=postscale, backend=self.backend,
-                    offsets=kept if len(offsets) == len(kept) else tuple(offsets))
-                written += len(destinations)
-            # nothing reads this bucket's part again: the next buckets' .grad
-            # can take its memory
-            self._lifetime.release_part(index)
-        if written or self.world_size == 1:
-            return
-        if any(param.grad is not None for param in self.parameters):
-            return
-        used = [i for i, param in enumerate(self.parameters)
-                if param.requires_grad and i not in unused]
-        if used:
-            # GradScaler records its check from the .grad it finds; with none
-            # this rank would refuse to step while the others step
-            keeper = min(used, key=lambda i: self.parameters[i].numel())
-            self.parameters[keeper].grad = torch.zeros_like(self.parameters[keeper])

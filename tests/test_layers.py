@@ -71,6 +71,7 @@ LAYERS = {
     "bucket_engine": "engine",
     "shard_buffers": "engine",
     "nonfinite": "engine",
+    "owned_writeback": "engine",
     # what users construct and call
     "reducer": "user APIs",
     "adasum_reducer": "user APIs",
