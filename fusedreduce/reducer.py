@@ -7,7 +7,10 @@ process group, low-precision gradients are reduced in fp32 and cast back
 (``precision.communication_dtype``), all through a ``BucketPlan`` and the
 fused all-reduce pipeline (``allreduce.py``): flatten/cast/prescale -> one
 all-reduce per bucket -> unflatten/cast/postscale. This module is the call
-API; the overlap with backward is ``overlap.BackwardOverlap``.
+API and the write-back (unflatten, or bucket views); what it shares with the
+sharded reducer (the options, the plan, the overlap with backward, the rank
+check, the clip norm, the unused parameters) is ``bucket_engine.BucketEngine``,
+and how a bucket is combined is its collective (``grad_collectives``).
 """
 from __future__ import annotations
 
