@@ -11,9 +11,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .adasum import (adasum_bucket_boundaries, adasum_flat_unchecked, check_adasum_reduce_dtype,
-                     check_local_size)
-from .allreduce import PendingBucket
+from .adasum import check_adasum_reduce_dtype, check_local_size
+from .grad_collectives import AdaSumTree
 from .reducer import DistributedGradReducer
 
 
@@ -54,18 +53,4 @@ class AdaSumReducer(DistributedGradReducer):
         super().__init__(parameters, mean=False, group=group, bucket_cap_mb=bucket_cap_mb,
                          reduce_dtype=reduce_dtype, backend=backend, **clipping)
         self.local_size = check_local_size(local_size, self.world_size)
-        # prescaled by 1/local_size in the flatten, as adasum_allreduce does
-        self._scales = [(1.0 / local_size, 1.0)] * len(self.plan.buckets)
-
-    _sums_buffers = False  # AdaSum combines: no count can ride in the buffers
-
-    def _start_flat(self, bucket, tensors, buffer: torch.Tensor) -> PendingBucket:
-        prescale, _ = self._scales[bucket.index]
-        self.plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=self.backend)
-        return self._communicate(bucket, buffer, None)
-
-    def _communicate(self, bucket, buffer: torch.Tensor, spare) -> PendingBucket:
-        adasum_flat_unchecked(buffer, adasum_bucket_boundaries(bucket), self.group,
-                              self.local_size, self.backend, prescaled=True,
-                              exchanges_only=False)
-        return PendingBucket(bucket, buffer, None)
+        self._engine.combine_by(AdaSumTree(self.plan, group, local_size, backend))

@@ -55,7 +55,7 @@ SPLIT_NORM_MIN_SPARED = {"cpu": 1 << 23, "cuda": 1 << 26}
 __all__ = ["EMPTY_GENERATOR", "NORM_ROW", "NormSplit", "SPLIT_NORM_MIN_SPARED",
            "check_clipping", "check_error_if_nonfinite", "check_limit", "check_norm_type",
            "check_split_norm", "clip_buffers", "clip_scales", "clip_shared", "norm_dtype_of",
-           "norm_powers", "max_over_ranks", "norm_split_for", "raise_if_nonfinite",
+           "norm_powers", "max_over_ranks", "norm_split_for", "over_ranks", "raise_if_nonfinite",
            "share_norm", "stepping_grad_scaler", "warn_if_exhausted",
            "refuse_scaled_clip"]
 
@@ -278,6 +278,18 @@ def max_over_ranks(values: torch.Tensor, group, world_size: int) -> torch.Tensor
     rows[dist.get_rank(group)] = values
     dist.all_reduce(rows, group=group)
     return rows.amax(dim=0)
+
+
+def over_ranks(powers: torch.Tensor, norm_type: float, group, world_size: int) -> torch.Tensor:
+    """Sums of ``|x| ** norm_type`` (maxima for ``math.inf``) of the elements
+    each rank owns (each element owned once), combined over ``group`` into
+    the same values on every rank: one all-reduce of the sums, or
+    ``max_over_ranks`` of the maxima (NaN kept)."""
+    if world_size > 1 and norm_type == math.inf:
+        return max_over_ranks(powers, group, world_size)
+    if world_size > 1:
+        dist.all_reduce(powers, group=group)
+    return powers
 
 
 def raise_if_nonfinite(total: torch.Tensor, norm_type: float) -> None:

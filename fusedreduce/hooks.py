@@ -37,8 +37,8 @@ from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers
                        norm_dtype_of, norm_split_for, raise_if_nonfinite, share_norm)
 from .kernels import refuse_in_capture
 from .precision import communication_dtype, split_scale
-from .process_group import (backend_to_compare, global_ranks, require_process_group,
-                            verify_same_on_all_ranks)
+from .process_group import global_ranks, require_process_group
+from .rank_agreement import verify_hook_agrees
 
 
 class HookState:
@@ -250,7 +250,7 @@ class HookState:
         depend on anything that may differ by rank, such as the hook: a rank
         that skipped the check would meet another's check collective with a
         collective of its own). One all-reduce of two int64s
-        (``verify_same_on_all_ranks``), read on the host: the first bucket of
+        (``rank_agreement.verify_hook_agrees``), read on the host: the first bucket of
         a warm-up step, never a captured one.
         """
         if self._agreed or bucket.index() != 0:
@@ -262,19 +262,12 @@ class HookState:
                           "read on the host)",
                           "run an eager step with the same state first, the warm-up a "
                           "capture needs anyway")
-        backend, unusable = backend_to_compare(self.backend, buffer.device)
-        options = [("hook", hook), ("bucket dtype", str(buffer.dtype)),
-                   ("wire dtype", str(wire_dtype)), ("prescale", self.prescale),
-                   ("local_size", self.local_size), ("backend", backend),
-                   ("max_grad_norm", self.max_grad_norm), ("norm_type", self.norm_type),
-                   ("error_if_nonfinite", self.error_if_nonfinite),
-                   ("split_norm", self.split_norm)]
-        verify_same_on_all_ranks([value for _, value in options], [name for name, _ in options],
-                                 self.group, what="hook option",
-                                 remedy="Every rank must register the same hook with the same "
-                                        "HookState options")
-        if unusable is not None:
-            raise unusable
+        verify_hook_agrees(lambda backend: [
+            ("hook", hook), ("bucket dtype", str(buffer.dtype)), ("wire dtype", str(wire_dtype)),
+            ("prescale", self.prescale), ("local_size", self.local_size), ("backend", backend),
+            ("max_grad_norm", self.max_grad_norm), ("norm_type", self.norm_type),
+            ("error_if_nonfinite", self.error_if_nonfinite), ("split_norm", self.split_norm)],
+            self.backend, buffer.device, self.group)
         self._agreed = True
 
     def scales(self):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fusedreduce import adasum_allreduce, hooks
+from fusedreduce import adasum_allreduce, hooks, rank_agreement
 from fusedreduce.hooks import HookState
 
 HOOKS = {"allreduce": hooks.allreduce_hook, "fp16": hooks.fp16_compress_hook,
@@ -273,13 +273,13 @@ def disagreeing_states(rank, world_size):
         except Exception as exc:  # noqa: BLE001 - the type and message are the point
             outcome[name] = (type(exc).__name__, str(exc))
     checks = []
-    original = hooks.verify_same_on_all_ranks
+    original = rank_agreement.verify_same_on_all_ranks
 
     def counted(*args, **kwargs):
         checks.append(kwargs.get("what"))
         return original(*args, **kwargs)
 
-    hooks.verify_same_on_all_ranks = counted
+    rank_agreement.verify_same_on_all_ranks = counted
     try:
         state = HookState(max_grad_norm=1.0, split_norm=True)
         model = DDP(Net(**LARGE), bucket_cap_mb=0.25)
@@ -295,7 +295,7 @@ def disagreeing_states(rank, world_size):
         _loss(model, rank, 0, 0, _config(LARGE)).backward()
         outcome["checks_after_a_copy"] = len(checks)
     finally:
-        hooks.verify_same_on_all_ranks = original
+        rank_agreement.verify_same_on_all_ranks = original
     return outcome
 
 

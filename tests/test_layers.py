@@ -56,6 +56,7 @@ LAYERS = {
     "buckets": "foundations",
     "clipping": "foundations",
     "param_swap": "foundations",
+    "rank_agreement": "foundations",
     # what lives in the buffers, and for how long
     "bucket_views": "layout and buffers",
     "buffer_lifetime": "layout and buffers",
@@ -65,8 +66,13 @@ LAYERS = {
     "param_shard": "collectives and pipelines",
     "adasum": "collectives and pipelines",
     "broadcast": "collectives and pipelines",
+    "grad_collectives": "collectives and pipelines",
     # running the buckets during backward
     "overlap": "engine",
+    "bucket_engine": "engine",
+    "shard_buffers": "engine",
+    "nonfinite": "engine",
+    "owned_writeback": "engine",
     # what users construct and call
     "reducer": "user APIs",
     "adasum_reducer": "user APIs",
@@ -74,6 +80,7 @@ LAYERS = {
     "sharded_optimizer": "user APIs",
     "sharded_params": "user APIs",
     "shard_transport": "user APIs",
+    "sharded_grads": "user APIs",
     "sharded_checkpoint": "user APIs",
     "torch_clip": "user APIs",
     "optimizer_checkpoint": "user APIs",
