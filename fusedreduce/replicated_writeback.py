@@ -98,14 +98,9 @@ class Unflatten:
         """Start ``bucket`` of a backward pass (the hooks' path)."""
         return start_flat(self.engine, bucket, tensors, self.kept_buffers()[bucket.index])
 
-    def write(self, engine, pending: PendingBucket, outputs: Sequence[torch.Tensor],
-              scale=None) -> None:
-        """Write one reduced bucket of the hooks' path (``write_back``'s call)."""
-        unflatten_bucket(engine, pending, outputs, scale)
-
     def finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
         """Write a backward pass's reduced buckets into ``outputs`` (the ``.grad``)."""
-        write_back(self.engine, pending, outputs, self.write)
+        write_back(self.engine, pending, outputs)
 
     def with_views(self, parameters: Sequence[torch.Tensor]) -> "IntoViews":
         """The bucket-views write-back over these buffers (``parameters``: plan order)."""
@@ -170,14 +165,19 @@ class IntoViews(Unflatten):
                 buffer[bucket.size + engine.missing_spare] = 0
         return engine.collective.communicate(bucket, buffer, spare)
 
+    def finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
+        write_back(self.engine, pending, outputs, self.write)
+
     def write(self, engine, pending: PendingBucket, outputs: Sequence[torch.Tensor],
               scale=None) -> None:
+        """``unflatten_bucket``, or for a viewed bucket the scale in place: the
+        views are the outputs."""
         if not self.views.viewed(pending.bucket):
             unflatten_bucket(engine, pending, outputs, scale)
             return
         wait_for(pending)
         postscale = engine.scales[pending.bucket.index][1] if scale is None else scale
-        self.views.scatter(pending.bucket, postscale)  # the views are the outputs
+        self.views.scatter(pending.bucket, postscale)
 
     def without_views(self) -> Unflatten:
         # the gradients that were views keep the hooks' buffers' memory: the
