@@ -57,6 +57,18 @@ def start_bucket_all_reduce(plan: BucketPlan, bucket: Bucket, tensors: Sequence[
     zeroed it), so its sum counts the ranks that marked it. ``world_size`` is
     the group's: a world of one rank starts no collective.
     """
+    spare = flatten_bucket(plan, bucket, tensors, buffer, prescale=prescale, backend=backend,
+                           count_nonfinite=count_nonfinite, mark_spare=mark_spare)
+    return start_all_reduce(bucket, buffer, group=group, world_size=world_size, spare=spare)
+
+
+def flatten_bucket(plan: BucketPlan, bucket: Bucket, tensors: Sequence[torch.Tensor],
+                   buffer: torch.Tensor, *, prescale: float = 1.0, backend: str = "auto",
+                   count_nonfinite: bool = False,
+                   mark_spare: Optional[int] = None) -> Optional[torch.Tensor]:
+    """``start_bucket_all_reduce``'s flatten: ``bucket`` into ``buffer`` (times
+    ``prescale``) with its spare elements set; returns the non-finite flag's
+    spare element (``count_nonfinite``), else None."""
     # the buffer itself (never a fresh slice of it) goes to the kernels, so that
     # their launch prepared for it is found again next step; the spare element
     # lies past the bucket's segments and is zeroed with them, then set
@@ -68,7 +80,7 @@ def start_bucket_all_reduce(plan: BucketPlan, bucket: Bucket, tensors: Sequence[
         spare.copy_(flag)
     if mark_spare is not None:
         buffer[bucket.size + mark_spare] = 1
-    return start_all_reduce(bucket, buffer, group=group, world_size=world_size, spare=spare)
+    return spare
 
 
 def start_all_reduce(bucket: Bucket, buffer: torch.Tensor, *, group, world_size: int,

@@ -28,7 +28,7 @@ from .buckets import BucketPlan, storage_bytes
 from .clipping import (check_clipping, check_split_norm, clip_buffers, clip_scales,
                        norm_dtype_of, norm_powers, norm_split_for, over_ranks,
                        raise_if_nonfinite, warn_if_exhausted)
-from .grad_collectives import AllReduce
+from .grad_collectives import all_reduce_collective
 from .overlap import BackwardOverlap
 from .precision import communication_dtype, split_scale
 from .process_group import require_process_group
@@ -110,8 +110,10 @@ class BucketEngine:
         # where each rank reads the clip norm: all of the reduced buffers (or
         # its split of their rows), or only its own parts of a sharded plan
         self._owned_norm = shards
-        self.collective = AllReduce(self.plan, group, self.world_size, backend)
-        self.verified = self.world_size == 1
+        # the one-rank world is decided here: a collective that does not
+        # communicate (nothing to verify, broadcast or count over the ranks)
+        self.collective = all_reduce_collective(self.plan, group, self.world_size, backend)
+        self.verified = not self.collective.communicates
         # DistributedOptimizer's rule (DDP's): a parameter no rank gave a
         # gradient in a pass keeps none, so the optimizer skips it
         self.unused_grads_to_none = False
@@ -132,7 +134,7 @@ class BucketEngine:
         # checked at the first reduction (where the layout check is made
         # anyway), unless they are made equal now or are not replicas
         self._verify_values = initial_parameters == "verify"
-        if initial_parameters == "broadcast" and self.world_size > 1:
+        if initial_parameters == "broadcast" and self.collective.communicates:
             with torch.no_grad():
                 broadcast_tensors([p.detach() for p in self.parameters], 0, group=group,
                                   bucket_cap_mb=bucket_cap_mb, backend=backend,
@@ -163,7 +165,7 @@ class BucketEngine:
     def new_buffers(self) -> List[torch.Tensor]:
         """A flat buffer per bucket, with the spare elements the settlements use."""
         spare = int(self.check_finite)
-        if self.unused_grads_to_none and self.collective.sums and self.world_size > 1:
+        if self.unused_grads_to_none and self.collective.sums and self.collective.communicates:
             self.missing_spare, spare = spare, spare + 1
         return [self.plan.new_buffer(b, spare=spare) for b in self.plan.buckets]
 
@@ -255,7 +257,7 @@ class BucketEngine:
                           "finding unused parameters (the ranks' counts are read to the host)",
                           "pass find_unused_parameters=False when every parameter has a "
                           "gradient in every step")
-        if extra is None and self.world_size == 1:
+        if extra is None and not self.collective.communicates:
             self.unused_slots = list(missing)  # this rank is every rank
             for slot in self.unused_slots:
                 self.parameters[self.order[slot]].grad = None
@@ -273,7 +275,7 @@ class BucketEngine:
         if slots and missing:
             counts[missing] = 0  # the hooks' slots: plan order
         counts[-1] = 0 if extra is None else extra
-        if self.world_size > 1:
+        if self.collective.communicates:
             dist.all_reduce(counts, group=self.group)
         if slots:
             unused = self.unused_slots = (counts[:-1] == 0).nonzero().flatten().tolist()

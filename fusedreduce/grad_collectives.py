@@ -1,8 +1,8 @@
 """The gradient collectives: how a bucket's flat buffer is combined across the ranks.
 
-Each reducer holds one, chosen once when it is built: ``all_reduce`` for
-``DistributedGradReducer``, ``AdaSumTree`` for ``AdaSumReducer``,
-``sharded_collective`` for the sharded reducer, which decides there (and
+Each reducer holds one, chosen once when it is built: ``all_reduce_collective``
+for ``DistributedGradReducer``, ``AdaSumTree`` for ``AdaSumReducer``,
+``sharded_collective`` for the sharded reducer, which decide there (and
 nowhere else) what the process group's backend, the world's size and
 AdaSum change. Every collective has the same call,
 ``start(bucket, tensors, buffer, part, prescale) -> PendingBucket``:
@@ -11,10 +11,13 @@ start combining it; ``part`` is this rank's slot of a sharded bucket (None
 unsharded). What it says about itself:
 
 - ``sums``: every element of the buffer is summed, so a count can ride in a
-  spare element (``allreduce.start_bucket_all_reduce``);
+  spare element (``allreduce.flatten_bucket``);
 - ``whole``: the sum is left in the whole buffer, this rank's part in its
   slot of it (a part of its own is copied from there);
 - ``signature``: what else the ranks must agree on (AdaSum's local size);
+- ``communicates``: the world has other ranks (False on one rank, where
+  nothing is sent and each rank's gradients are the result: no collective,
+  no rank check, no count to settle);
 - ``asynchronous``: the collective may still run when ``start`` returns
   (else it has finished); ``buffered``: it needs the whole flat buffer.
 """
@@ -27,14 +30,15 @@ import torch.distributed as dist
 
 from .adasum import (TreeShare, adasum_bucket_boundaries, adasum_flat_unchecked, adasum_halve,
                      adasum_tree_share)
-from .allreduce import PendingBucket, start_all_reduce, start_bucket_all_reduce
+from .allreduce import PendingBucket, flatten_bucket
 from .buckets import Bucket, BucketPlan
 from .sharded import DIRECT_MEAN_NUMEL, start_bucket_exchange, start_bucket_reduce_scatter
 
 
 
 class AllReduce:
-    """The sum of the whole buffer (one ``all_reduce``; none on one rank).
+    """The sum of the whole buffer: one ``all_reduce`` (on a world of one
+    rank, ``OneRankSum``: none).
 
     Sharded, on gloo (whose reduce-scatter all-reduces the whole input and
     copies the part out, measured slower than the all-reduce alone:
@@ -45,6 +49,7 @@ class AllReduce:
     signature = 1
     asynchronous = True
     buffered = True
+    communicates = True
 
     def __init__(self, plan: BucketPlan, group, world_size: int, backend: str) -> None:
         self.plan, self.group, self.world_size, self.backend = plan, group, world_size, backend
@@ -52,10 +57,10 @@ class AllReduce:
     def start(self, bucket: Bucket, tensors: Sequence[torch.Tensor], buffer: torch.Tensor,
               part: Optional[torch.Tensor] = None, prescale: float = 1.0, *,
               count_nonfinite: bool = False, mark_spare: Optional[int] = None) -> PendingBucket:
-        return start_bucket_all_reduce(self.plan, bucket, tensors, buffer, group=self.group,
-                                       world_size=self.world_size, prescale=prescale,
-                                       backend=self.backend, count_nonfinite=count_nonfinite,
-                                       mark_spare=mark_spare)
+        spare = flatten_bucket(self.plan, bucket, tensors, buffer, prescale=prescale,
+                               backend=self.backend, count_nonfinite=count_nonfinite,
+                               mark_spare=mark_spare)
+        return self.communicate(bucket, buffer, spare)
 
     def owned_by(self, rank: int) -> List[Tuple[int, int]]:
         """Per bucket of a sharded plan, the elements ``rank`` owns: part ``rank``."""
@@ -68,8 +73,32 @@ class AllReduce:
     def communicate(self, bucket: Bucket, buffer: torch.Tensor,
                     spare: Optional[torch.Tensor]) -> PendingBucket:
         """Start combining ``bucket``'s already filled ``buffer`` (bucket views)."""
-        return start_all_reduce(bucket, buffer, group=self.group, world_size=self.world_size,
-                                spare=spare)
+        return PendingBucket(bucket, buffer, dist.all_reduce(buffer, group=self.group,
+                                                             async_op=True), spare)
+
+
+class OneRankSum(AllReduce):
+    """A world of one rank: the flatten (its spare elements set) is the whole
+    sum, finished when ``start`` returns; nothing is sent."""
+
+    whole = False
+    asynchronous = False
+    communicates = False
+
+    def __init__(self, plan: BucketPlan, backend: str) -> None:
+        super().__init__(plan, None, 1, backend)
+
+    def communicate(self, bucket: Bucket, buffer: torch.Tensor,
+                    spare: Optional[torch.Tensor]) -> PendingBucket:
+        return PendingBucket(bucket, buffer, None, spare)
+
+
+def all_reduce_collective(plan: BucketPlan, group, world_size: int, backend: str) -> AllReduce:
+    """``DistributedGradReducer``'s collective: the all-reduce, or on a world
+    of one rank none."""
+    if world_size == 1:
+        return OneRankSum(plan, backend)
+    return AllReduce(plan, group, world_size, backend)
 
 
 class AdaSumTree:
@@ -84,6 +113,8 @@ class AdaSumTree:
     def __init__(self, plan: BucketPlan, group, local_size: int, backend: str) -> None:
         self.plan, self.group, self.local_size, self.backend = plan, group, local_size, backend
         self.signature = local_size
+        # one rank's tree has no level: the gradients are the result
+        self.communicates = dist.get_world_size(group) > 1
 
     def prescales(self, scales: List[tuple]) -> List[tuple]:
         """1/local_size in the flatten, as ``adasum_allreduce`` does; no postscale."""
@@ -140,22 +171,16 @@ class ReduceScatter(AllReduce):
                                            prescale=prescale, backend=self.backend)
 
 
-class OneRank(AllReduce):
-    """A world of one rank: the flatten is the whole reduction, into the part
-    (the whole bucket) or, for ``into_buffer``, the buffer."""
+class OneRank(OneRankSum):
+    """A sharded plan on a world of one rank: the flatten into the part (the
+    whole bucket) is the whole reduction; no buffer."""
 
-    whole = False
-    asynchronous = False
-
-    def __init__(self, plan: BucketPlan, backend: str, into_buffer: bool) -> None:
-        super().__init__(plan, None, 1, backend)
-        self.into_buffer = self.buffered = into_buffer
+    buffered = False
 
     def start(self, bucket, tensors, buffer, part=None, prescale: float = 1.0,
               **spares) -> PendingBucket:
-        out = buffer if self.into_buffer else part
-        self.plan.flatten(bucket, tensors, out=out, scale=prescale, backend=self.backend)
-        return PendingBucket(bucket, out, None)
+        self.plan.flatten(bucket, tensors, out=part, scale=prescale, backend=self.backend)
+        return PendingBucket(bucket, part, None)
 
 
 class Exchange(AllReduce):
@@ -194,8 +219,8 @@ def sharded_collective(plan: BucketPlan, group, world_size: int, rank: int, back
     elsewhere (``gradient_collective`` overrides the choice)."""
     if world_size == 1:
         # AdaSum's kept buffers are flattened whole, as its halving would
-        return OneRank(plan, backend, into_buffer=adasum_local_size is not None
-                       and not shard_gradients)
+        kept_whole = adasum_local_size is not None and not shard_gradients
+        return (OneRankSum if kept_whole else OneRank)(plan, backend)
     if adasum_local_size is not None:
         return AdaSumHalving(plan, group, adasum_local_size, backend)
     exchange_from = None

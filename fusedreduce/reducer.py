@@ -7,10 +7,12 @@ process group, low-precision gradients are reduced in fp32 and cast back
 (``precision.communication_dtype``), all through a ``BucketPlan`` and the
 fused all-reduce pipeline (``allreduce.py``): flatten/cast/prescale -> one
 all-reduce per bucket -> unflatten/cast/postscale. This module is the call
-API and the write-back (unflatten, or bucket views); what it shares with the
-sharded reducer (the options, the plan, the overlap with backward, the rank
-check, the clip norm, the unused parameters) is ``bucket_engine.BucketEngine``,
-and how a bucket is combined is its collective (``grad_collectives``).
+API; how the hooks' path writes back (unflatten, or bucket views) is the
+write-back ``register_hooks`` chooses (``replicated_writeback``); what it
+shares with the sharded reducer (the options, the plan, the overlap with
+backward, the rank check, the clip norm, the unused parameters) is
+``bucket_engine.BucketEngine``, and how a bucket is combined is its
+collective (``grad_collectives``).
 """
 from __future__ import annotations
 
@@ -22,11 +24,10 @@ import torch.distributed as dist
 
 from .kernels import metadata_guard, refuse_in_capture
 from ._checks import check_int
-from .allreduce import PendingBucket, finish_bucket, wait_for
+from .allreduce import PendingBucket
 from .bucket_engine import INITIAL_PARAMETERS, BucketEngine, ReducerSurface
-from .bucket_views import BucketViews
 from .buckets import FlatBuffers
-from .nonfinite import record_nonfinite
+from .replicated_writeback import Unflatten, start_flat, write_back
 
 __all__ = ["DistributedGradReducer", "INITIAL_PARAMETERS"]
 
@@ -137,9 +138,8 @@ class DistributedGradReducer(ReducerSurface):
             error_if_nonfinite=error_if_nonfinite, split_norm=split_norm,
             initial_parameters=initial_parameters, kind=type(self).__name__, shards=False,
             start=self._start, finish=self._finish)
-        self._buffers: Optional[List[torch.Tensor]] = None
-        self._views: Optional[BucketViews] = None
-        self._call_buffers: Optional[List[torch.Tensor]] = None
+        # how the hooks' path writes back: chosen by register_hooks
+        self._write_back: Unflatten = Unflatten(self._engine)
         # what every call's gradients must match, compared one property at a time
         params = self.parameters
         self._expected = (list(map(_size, params)), list(map(_dtype, params)),
@@ -179,69 +179,11 @@ class DistributedGradReducer(ReducerSurface):
     # ---------------------------------------------------------- one reduction
     def _start(self, index: int, tensors: Sequence[Optional[torch.Tensor]]) -> PendingBucket:
         """Start bucket ``index`` of a backward pass (the hooks' path)."""
-        engine = self._engine
-        if self._buffers is None:
-            self._buffers = engine.new_buffers()
-        bucket, buffer = engine.plan.buckets[index], self._buffers[index]
-        if self._views is not None and self._views.viewed(bucket):
-            # the gradients are the buffer already: no flatten
-            prescale, _ = engine.scales[index]
-            self._views.adopt(bucket)
-            flag = self._views.gather(bucket, prescale, engine.check_finite)
-            spare = None
-            if flag is not None:
-                spare = buffer[bucket.size]
-                spare.copy_(flag)
-            if engine.missing_spare is not None:
-                # the views' buffer keeps the last sum there: rewritten unless
-                # the last check found every sum zero (a stale non-zero only
-                # sends that check to the exact count, which clears it)
-                if engine.missing_in(bucket):
-                    buffer[bucket.size + engine.missing_spare] = 1
-                elif not engine.spares_clear:
-                    buffer[bucket.size + engine.missing_spare] = 0
-            return engine.collective.communicate(bucket, buffer, spare)
-        return self._start_flat(bucket, tensors, buffer)
-
-    def _start_flat(self, bucket, tensors: Sequence[Optional[torch.Tensor]],
-                    buffer: torch.Tensor) -> PendingBucket:
-        """Flatten ``bucket``'s tensors into ``buffer`` and start its collective."""
-        engine = self._engine
-        prescale, _ = engine.scales[bucket.index]
-        # the flatten zeroes the spare elements; a rank missing a gradient
-        # marks its one before the collective
-        spare = engine.missing_spare
-        mark = spare if spare is not None and buffer.numel() > bucket.size + spare \
-            and engine.missing_in(bucket) else None
-        return engine.collective.start(bucket, tensors, buffer, None, prescale,
-                                       count_nonfinite=engine.check_finite, mark_spare=mark)
-
-    def _write_back(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor],
-                    views: Optional[BucketViews]) -> None:
-        """Write the reduced buckets into ``outputs`` (plan order), postscaled
-        and clipped, or into the gradients that are ``views`` of them."""
-        engine = self._engine
-        scales = None
-        if engine.max_grad_norm is not None:
-            for p in pending:
-                wait_for(p)
-            scales = engine.clip(pending, [p.flat[:p.bucket.size] for p in pending])
-        for i, p in enumerate(pending):
-            if views is not None and views.viewed(p.bucket):
-                wait_for(p)
-                postscale = engine.scales[p.bucket.index][1] if scales is None else scales[i]
-                views.scatter(p.bucket, postscale)  # the views are the outputs
-            elif scales is not None:
-                engine.plan.unflatten(p.bucket, p.flat, outputs, scale=scales[i],
-                                      backend=engine.backend)
-            else:
-                finish_bucket(engine.plan, p, outputs, postscale=engine.scales[p.bucket.index][1],
-                              backend=engine.backend)
-        record_nonfinite(engine, pending)
+        return self._write_back.start(self.plan.buckets[index], tensors)
 
     def _finish(self, pending: Sequence[PendingBucket], outputs: Sequence[torch.Tensor]) -> None:
         """Finish a backward pass's buckets (the hooks' path)."""
-        self._write_back(pending, outputs, self._views)
+        self._write_back.finish(pending, outputs)
         self._engine.settle_unused(pending=pending)
 
     def __call__(self, grads: Union[torch.Tensor, Sequence[torch.Tensor]]):
@@ -271,18 +213,10 @@ class DistributedGradReducer(ReducerSurface):
         engine.verify_once()
         ordered = [grad_list[i] for i in engine.order]
         outputs = [torch.empty_like(g) for g in ordered]
-        if self._views is not None:
-            # the hooks' buffers hold the parameters' .grad: calls get their own
-            if self._call_buffers is None:
-                self._call_buffers = engine.new_buffers()
-            buffers = self._call_buffers
-        else:
-            if self._buffers is None:
-                self._buffers = engine.new_buffers()
-            buffers = self._buffers
-        pending = [self._start_flat(bucket, ordered, buffer)
+        buffers = self._write_back.buffers_for_calls()
+        pending = [start_flat(engine, bucket, ordered, buffer)
                    for bucket, buffer in zip(engine.plan.buckets, buffers)]
-        self._write_back(pending, outputs, None)
+        write_back(engine, pending, outputs)
         result = [None] * len(grad_list)
         for slot, i in enumerate(engine.order):
             result[i] = outputs[slot]
@@ -340,9 +274,7 @@ class DistributedGradReducer(ReducerSurface):
                 raise ValueError(f"parameters[{i}] does not require grad: its gradient would "
                                  f"never be ready; leave it out of the reducer")
         if gradient_as_bucket_view:
-            if self._buffers is None:
-                self._buffers = self._engine.new_buffers()
-            self._views = BucketViews(overlap.parameters, self.plan, self._buffers, self.backend)
+            self._write_back = self._write_back.with_views(overlap.parameters)
         # bucket views: a gradient accumulated twice in a pass (a reentrant
         # checkpoint) would land in a bucket already on the wire, so the first
         # pass finds such gradients before any bucket starts early
@@ -353,16 +285,11 @@ class DistributedGradReducer(ReducerSurface):
         """Undo ``register_hooks``. Gradients that were bucket views keep their
         memory; the reducer takes fresh buffers."""
         self._engine.overlap.detach()
-        if self._views is not None:
-            self._views = None
-            self._buffers = None
+        self._write_back = self._write_back.without_views()
 
     def _held_buffers(self) -> List[torch.Tensor]:
         """What this reducer keeps between calls for its own use."""
-        held = [*(self._buffers or ()), *(self._call_buffers or ())]
-        if self._views is not None:
-            held += self._views.grad_buffers.values()
-        return held
+        return self._write_back.held()
 
     @property
     def flat_buffers(self) -> FlatBuffers:
@@ -377,12 +304,7 @@ class DistributedGradReducer(ReducerSurface):
             >>> reducer.flat_buffers.gradients, len(reducer.flat_buffers.calls)  # doctest: +SKIP
             ((None,), 1)
         """
-        unmade = (None,) * len(self.plan.buckets)
-        return FlatBuffers(gradients=unmade if self._buffers is None else tuple(self._buffers),
-                           calls=unmade if self._call_buffers is None
-                           else tuple(self._call_buffers),
-                           views=() if self._views is None
-                           else tuple(self._views.grad_buffers.values()))
+        return self._write_back.flat_buffers()
 
 
 _size = torch.Tensor.size

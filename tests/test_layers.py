@@ -73,6 +73,7 @@ LAYERS = {
     "shard_buffers": "engine",
     "nonfinite": "engine",
     "owned_writeback": "engine",
+    "replicated_writeback": "engine",
     # what users construct and call
     "reducer": "user APIs",
     "adasum_reducer": "user APIs",

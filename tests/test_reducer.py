@@ -22,8 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from harness import (CRASH_TIMEOUT, ONE_BYTE_MB, TIMEOUT, assert_raised_before_any_collective,
-                     outcomes, outcomes_and_collectives, rank_errors, run_ranks)
-from fusedreduce import DistributedGradReducer
+                     outcomes, outcomes_and_collectives, rank_errors, record_collectives,
+                     run_ranks)
+from fusedreduce import DistributedGradReducer, DistributedOptimizer
 from fusedreduce.kernels import _checks
 from reference import SIXTEEN_BIT, communication_dtype, subnormal_spacing
 
@@ -274,6 +275,43 @@ def test_a_world_of_one_reduces_to_the_gradients_divided_by_degree():
     assert torch.equal(quarter[1], torch.arange(5, dtype=torch.float16) / 4)
     assert torch.equal(hooked[0], torch.full((3,), 2.0))
     assert torch.equal(hooked[1], torch.ones(5, dtype=torch.float16))
+
+
+def _world_of_one_sends_nothing(rank, world_size):
+    events = []
+    record_collectives(events)
+    weights = [torch.zeros(3, requires_grad=True),
+               torch.zeros(5, dtype=torch.float16, requires_grad=True)]
+    grads = [torch.tensor([1.0, -3.0, 0.5]), torch.arange(5, dtype=torch.float16)]
+    reducer = DistributedGradReducer(weights, check_finite=True, initial_parameters="broadcast")
+    seen = {"call": [reducer(grads), reducer.found_nonfinite]}
+    # the hooks' paths, with the unused-parameter settlement: flattened (AdaSum's
+    # tree of one rank) or bucket views (bcast_period=-1: the optimizer's own
+    # parameter broadcast is not the reduction's)
+    for method, views in (("adasum", False), ("mean", True)):
+        model = nn.ModuleList([nn.Linear(3, 2), nn.Linear(3, 1)])
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   reduce_method=method, find_unused_parameters=True,
+                                   gradient_as_bucket_view=views, bcast_period=-1)
+        model[0](torch.ones(4, 3)).sum().backward()
+        seen[method] = [p.grad for p in model.parameters()]
+        opt.step()
+    return seen, events
+
+
+def test_a_world_of_one_issues_no_collective_and_settles_unused_parameters_locally():
+    ((seen, events),) = run_ranks(_world_of_one_sends_nothing, 1, timeout=TIMEOUT)
+    assert events == []
+    (mean, half), found = seen["call"]
+    assert torch.equal(mean, torch.tensor([1.0, -3.0, 0.5]))
+    assert torch.equal(half, torch.arange(5, dtype=torch.float16))
+    assert not found
+    for method in ("adasum", "mean"):
+        weight, bias, unused_weight, unused_bias = seen[method]
+        # d(sum of Linear(3, 2) over 4 rows of ones) / d(weight, bias): this rank's own
+        assert torch.equal(weight, torch.full((2, 3), 4.0)), method
+        assert torch.equal(bias, torch.full((2,), 4.0)), method
+        assert unused_weight is None and unused_bias is None, method
 
 
 def _subgroup(rank, world_size):
