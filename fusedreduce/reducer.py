@@ -294,15 +294,18 @@ class DistributedGradReducer(ReducerSurface):
     @property
     def flat_buffers(self) -> FlatBuffers:
         """The flat buffers this reducer keeps, by role (``gradients``: the
-        hooks' path, ``calls``: the call path, ``views``: the buffers of
-        bucket views of other dtypes); read-only, for memory accounting,
-        tests and benchmarks (``buckets.FlatBuffers``).
+        reduction's, for the hooks' path and the call path alike; ``calls``:
+        the call path's own, made only while bucket views hold the
+        ``gradients`` ones; ``views``: the buffers of bucket views of other
+        dtypes), None for a bucket's buffer not made yet; read-only, for
+        memory accounting, tests and benchmarks (``buckets.FlatBuffers``).
 
         Examples:
             >>> reducer = DistributedGradReducer([torch.zeros(10)])  # doctest: +SKIP
             >>> _ = reducer([torch.ones(10)])                        # doctest: +SKIP
-            >>> reducer.flat_buffers.gradients, len(reducer.flat_buffers.calls)  # doctest: +SKIP
-            ((None,), 1)
+            >>> held = reducer.flat_buffers                          # doctest: +SKIP
+            >>> [b is None for b in held.gradients], held.calls      # doctest: +SKIP
+            ([False], (None,))
         """
         return self._write_back.flat_buffers()
 
