@@ -29,7 +29,7 @@ class _OwnedParts:
         engine: the reducer's ``BucketEngine`` (parameters, plan order, the
             unused parameters of the pass).
         owned: per bucket, the ``(start, end)`` elements this rank owns.
-        lifetime: the reducer's ``ShardBuffers``.
+        lifetime: the reducer's buffers (``shard_buffers``).
         owned_ranges: per bucket, the tensor elements its part holds
             (``sharded.ranges_between``); ``offsets``: where they start in it.
     """
