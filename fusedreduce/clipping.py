@@ -55,7 +55,8 @@ SPLIT_NORM_MIN_SPARED = {"cpu": 1 << 23, "cuda": 1 << 26}
 __all__ = ["EMPTY_GENERATOR", "NORM_ROW", "NormSplit", "SPLIT_NORM_MIN_SPARED",
            "check_clipping", "check_error_if_nonfinite", "check_limit", "check_norm_type",
            "check_split_norm", "clip_buffers", "clip_scales", "clip_shared", "norm_dtype_of",
-           "norm_powers", "max_over_ranks", "norm_split_for", "over_ranks", "raise_if_nonfinite",
+           "norm_powers", "max_over_ranks", "norm_over_ranks", "norm_split_for", "over_ranks",
+           "raise_if_nonfinite",
            "share_norm", "stepping_grad_scaler", "warn_if_exhausted",
            "refuse_scaled_clip"]
 
@@ -290,6 +291,24 @@ def over_ranks(powers: torch.Tensor, norm_type: float, group, world_size: int) -
     if world_size > 1:
         dist.all_reduce(powers, group=group)
     return powers
+
+
+def norm_over_ranks(norms: torch.Tensor, norm_type: float, group,
+                    world_size: int) -> torch.Tensor:
+    """The norm of order ``norm_type`` of elements each rank owns a share of
+    (each element owned once), from the norms of this rank's pieces
+    (``norms``, fp64, 1-D or 0-d): the sum of their ``norm_type``-th powers
+    (their max for ``math.inf``, NaN kept) combined by ``over_ranks``, the
+    root taken once. The same bits on every rank.
+
+    Examples:
+        >>> norm_over_ranks(torch.tensor([3.0, 4.0], dtype=torch.float64), 2.0, None, 1)
+        tensor(5., dtype=torch.float64)
+    """
+    if norm_type == math.inf:
+        return over_ranks(norms.max(), norm_type, group, world_size)
+    return over_ranks(norms.pow(norm_type).sum(), norm_type, group,
+                      world_size).pow(1.0 / norm_type)
 
 
 def raise_if_nonfinite(total: torch.Tensor, norm_type: float) -> None:

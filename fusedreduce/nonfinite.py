@@ -61,7 +61,10 @@ class OwnedNonfinite:
     def __init__(self, parameters: Sequence[torch.Tensor], order: Sequence[int],
                  plan: BucketPlan, owned: Sequence[Tuple[int, int]],
                  grads_released: bool) -> None:
-        self.parameters, self.grads_released = parameters, grads_released
+        self.parameters = parameters
+        # released: the parameters this rank does not own keep no .grad, so
+        # where none has one, one is made for the NaN
+        self._nan_without_grad = _nan_in_zero_grad if grads_released else _no_nan
         self._sites = _sites_not_owned(parameters, order, plan, owned)
         overflow = [min((overflow_at(plan.specs[slot].dtype, b.dtype)
                          for slot in b.tensor_indices), default=math.inf)
@@ -96,11 +99,22 @@ class OwnedNonfinite:
             if grad is not None:
                 grad[element] = float("nan")
                 return
-        if self.grads_released and self._sites:
-            # the parameters this rank does not own keep no .grad: make a zero one
-            index, element = min(self._sites, key=lambda site: self.parameters[site[0]].numel())
-            grad = self.parameters[index].grad = torch.zeros_like(self.parameters[index])
-            grad[element] = float("nan")
+        if self._sites:
+            self._nan_without_grad(self.parameters, self._sites)
+
+
+def _nan_in_zero_grad(parameters: Sequence[torch.Tensor],
+                      sites: Sequence[Tuple[int, tuple]]) -> None:
+    """The NaN in a zero ``.grad`` made for the smallest parameter with a site
+    (the parameters this rank does not own keep no ``.grad``)."""
+    index, element = min(sites, key=lambda site: parameters[site[0]].numel())
+    grad = parameters[index].grad = torch.zeros_like(parameters[index])
+    grad[element] = float("nan")
+
+
+def _no_nan(parameters: Sequence[torch.Tensor], sites: Sequence[Tuple[int, tuple]]) -> None:
+    """Gradients kept whole: a parameter without a ``.grad`` had no gradient
+    on any rank (or is frozen), and keeps None."""
 
 
 def _sites_not_owned(parameters, order, plan: BucketPlan,

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
 from ._checks import check_instance, check_int
-from .checkpoint_group import meet_for, rank_in
+from .checkpoint_group import checkpoint_group, meet_for, rank_in
 from .param_swap import params_of, swapped
 from .process_group import verify_same_on_all_ranks
 from .sharded_checkpoint import (ShardSource, check_shapes, make_piece, pieces_by_index,
@@ -233,7 +233,8 @@ class ReplicatedCheckpoint:
 
 class ShardedCheckpoint:
     """The state-dict flavour where each rank holds its part of the state
-    (``self.sharded``, a ``ShardedParameters``)."""
+    (``self.sharded``, a ``ShardedParameters``; ``self.state_gather``, how
+    the parts are put together: ``state_gather``)."""
 
     def full_state(self, opt, call: str, fix: str, to: Optional[int] = None,
                    cpu_offload: bool = False) -> Optional[dict]:
@@ -241,17 +242,7 @@ class ShardedCheckpoint:
         (collective, on the checkpoint group only), keyed by parameter; None
         on ranks other than ``to``. ``call`` and ``fix`` make the error of a
         call the other ranks do not make (``meet_for``)."""
-        if self.reducer.world_size == 1:
-            return self.sharded.whole_state([self.sharded.part_to_send(opt.state)],
-                                            cpu_offload)
-        checkpoint = self.checkpoint_group
-        meet_for(checkpoint, self.options.checkpoint_timeout, call, fix)
-        # ranks passing different ``to`` would meet an all-gather with a
-        # gather, or gathers to different ranks, and wait in them
-        verify_same_on_all_ranks([], [], checkpoint, options=[("state_dict(to=...)", to)])
-        parts = self.sharded.gather_parts(self.sharded.part_to_send(opt.state), checkpoint,
-                                          None if to is None else rank_in(
-                                              checkpoint, self.options.group, to))
+        parts = self.state_gather.parts(self.sharded, opt.state, call, fix, to)
         return None if parts is None else self.sharded.whole_state(parts, cpu_offload)
 
     def state_dict(self, opt, wrapped, to: Optional[int], cpu_offload: bool) -> Optional[dict]:
@@ -298,3 +289,40 @@ class ShardedCheckpoint:
                 state[ids[s.index]] = state_over(pieces, s.range.start, s.range.end,
                                                  p.shape if s.whole else None)
         self.load_checked(opt, wrapped, {"state": state, "param_groups": groups})
+
+
+def state_gather(group, world_size: int, timeout) -> "_PartsOverRanks | _PartOfOneRank":
+    """How ``ShardedCheckpoint.full_state`` puts the ranks' parts of the state
+    together, chosen once: on the checkpoint group (made here: collective
+    over ``group``, see ``checkpoint_group``), or, on a world of one rank,
+    its part is the whole."""
+    if world_size == 1:
+        return _PartOfOneRank()
+    return _PartsOverRanks(checkpoint_group(group, timeout), group, timeout)
+
+
+class _PartsOverRanks:
+    """Every rank's part, gathered on the checkpoint group once the ranks
+    have met there."""
+
+    def __init__(self, checkpoint, group, timeout) -> None:
+        self.checkpoint, self.group, self.timeout = checkpoint, group, timeout
+
+    def parts(self, sharded, state, call: str, fix: str,
+              to: Optional[int]) -> Optional[List[dict]]:
+        """Every rank's part of ``state`` (collective); None on ranks other
+        than ``to``."""
+        checkpoint = self.checkpoint
+        meet_for(checkpoint, self.timeout, call, fix)
+        # ranks passing different ``to`` would meet an all-gather with a
+        # gather, or gathers to different ranks, and wait in them
+        verify_same_on_all_ranks([], [], checkpoint, options=[("state_dict(to=...)", to)])
+        return sharded.gather_parts(sharded.part_to_send(state), checkpoint,
+                                    None if to is None else rank_in(checkpoint, self.group, to))
+
+
+class _PartOfOneRank:
+    """A world of one rank: its part is the whole state, no one to meet."""
+
+    def parts(self, sharded, state, call: str, fix: str, to: Optional[int]) -> List[dict]:
+        return [sharded.part_to_send(state)]

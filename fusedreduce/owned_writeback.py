@@ -29,7 +29,7 @@ class _OwnedParts:
         engine: the reducer's ``BucketEngine`` (parameters, plan order, the
             unused parameters of the pass).
         owned: per bucket, the ``(start, end)`` elements this rank owns.
-        lifetime: the reducer's ``ShardBuffers``.
+        lifetime: the reducer's buffers (``shard_buffers``).
         owned_ranges: per bucket, the tensor elements its part holds
             (``sharded.ranges_between``); ``offsets``: where they start in it.
     """
@@ -95,6 +95,11 @@ class OwnedGradients(_OwnedParts):
 
     releases_grads = True
 
+    def __init__(self, engine, owned, lifetime, owned_ranges, offsets) -> None:
+        super().__init__(engine, owned, lifetime, owned_ranges, offsets)
+        # alone, a rank steps with no other: it needs no .grad kept for GradScaler
+        self._keep_a_grad = _keep_a_grad if engine.world_size > 1 else _alone
+
     def started(self, bucket: Bucket) -> None:
         # the buffer holds them now (the launch that read them is queued
         # before anything that can reuse their memory)
@@ -141,14 +146,22 @@ class OwnedGradients(_OwnedParts):
             # nothing reads this bucket's part again: the next buckets' .grad
             # can take its memory
             self.lifetime.release_part(index)
-        if written or engine.world_size == 1:
-            return
-        if any(param.grad is not None for param in parameters):
-            return
-        used = [i for i, param in enumerate(parameters)
-                if param.requires_grad and i not in unused]
-        if used:
-            # GradScaler records its check from the .grad it finds; with none
-            # this rank would refuse to step while the others step
-            keeper = min(used, key=lambda i: parameters[i].numel())
-            parameters[keeper].grad = torch.zeros_like(parameters[keeper])
+        if not written:
+            self._keep_a_grad(parameters, unused)
+
+
+def _keep_a_grad(parameters: Sequence[torch.Tensor], unused) -> None:
+    """A rank left with no ``.grad`` at all keeps a zero one on its smallest
+    used parameter: GradScaler records its check from the ``.grad`` it
+    finds; with none this rank would refuse to step while the others step."""
+    if any(param.grad is not None for param in parameters):
+        return
+    used = [i for i, param in enumerate(parameters)
+            if param.requires_grad and i not in unused]
+    if used:
+        keeper = min(used, key=lambda i: parameters[i].numel())
+        parameters[keeper].grad = torch.zeros_like(parameters[keeper])
+
+
+def _alone(parameters: Sequence[torch.Tensor], unused) -> None:
+    """A world of one rank: no other rank's step to keep in line with."""

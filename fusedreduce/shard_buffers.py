@@ -13,6 +13,11 @@ backward ends, so their parts stay slots (a part of its own would only add
 to their buffers). The tensor objects stay (their storage is resized to
 nothing and back, as FSDP does, ``buffer_lifetime``), so their views stay
 valid and a buffer back at its address is the kept launches' same layout.
+
+The two lifetimes have the same calls (``start``, ``finished_parts``,
+``pass_ended``) and are chosen once, where the reducer is built
+(``sharded_grads``): ``KeptBuffers`` (``shard_gradients=False``) and
+``ReleasedBuffers`` (ZeRO-2).
 """
 from __future__ import annotations
 
@@ -25,39 +30,73 @@ from .buckets import BucketPlan, FlatBuffers
 from .buffer_lifetime import ALIVE, materialise, release
 
 
-class ShardBuffers:
-    """The flat buffers and this rank's parts of a sharded plan's buckets.
+class _ShardBuffers:
+    """What both lifetimes hold: the flat buffers and this rank's parts of a
+    sharded plan's buckets.
 
     Args:
         plan: the sharded plan.
         owned: per bucket, the ``(start, end)`` elements this rank owns.
         collective: the reducer's gradient collective (``grad_collectives``).
-        released: ``shard_gradients``: buffers released between uses (else
-            made now and kept).
     """
 
-    def __init__(self, plan: BucketPlan, owned: Sequence[Tuple[int, int]], collective,
-                 released: bool) -> None:
-        self.plan, self.owned, self.collective, self.released = plan, owned, collective, released
+    def __init__(self, plan: BucketPlan, owned: Sequence[Tuple[int, int]], collective) -> None:
+        self.plan, self.owned, self.collective = plan, owned, collective
         count = len(plan.buckets)
         self.buffers: List[Optional[torch.Tensor]] = [None] * count
         self.parts: List[Optional[torch.Tensor]] = [None] * count
-        self.part_in_place = [not released or (collective.asynchronous and index >= count - ALIVE)
-                              for index in range(count)]
-        # released: each buffer's owned slot, what a part of its own is
-        # copied from when the collective left it there; the buckets started
-        # in this backward whose buffers still have memory, oldest first
-        self.owned_slots: List[Optional[torch.Tensor]] = [None] * count
-        self.in_flight: List[PendingBucket] = []
-        if not released:
-            for bucket in plan.buckets:
-                self.buffer_for(bucket.index)
 
     def flat_buffers(self) -> FlatBuffers:
         return FlatBuffers(gradients=tuple(self.buffers), parts=tuple(self.parts))
 
     def held(self) -> List[torch.Tensor]:
         return [b for b in (*self.buffers, *self.parts) if b is not None]
+
+
+class KeptBuffers(_ShardBuffers):
+    """Every bucket's buffer made now and kept, this rank's part a slot of it
+    (``shard_gradients=False``)."""
+
+    def __init__(self, plan: BucketPlan, owned: Sequence[Tuple[int, int]], collective) -> None:
+        super().__init__(plan, owned, collective)
+        for bucket in plan.buckets:
+            buffer = self.buffers[bucket.index] = plan.new_buffer(bucket)
+            self.parts[bucket.index] = buffer[slice(*owned[bucket.index])]
+
+    def start(self, bucket, tensors: Sequence[torch.Tensor], prescale: float) -> PendingBucket:
+        """Flatten ``bucket`` and start the collective that leaves this rank's
+        part in ``parts``."""
+        index = bucket.index
+        return self.collective.start(bucket, tensors, self.buffers[index], self.parts[index],
+                                     prescale)
+
+    def pass_ended(self) -> None:
+        """A backward's buckets are written back (or it failed): the buffers
+        stay."""
+
+    def finished_parts(self, pending: Sequence[PendingBucket]) -> List[torch.Tensor]:
+        """Wait for every bucket's collective; this rank's reduced part of
+        each (not postscaled yet). The buffers are then whole, zeros outside
+        the part (or the whole sum), for the unflatten."""
+        for p in pending:
+            wait_for(p)
+        return [self.parts[p.bucket.index] for p in pending]
+
+
+class ReleasedBuffers(_ShardBuffers):
+    """Buffers and parts released between uses (``shard_gradients=True``,
+    ZeRO-2): see the module's docstring."""
+
+    def __init__(self, plan: BucketPlan, owned: Sequence[Tuple[int, int]], collective) -> None:
+        super().__init__(plan, owned, collective)
+        count = len(plan.buckets)
+        self.part_in_place = [collective.asynchronous and index >= count - ALIVE
+                              for index in range(count)]
+        # each buffer's owned slot, what a part of its own is copied from when
+        # the collective left it there; the buckets started in this backward
+        # whose buffers still have memory, oldest first
+        self.owned_slots: List[Optional[torch.Tensor]] = [None] * count
+        self.in_flight: List[PendingBucket] = []
 
     def buffer_for(self, index: int) -> torch.Tensor:
         """Bucket ``index``'s flat buffer, its memory allocated again if it was
@@ -71,13 +110,13 @@ class ShardBuffers:
                 self.parts[index] = owned
             else:
                 self.owned_slots[index] = owned
-        elif self.released:  # only these are ever released
+        else:
             materialise(buffer)
         return buffer
 
     def part_for(self, index: int) -> torch.Tensor:
-        """Released: bucket ``index``'s part (made, or its memory allocated
-        again, if need be): a slot of its buffer, or a tensor of its own."""
+        """Bucket ``index``'s part (made, or its memory allocated again, if
+        need be): a slot of its buffer, or a tensor of its own."""
         if self.part_in_place[index]:
             self.buffer_for(index)
             return self.parts[index]
@@ -93,11 +132,8 @@ class ShardBuffers:
 
     def start(self, bucket, tensors: Sequence[torch.Tensor], prescale: float) -> PendingBucket:
         """Flatten ``bucket`` and start the collective that leaves this rank's
-        part in ``parts`` (released: its buffer retired in turn)."""
+        part in ``parts``, the buffers of earlier buckets retired in turn."""
         index = bucket.index
-        if not self.released:
-            return self.collective.start(bucket, tensors, self.buffer_for(index),
-                                         self.parts[index], prescale)
         self.retire_before(index)
         part = self.part_for(index)
         if not self.collective.buffered:  # the flatten is the whole reduction
@@ -116,23 +152,23 @@ class ShardBuffers:
             release(buffer)
 
     def pass_ended(self) -> None:
-        """A backward's buckets are written back (or it failed): released
-        buffers and parts give their memory back."""
-        if self.released:
-            for index in range(len(self.buffers)):
-                self.release_part(index)
-            self.in_flight = []
+        """A backward's buckets are written back (or it failed): the buffers
+        and parts give their memory back."""
+        for index in range(len(self.buffers)):
+            self.release_part(index)
+        self.in_flight = []
 
     def release_part(self, index: int) -> None:
-        """Released: give back bucket ``index``'s part and buffer."""
+        """Give back bucket ``index``'s part and buffer (``owned_writeback``
+        does after writing the part into ``.grad``)."""
         self.release_buffer(index)
         if not self.part_in_place[index] and self.parts[index] is not None:
             release(self.parts[index])
 
     def retire(self, pending: PendingBucket) -> None:
-        """Released: wait for ``pending``'s collective, copy this rank's part
-        out of the buffer if the collective left it there, and release the
-        buffer's memory."""
+        """Wait for ``pending``'s collective, copy this rank's part out of the
+        buffer if the collective left it there, and release the buffer's
+        memory."""
         wait_for(pending)
         pending.work = None
         index = pending.bucket.index
@@ -143,9 +179,9 @@ class ShardBuffers:
         self.release_buffer(index)
 
     def retire_before(self, index: int) -> None:
-        """Released, as bucket ``index`` starts: retire the buckets started
-        ``ALIVE`` or more before it, and any left by a backward that raised
-        (buckets start in order, so those are the ones not before it)."""
+        """As bucket ``index`` starts: retire the buckets started ``ALIVE`` or
+        more before it, and any left by a backward that raised (buckets start
+        in order, so those are the ones not before it)."""
         while self.in_flight:
             started = self.in_flight[0].bucket.index
             if 0 < index - started < ALIVE:
@@ -159,12 +195,7 @@ class ShardBuffers:
 
     def finished_parts(self, pending: Sequence[PendingBucket]) -> List[torch.Tensor]:
         """Wait for every bucket's collective; this rank's reduced part of
-        each (not postscaled yet). Kept buffers are then whole, zeros outside
-        the part (or the whole sum), for the unflatten."""
-        if self.released:
-            while self.in_flight:
-                self.retire(self.in_flight.pop(0))
-        else:
-            for p in pending:
-                wait_for(p)
+        each (not postscaled yet)."""
+        while self.in_flight:
+            self.retire(self.in_flight.pop(0))
         return [self.parts[p.bucket.index] for p in pending]

@@ -3,7 +3,7 @@
 During backward each bucket is flattened (cast and prescaled in the same
 launch) and reduced as soon as it is ready, by the collective chosen once
 for the group (``grad_collectives.sharded_collective``), into the buffers
-and parts whose lifetime ``shard_buffers.ShardBuffers`` keeps; when
+and parts whose lifetime ``shard_buffers`` keeps; when
 backward ends, each ``.grad`` holds the reduced gradient on the elements
 this rank owns and zeros elsewhere (one write-back launch per bucket; with
 ``shard_gradients`` only the owned gradients: ``owned_writeback``), and
@@ -26,7 +26,7 @@ from .buckets import FlatBuffers
 from .grad_collectives import sharded_collective
 from .nonfinite import OwnedNonfinite
 from .owned_writeback import OwnedGradients, PartsAndZeros
-from .shard_buffers import ShardBuffers
+from .shard_buffers import KeptBuffers, ReleasedBuffers
 from .sharded import OwnedRange, ShardLayout, ranges_between
 
 
@@ -86,7 +86,8 @@ class ShardedGradReducer(ReducerSurface):
         # through the tree's reverse swaps
         self.tree_shares = getattr(collective, "tree_shares", None)  # AdaSum's halving's
         self.owned = collective.owned_by(self.rank)
-        self._lifetime = ShardBuffers(self.plan, self.owned, collective, shard_gradients)
+        self._lifetime = (ReleasedBuffers if shard_gradients else KeptBuffers)(
+            self.plan, self.owned, collective)
         plan, order = self.plan, self._order
         # the tensor elements each part holds and where they start in it:
         # what the part's write-back launch fills

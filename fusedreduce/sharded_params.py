@@ -29,7 +29,6 @@ whole in ``shard_transport``.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -41,7 +40,7 @@ from .adasum import TreeShare, adasum_gather
 from .allreduce import PendingBucket, wait_for
 from .buckets import Bucket, BucketPlan
 from .buffer_lifetime import ALIVE, KeptBuffer, ReleasedBuffer, reinterpret
-from .clipping import max_over_ranks, norm_dtype_of
+from .clipping import norm_dtype_of, norm_over_ranks
 from .param_shard import ParamShard, param_shard
 from .param_swap import swapped
 from .precision import exact_common_dtype
@@ -248,7 +247,8 @@ class ShardedParameters:
         """The norm of order ``norm_type`` of the whole reduced gradient, from
         this rank's owned slices and one scalar all-reduce, on the gradients'
         device, the same bits on every rank: fp32, or fp64 when a parameter
-        is fp64 (``clipping.norm_dtype_of``, as torch's ``clip_grad_norm_``)."""
+        is fp64 (``clipping.norm_dtype_of``, as torch's ``clip_grad_norm_``),
+        the ranks' shares combined by ``clipping.norm_over_ranks``."""
         slices = [s.slice_of(s.param.grad) for s in self.by_param.values()
                   if s.param.grad is not None]
         device = self.params[0].device if self.params else torch.device("cpu")
@@ -259,16 +259,7 @@ class ShardedParameters:
         # overflow from |x| ~ 1.8e19 for p = 2 (torch's 2e22 row)
         norms = torch.stack([n.double() for n in torch._foreach_norm(slices, norm_type)]) \
             if slices else torch.zeros(1, dtype=torch.float64, device=device)
-        if norm_type == math.inf:
-            local = norms.max()  # NaN propagates
-            if self.world_size > 1:
-                local = max_over_ranks(local, self.group, self.world_size)
-            return local.to(dtype)
-        # sums of p-th powers add across the ranks; the root is taken once
-        power = norms.pow(norm_type).sum()
-        if self.world_size > 1:
-            dist.all_reduce(power, group=self.group)
-        return power.pow(1.0 / norm_type).to(dtype)
+        return norm_over_ranks(norms, norm_type, self.group, self.world_size).to(dtype)
 
     # ----------------------------------------------------------------- state
     # the optimizer state across the cut between this rank's part and the

@@ -19,8 +19,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .buckets import FlatBuffers, storage_bytes
-from .checkpoint_group import checkpoint_group
-from .optimizer_checkpoint import ShardedCheckpoint
+from .optimizer_checkpoint import ShardedCheckpoint, state_gather
 from .param_swap import params_of
 from .sharded import ShardLayout
 from .sharded_optimizer import ShardedGradReducer, ShardedParameters
@@ -40,8 +39,11 @@ class ShardedStep(ShardedCheckpoint):
         self.options = options
         self.trainable: List[torch.Tensor] = [p for p in params_of(opt) if p.requires_grad]
         self.sharded: Optional[ShardedParameters] = None
-        self.checkpoint_group = None
+        self.state_gather = None
         self.reducer: ShardedGradReducer = self._hooked_reducer(opt)
+        # torch's clip_grad_norm_ left in the loop must take the whole
+        # gradient's norm; alone, a rank holds the whole gradient already
+        self._follow_torch_clip = track_torch_clip if options.world_size > 1 else _untracked
 
     def _hooked_reducer(self, opt: torch.optim.Optimizer) -> ShardedGradReducer:
         """The sharded plan over every parameter, hooked."""
@@ -58,17 +60,15 @@ class ShardedStep(ShardedCheckpoint):
 
     def connect(self) -> None:
         """The checkpoint group (made where every rank is: making a group is
-        collective)."""
-        self.checkpoint_group = checkpoint_group(self.options.group,
-                                                 self.options.checkpoint_timeout)
+        collective), in how ``full_state`` gathers (``state_gather``)."""
+        self.state_gather = state_gather(self.options.group, self.options.world_size,
+                                         self.options.checkpoint_timeout)
 
     def start(self, opt: torch.optim.Optimizer) -> None:
         """This rank's slices of the (broadcast) parameters, and its part of
         the state."""
         self._take_shards(opt, opt.state)
-        if self.options.world_size > 1:
-            # torch's clip_grad_norm_ left in the loop: the whole gradient's norm
-            track_torch_clip(opt)
+        self._follow_torch_clip(opt)
 
     def _take_shards(self, opt: torch.optim.Optimizer, full_state) -> None:
         """This rank's slices of the parameters, and its part of ``full_state``
@@ -181,3 +181,8 @@ class ShardedStep(ShardedCheckpoint):
     def step_locally(self, opt: torch.optim.Optimizer, wrapped) -> None:
         """The wrapped optimizer's step on this rank's part, nothing gathered."""
         self.sharded.step(opt, wrapped.step)
+
+
+def _untracked(opt: torch.optim.Optimizer) -> None:
+    """A world of one rank: torch's ``clip_grad_norm_`` reads the whole
+    gradient as it is."""

@@ -31,17 +31,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import sys
 import warnings
 import weakref
 from typing import List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.utils.clip_grad as _torch_clip
 
-from .clipping import max_over_ranks
+from .clipping import norm_over_ranks
 
 #: the sharded optimizers of more than one rank alive in this process
 _SHARDED: "weakref.WeakSet" = weakref.WeakSet()
@@ -152,14 +150,8 @@ def _whole_norm(optimizer, params: Sequence[torch.Tensor], norm_type: float,
             local = local.to(device=device, dtype=torch.float64)
         else:
             local = torch.zeros((), dtype=torch.float64, device=device)
-        if norm_type == math.inf:
-            total = max_over_ranks(local, sharded.group, sharded.world_size)
-        else:
-            # the p-th powers of the shares' norms add up to the whole's
-            power = local ** norm_type
-            dist.all_reduce(power, group=sharded.group)
-            total = power ** (1.0 / norm_type)
-        total = total.to(dtype)
+        # the p-th powers of the shares' norms add up to the whole's
+        total = norm_over_ranks(local, norm_type, sharded.group, sharded.world_size).to(dtype)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is "

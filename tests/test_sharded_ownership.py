@@ -293,3 +293,32 @@ def test_an_inf_on_one_rank_skips_the_sharded_step_on_every_rank_as_unsharded():
                 assert all(torch.equal(a, b) for a, b in
                            zip(s["params"], runs["unsharded"][0][step]["params"])), \
                     f"{name}, rank {rank}, step {step}: not the unsharded parameters"
+
+
+def _an_inf_where_no_grad_is_kept(rank, world_size):
+    """shard_gradients=True, two weights a part boundary does not cut, an inf
+    in the last rank's: the other rank keeps no ``.grad`` of that weight, so
+    the NaN that tells its GradScaler needs a ``.grad`` made for it."""
+    model = _model(widths=(4, 4, 4))
+    for layer in model:
+        layer.bias.requires_grad_(False)
+    optimizer = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
+                                     shard=True, shard_gradients=True)
+    poison = InfOnOneRank(rank, world_size, at_step=0)
+    model[0].weight.register_hook(poison)
+    _loss(model, rank, 0).backward()
+    params = list(model.parameters())
+    return {"ranges": [(r.param, r.start, r.end, params[r.param].numel())
+                       for r in optimizer.layout.ranges],
+            "nonfinite": any(not bool(torch.isfinite(p.grad).all())
+                             for p in params if p.grad is not None)}
+
+
+def test_an_inf_reaches_a_rank_that_keeps_no_grad_of_its_parameter():
+    results = run_ranks(_an_inf_where_no_grad_is_kept, 2, timeout=120.0,
+                        collective_timeout=SHORT_COLLECTIVE_TIMEOUT)
+    poisoned = 0  # model[0].weight
+    # the case's premise: rank 0 owns whole parameters only, not the poisoned one
+    assert all(start == 0 and end == numel for _, start, end, numel in results[0]["ranges"])
+    assert poisoned not in [r[0] for r in results[0]["ranges"]]
+    assert [seen["nonfinite"] for seen in results] == [True, True]
