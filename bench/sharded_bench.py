@@ -208,11 +208,16 @@ def _loss(net: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.T
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def _build(method: str, name: str, size: int, dtype: torch.dtype,
-           bucket_mb: Optional[float] = None):
+def build(method: str, name: str, size: int, dtype: torch.dtype,
+          bucket_mb: Optional[float] = None):
     """(model, module to call, optimizer) of ``method``, with the same weights
     on every rank; ``bucket_mb``: DDP's and ``DistributedOptimizer``'s bucket
-    cap in MiB (None: each library's default)."""
+    cap in MiB (None: each library's default). Needs a process group.
+
+    Examples:
+        >>> model, net, optimizer = build("ddp_adamw", "resnet50", QUICK_SIZES[0],
+        ...                               torch.float32, 25.0)  # doctest: +SKIP
+    """
     torch.manual_seed(0)
     model = _model(name, size).to(dtype)
     adamw = torch.optim.AdamW
@@ -432,8 +437,8 @@ def rank_measure(rank: int, world_size: int, case: dict, config: dict) -> dict:
     for method in METHODS:
         error = None
         try:
-            model, net, optimizer = _build(method, name, case["size"], dtype,
-                                           config.get("bucket_mb"))
+            model, net, optimizer = build(method, name, case["size"], dtype,
+                                          config.get("bucket_mb"))
             inputs, labels = _batch(name, model, dtype, rank, config)
 
             def step(net=net, optimizer=optimizer, inputs=inputs, labels=labels):

@@ -97,8 +97,8 @@ def rank_times(rank: int, world_size: int, cases: List[dict], repeats: int) -> L
     out = []
     for case in cases:
         dtype = common.DTYPES[case["dtype"]]
-        model, net, optimizer = sharded_bench._build(sharded_bench.SHARDED, case["model"],
-                                                     case["size"], dtype)
+        model, net, optimizer = sharded_bench.build(sharded_bench.SHARDED, case["model"],
+                                                    case["size"], dtype)
         inputs, labels = sharded_bench._batch(case["model"], model, dtype, rank,
                                               sharded_bench.QUICK_SHAPES)
         for _ in range(2):

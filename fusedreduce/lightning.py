@@ -119,9 +119,23 @@ class DistributedOptimizerStrategy(DDPStrategy):
     def setup(self, trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._check_optimizers(trainer)
+            self.check_optimizers(trainer.accumulate_grad_batches)
 
-    def _check_optimizers(self, trainer) -> None:
+    def check_optimizers(self, accumulate_grad_batches: int = 1) -> None:
+        """Refuse ``self.optimizers`` (what ``configure_optimizers`` gave) unless
+        they reduce every trainable parameter of the module, each once every
+        ``accumulate_grad_batches`` backward passes. ``setup`` calls it with
+        the trainer's value before fitting.
+
+        Raises:
+            TypeError: an optimizer is not a ``DistributedOptimizer``.
+            ValueError: a trainable parameter is in no optimizer, or an
+                optimizer's ``backward_passes_per_step`` differs from
+                ``accumulate_grad_batches``.
+
+        Examples:
+            >>> strategy.check_optimizers(trainer.accumulate_grad_batches)  # doctest: +SKIP
+        """
         optimizers: List[object] = [getattr(o, "optimizer", o) for o in self.optimizers]
         for index, optimizer in enumerate(optimizers):
             if not isinstance(optimizer, DistributedOptimizer):
@@ -131,12 +145,12 @@ class DistributedOptimizerStrategy(DDPStrategy):
                     f"so its gradients would not be reduced across ranks: return "
                     f"DistributedOptimizer({type(optimizer).__name__}(...)), or use "
                     f"strategy=\"ddp\"")
-            if optimizer.backward_passes_per_step != trainer.accumulate_grad_batches:
+            if optimizer.backward_passes_per_step != accumulate_grad_batches:
                 raise ValueError(
                     f"DistributedOptimizerStrategy: optimizer {index} reduces every "
                     f"{optimizer.backward_passes_per_step} backward pass(es) "
                     f"(backward_passes_per_step) but the trainer steps every "
-                    f"{trainer.accumulate_grad_batches} (accumulate_grad_batches): make them "
+                    f"{accumulate_grad_batches} (accumulate_grad_batches): make them "
                     f"equal")
         covered = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
         missing = [name for name, p in self.lightning_module.named_parameters()

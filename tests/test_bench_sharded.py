@@ -339,10 +339,10 @@ def _built_buckets(rank, world_size):
     number of DistributedOptimizer's buckets, for the quick ResNet-50."""
     seen = {}
     for cap in (None, 0.05):
-        _, ddp, _ = sharded_bench._build("ddp_adamw", "resnet50", sharded_bench.QUICK_SIZES[0],
-                                         torch.float32, cap)
-        _, _, ours = sharded_bench._build("fused_sharded_grads_adamw", "resnet50",
-                                          sharded_bench.QUICK_SIZES[0], torch.float32, cap)
+        _, ddp, _ = sharded_bench.build("ddp_adamw", "resnet50", sharded_bench.QUICK_SIZES[0],
+                                        torch.float32, cap)
+        _, _, ours = sharded_bench.build("fused_sharded_grads_adamw", "resnet50",
+                                         sharded_bench.QUICK_SIZES[0], torch.float32, cap)
         seen[cap] = (ddp.bucket_bytes_cap, len(ours.layout.plan.buckets))
     return seen
 

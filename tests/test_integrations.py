@@ -179,7 +179,6 @@ def test_fused_clipping_in_the_frameworks_trains_like_their_own_clipping(case):
 
 def _strategy_checks(rank, world_size):
     """The strategy's refusals, on one rank (a DistributedOptimizer needs a group)."""
-    from types import SimpleNamespace
 
     import lightning.pytorch as pl
     from torch import nn
@@ -195,10 +194,10 @@ def _strategy_checks(rank, world_size):
     def refusal(optimizers, accumulate=1):
         strategy = DistributedOptimizerStrategy()
         module = Module()
-        strategy._lightning_module = module
+        strategy.connect(module)
         strategy.optimizers = optimizers(module)
         try:
-            strategy._check_optimizers(SimpleNamespace(accumulate_grad_batches=accumulate))
+            strategy.check_optimizers(accumulate)
         except (TypeError, ValueError) as exc:
             return type(exc).__name__, str(exc)
         return None
