@@ -6,7 +6,9 @@ hook, AdaSum vs all_reduce), hooks and adasum (one part of collectives each)
 and all (kernels, then collectives); sharded (its own ranks per world size:
 sharded optimizers against DDP, step time and memory per rank) and gpu-check
 have their own options; cluster makes a simulated multi-node cluster (network
-namespaces, shaped links) and probes it or runs a script on it. Tables go to
+namespaces, shaped links) and probes it or runs a script on it; model predicts
+each reduction strategy's step time across nodes (and checks itself against
+the simulated cluster). Tables go to
 stdout, progress to stderr; --json and --plot keep every figure. Under torchrun (RANK, WORLD_SIZE and
 MASTER_ADDR set) the command joins that launch instead of spawning workers,
 and only rank 0 prints and writes.
@@ -22,8 +24,8 @@ import torch.distributed as dist
 
 from fusedreduce.kernels import resolve_backend
 
-from . import (cluster, collectives_bench, common, gpu_check, kernels_bench, plot, ranks,
-               reduce_bench, sharded_bench)
+from . import (cluster, collectives_bench, common, gpu_check, kernels_bench, model_bench, plot,
+               ranks, reduce_bench, sharded_bench)
 from .models import TENSOR_LISTS
 
 # command -> the parts it runs: "kernels" and the collectives' parts
@@ -102,6 +104,7 @@ def build_parser(prog: str = "fusedreduce-bench") -> argparse.ArgumentParser:
     gpu_check.add_parser(subparsers)
     sharded_bench.add_parser(subparsers)
     cluster.add_parser(subparsers)
+    model_bench.add_parser(subparsers)
     return parser
 
 
@@ -238,6 +241,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "fusedreduce-bench") 
         return sharded_bench.main(args)
     if args.command == cluster.NAME:
         return cluster.main(args)
+    if args.command == model_bench.NAME:
+        return model_bench.main(args)
     if args.plot:
         plot.require_matplotlib()  # before any measurement
     parts = COMMANDS[args.command]

@@ -1,0 +1,239 @@
+"""Gradient-reduction communication patterns timed on gloo ranks, phase by phase.
+
+A pattern is built once per rank from the process groups (``Groups``: the
+world, this rank's node, and the ranks of its local index on every node) and
+a flat fp32 gradient buffer, and returns a step: a call that reduces the
+buffer (the sum over every rank) and returns the seconds of each of its
+collectives, each timed from a barrier. ``PATTERNS`` is the table the runner
+reads; another entry (the library's own collectives, timed as one phase) can
+be added without touching the runner.
+
+- ``fused_fp32``: one all-reduce of the buffer over the world.
+- ``two_level_fp32``: reduce-scatter inside the node, all-reduce of this
+  rank's 1/L part across nodes, all-gather inside the node.
+- ``two_level_int8``: reduce-scatter in fp32 inside the node; the part
+  quantized to int8 codes with one fp32 scale per block of ``WIRE_BLOCK``
+  elements (absmax/127), codes and scales packed per destination and
+  exchanged across nodes by one all-to-all; the received chunks dequantized
+  and summed in fp32 in rank order; the summed chunk quantized again and
+  all-gathered across nodes in int8; dequantized; all-gathered inside the node
+  in fp32. Quantization here is plain torch (what the wire kernels fuse into
+  the flatten pass is not on the wire, so it is not timed).
+
+``run_patterns`` runs on every rank of a cluster (``Cluster.run``): it counts
+the bytes each node's link sent during each step (``tx_bytes`` of the node's
+interface, read from ``/proc/self/net/dev``, which follows the rank's network
+namespace) and returns, on rank 0, every step's slowest-rank phase times.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .step_model import WIRE_BLOCK
+
+Step = Callable[[], Tuple[Dict[str, float], torch.Tensor]]
+
+
+@dataclass
+class Groups:
+    """This rank's place: its node's group and its local index's group across nodes."""
+    rank: int
+    world_size: int
+    local_size: int
+    intra: object
+    cross: object
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.local_size
+
+
+def make_groups(rank: int, world_size: int, local_size: int) -> Groups:
+    """Every node's group and every local index's group (all ranks make every
+    group, in the same order, as ``dist.new_group`` requires).
+
+    Raises:
+        ValueError: ``world_size`` not a multiple of ``local_size``.
+    """
+    if local_size < 1 or world_size % local_size:
+        raise ValueError(f"local_size must divide world_size {world_size}, got {local_size}")
+    nodes = world_size // local_size
+    intra = [dist.new_group(list(range(k * local_size, (k + 1) * local_size)))
+             for k in range(nodes)]
+    cross = [dist.new_group(list(range(i, world_size, local_size))) for i in range(local_size)]
+    return Groups(rank, world_size, local_size, intra[rank // local_size],
+                  cross[rank % local_size])
+
+
+def _timed(times: Dict[str, float], name: str, collective: Callable[[], object]) -> None:
+    dist.barrier()
+    started = time.perf_counter()
+    collective()
+    times[name] = times.get(name, 0.0) + time.perf_counter() - started
+
+
+def quantize_int8(x: torch.Tensor, block: int = WIRE_BLOCK):
+    """Blockwise int8 codes of ``x`` (numel a multiple of ``block``) and one
+    fp32 scale per block, absmax/127, rounded to nearest."""
+    blocks = x.view(-1, block)
+    scales = blocks.abs().amax(dim=1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes.view(-1), scales
+
+
+def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor,
+                    block: int = WIRE_BLOCK) -> torch.Tensor:
+    return (codes.view(-1, block).float() * scales[:, None]).view(-1)
+
+
+def _pack(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """Codes and scales as one uint8 tensor of ``rows`` rows (one per destination)."""
+    return torch.cat([codes.view(torch.uint8).view(rows, -1),
+                      scales.view(torch.uint8).view(rows, -1)], dim=1)
+
+
+def _unpack(packed: torch.Tensor, block: int):
+    """``_pack``'s inverse, row by row: codes (rows, n) and scales (rows, n/block)."""
+    width = packed.shape[1]
+    n = width * block // (block + 4)
+    codes = packed[:, :n].contiguous().view(torch.int8)
+    scales = packed[:, n:].contiguous().view(torch.float32)
+    return codes, scales
+
+
+def fused_fp32(groups: Groups, grads: torch.Tensor) -> Step:
+    buffer = torch.empty_like(grads)
+
+    def step():
+        times: Dict[str, float] = {}
+        buffer.copy_(grads)
+        _timed(times, "all_reduce world", lambda: dist.all_reduce(buffer))
+        return times, buffer
+    return step
+
+
+def two_level_fp32(groups: Groups, grads: torch.Tensor) -> Step:
+    part = torch.empty(grads.numel() // groups.local_size)
+    out = torch.empty_like(grads)
+
+    def step():
+        times: Dict[str, float] = {}
+        _timed(times, "reduce_scatter intra",
+               lambda: dist.reduce_scatter_tensor(part, grads, group=groups.intra))
+        _timed(times, "all_reduce cross", lambda: dist.all_reduce(part, group=groups.cross))
+        _timed(times, "all_gather intra",
+               lambda: dist.all_gather_into_tensor(out, part, group=groups.intra))
+        return times, out
+    return step
+
+
+def two_level_int8(groups: Groups, grads: torch.Tensor, block: int = WIRE_BLOCK) -> Step:
+    nodes = groups.nodes
+    part = torch.empty(grads.numel() // groups.local_size)
+    chunk = part.numel() // nodes
+    if chunk % block:
+        raise ValueError(f"the buffer's numel must be a multiple of world_size x {block}")
+    gathered_part = torch.empty_like(part)
+    out = torch.empty_like(grads)
+
+    def step():
+        times: Dict[str, float] = {}
+        _timed(times, "reduce_scatter intra",
+               lambda: dist.reduce_scatter_tensor(part, grads, group=groups.intra))
+        send = _pack(*quantize_int8(part, block), nodes)
+        received = torch.empty_like(send)
+        _timed(times, "all_to_all cross",
+               lambda: dist.all_to_all_single(received, send, group=groups.cross))
+        codes, scales = _unpack(received, block)
+        total = dequantize_int8(codes[0], scales[0], block)
+        for r in range(1, nodes):
+            total += dequantize_int8(codes[r], scales[r], block)
+        mine = _pack(*quantize_int8(total, block), 1)
+        every = torch.empty(nodes, mine.shape[1], dtype=torch.uint8)
+        _timed(times, "all_gather cross",
+               lambda: dist.all_gather_into_tensor(every, mine, group=groups.cross))
+        codes, scales = _unpack(every, block)
+        gathered_part.copy_(dequantize_int8(codes.reshape(-1), scales.reshape(-1), block))
+        _timed(times, "all_gather intra",
+               lambda: dist.all_gather_into_tensor(out, gathered_part, group=groups.intra))
+        return times, out
+    return step
+
+
+#: pattern name -> builder(groups, grads) -> step; a step returns (phase seconds, the sum)
+PATTERNS: Dict[str, Callable[[Groups, torch.Tensor], Step]] = {
+    "fused_fp32": fused_fp32,
+    "two_level_fp32": two_level_fp32,
+    "two_level_int8": two_level_int8,
+}
+
+
+def tx_bytes(interface: str) -> int:
+    """Bytes ``interface`` has sent, in this process's network namespace."""
+    with open("/proc/self/net/dev") as handle:
+        for line in handle:
+            name, _, counters = line.partition(":")
+            if name.strip() == interface:
+                return int(counters.split()[8])
+    raise ValueError(f"no interface {interface!r} in this network namespace")
+
+
+def padded_numel(numel: int, world_size: int, block: int = WIRE_BLOCK) -> int:
+    """``numel`` rounded up to a whole block per rank (a blockwise layout pads so)."""
+    unit = world_size * block
+    return -(-numel // unit) * unit
+
+
+def rank_gradients(rank: int, numel: int) -> torch.Tensor:
+    """Rank ``rank``'s gradients: reproducible normal values, the same on every run."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(numel, generator=generator)
+
+
+def run_patterns(rank: int, world_size: int, local_size: int, numel: int,
+                 names: Sequence[str], repeats: int, interface: Optional[str] = "fr0",
+                 check: bool = True) -> Optional[dict]:
+    """On every rank: each pattern run once untimed, then ``repeats`` times
+    round-robin. Rank 0 returns ``{"steps": {name: [{phase: seconds} per
+    step]}, "tx_bytes": {name: [bytes the busiest node sent per step]},
+    "numel": the buffer's size, ``numel`` padded by ``padded_numel``,
+    "max_error": {name: max |sum - float64 sum| of the untimed step}}``; the
+    phase seconds are the slowest rank's. ``interface=None`` counts no bytes.
+    """
+    groups = make_groups(rank, world_size, local_size)
+    numel = padded_numel(numel, world_size)
+    grads = rank_gradients(rank, numel)
+    steps = {name: PATTERNS[name](groups, grads) for name in names}
+    record: dict = {"numel": numel, "steps": {name: [] for name in names},
+                    "tx_bytes": {name: [] for name in names}, "max_error": {}}
+    counting = interface is not None and rank % local_size == 0
+    for name in names:
+        _, result = steps[name]()
+        if check:
+            expected = sum(rank_gradients(r, numel).double() for r in range(world_size))
+            record["max_error"][name] = float((result.double() - expected).abs().max())
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in list(names[shift:]) + list(names[:shift]):
+            dist.barrier()
+            before = tx_bytes(interface) if counting else 0
+            times, _ = steps[name]()
+            dist.barrier()
+            sent = torch.tensor([float(tx_bytes(interface) - before) if counting else 0.0])
+            slowest = torch.tensor([times[phase] for phase in sorted(times)])
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+            record["steps"][name].append(dict(zip(sorted(times), slowest.tolist())))
+            record["tx_bytes"][name].append(sent.item())
+    return record if rank == 0 else None
+
+
+def comm_seconds(steps: List[Dict[str, float]]) -> List[float]:
+    """Each step's communication time: the sum of its phases."""
+    return [sum(step.values()) for step in steps]
