@@ -13,8 +13,8 @@ be added without touching the runner.
   rank's 1/L part across nodes, all-gather inside the node.
 - ``two_level_int8``: reduce-scatter in fp32 inside the node; the part
   quantized to int8 codes with one fp32 scale per block of ``WIRE_BLOCK``
-  elements (absmax/127), codes and scales packed per destination and
-  exchanged across nodes by one all-to-all; the received chunks dequantized
+  elements (absmax/127), codes and scales packed per destination (as int32
+  words) and exchanged across nodes by one all-to-all; the received chunks dequantized
   and summed in fp32 in rank order; the summed chunk quantized again and
   all-gathered across nodes in int8; dequantized; all-gathered inside the node
   in fp32. Quantization here is plain torch (what the wire kernels fuse into
@@ -93,15 +93,18 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor,
 
 
 def _pack(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
-    """Codes and scales as one uint8 tensor of ``rows`` rows (one per destination)."""
-    return torch.cat([codes.view(torch.uint8).view(rows, -1),
-                      scales.view(torch.uint8).view(rows, -1)], dim=1)
+    """Codes and scales as one int32 tensor of ``rows`` rows (one per destination):
+    the wire's bytes in 4-byte words, which gloo moves at the link's rate where
+    it moves 1-byte elements at about half of it (all_to_all_single here)."""
+    packed = torch.cat([codes.view(torch.uint8).view(rows, -1),
+                        scales.view(torch.uint8).view(rows, -1)], dim=1)
+    return packed.view(torch.int32)
 
 
 def _unpack(packed: torch.Tensor, block: int):
     """``_pack``'s inverse, row by row: codes (rows, n) and scales (rows, n/block)."""
-    width = packed.shape[1]
-    n = width * block // (block + 4)
+    packed = packed.view(torch.uint8)
+    n = packed.shape[1] * block // (block + 4)
     codes = packed[:, :n].contiguous().view(torch.int8)
     scales = packed[:, n:].contiguous().view(torch.float32)
     return codes, scales
@@ -155,7 +158,7 @@ def two_level_int8(groups: Groups, grads: torch.Tensor, block: int = WIRE_BLOCK)
         for r in range(1, nodes):
             total += dequantize_int8(codes[r], scales[r], block)
         mine = _pack(*quantize_int8(total, block), 1)
-        every = torch.empty(nodes, mine.shape[1], dtype=torch.uint8)
+        every = torch.empty(nodes, mine.shape[1], dtype=mine.dtype)
         _timed(times, "all_gather cross",
                lambda: dist.all_gather_into_tensor(every, mine, group=groups.cross))
         codes, scales = _unpack(every, block)

@@ -106,8 +106,6 @@ def measure_kernels(numel: int, repeats: int, device: torch.device) -> Dict[str,
 # ------------------------------------------------------------ the cluster check
 
 CHECK_PATTERNS = tuple(cluster_patterns.PATTERNS)
-#: loopback figures: each intra-node collective kind timed on this many elements
-INTRA_PROBE_NUMEL = 4 * 2 ** 20
 
 
 def _intra_probe(rank: int, world_size: int, local_size: int, numel: int,
@@ -162,12 +160,14 @@ def check_cluster(numel: int, repeats: int, rate: str, kernels: Dict[str, float]
         fusedreduce.bench.cluster.ClusterUnavailable: no root, no ``ip``/``tc``.
     """
     local = 2
+    # the loopback's speed depends on the message size (caches): probed at the patterns'
+    numel = cluster_patterns.padded_numel(numel, 2 * local)
     with cluster.Cluster(nodes=2, ranks_per_node=local, rate=rate) as sim:
         probe = sim.probe()
-        intra = sim.run(_intra_probe, local, INTRA_PROBE_NUMEL, repeats, timeout=timeout)[0]
+        intra = sim.run(_intra_probe, local, numel, repeats, timeout=timeout)[0]
         measured = sim.run(cluster_patterns.run_patterns, local, numel, CHECK_PATTERNS,
                            repeats, timeout=timeout)[0]
-    links = simulated_links(probe, intra, INTRA_PROBE_NUMEL, kernels)
+    links = simulated_links(probe, intra, numel, kernels)
     rows = []
     for name in CHECK_PATTERNS:
         predicted = step_model.predict(name, measured["numel"], 2, links)
