@@ -169,12 +169,32 @@ def two_level_int8(groups: Groups, grads: torch.Tensor, block: int = WIRE_BLOCK)
     return step
 
 
+def loopback(groups: Groups, grads: torch.Tensor) -> Step:
+    """Not a reduction: each collective kind inside the node on the buffer, every
+    node at once, as the patterns run them (the model's loopback figures)."""
+    buffer, out = torch.empty_like(grads), torch.empty_like(grads)
+    part = torch.empty(grads.numel() // groups.local_size)
+
+    def step():
+        times: Dict[str, float] = {}
+        buffer.copy_(grads)
+        _timed(times, "all_reduce intra", lambda: dist.all_reduce(buffer, group=groups.intra))
+        _timed(times, "reduce_scatter intra",
+               lambda: dist.reduce_scatter_tensor(part, grads, group=groups.intra))
+        _timed(times, "all_gather intra",
+               lambda: dist.all_gather_into_tensor(out, part, group=groups.intra))
+        return times, None
+    return step
+
+
 #: pattern name -> builder(groups, grads) -> step; a step returns (phase seconds, the sum)
 PATTERNS: Dict[str, Callable[[Groups, torch.Tensor], Step]] = {
     "fused_fp32": fused_fp32,
     "two_level_fp32": two_level_fp32,
     "two_level_int8": two_level_int8,
 }
+#: what the runner times beside the patterns: their steps return no sum
+PROBES: Dict[str, Callable[[Groups, torch.Tensor], Step]] = {"loopback": loopback}
 
 
 def tx_bytes(interface: str) -> int:
@@ -206,19 +226,21 @@ def run_patterns(rank: int, world_size: int, local_size: int, numel: int,
     round-robin. Rank 0 returns ``{"steps": {name: [{phase: seconds} per
     step]}, "tx_bytes": {name: [bytes the busiest node sent per step]},
     "numel": the buffer's size, ``numel`` padded by ``padded_numel``,
-    "max_error": {name: max |sum - float64 sum| of the untimed step}}``; the
-    phase seconds are the slowest rank's. ``interface=None`` counts no bytes.
+    "max_error": {name: max |sum - float64 sum| of the untimed step}}`` (names
+    from ``PATTERNS`` and ``PROBES``; a probe has no sum to check); the phase
+    seconds are the slowest rank's. ``interface=None`` counts no bytes.
     """
     groups = make_groups(rank, world_size, local_size)
     numel = padded_numel(numel, world_size)
     grads = rank_gradients(rank, numel)
-    steps = {name: PATTERNS[name](groups, grads) for name in names}
+    builders = {**PATTERNS, **PROBES}
+    steps = {name: builders[name](groups, grads) for name in names}
     record: dict = {"numel": numel, "steps": {name: [] for name in names},
                     "tx_bytes": {name: [] for name in names}, "max_error": {}}
     counting = interface is not None and rank % local_size == 0
     for name in names:
         _, result = steps[name]()
-        if check:
+        if check and result is not None:
             expected = sum(rank_gradients(r, numel).double() for r in range(world_size))
             record["max_error"][name] = float((result.double() - expected).abs().max())
     for round_ in range(repeats):

@@ -13,7 +13,8 @@ on CUDA, else the figure measured on an H100 (``H100_KERNEL_BW``), or
 ``--check-cluster`` (root) checks the model against the simulated cluster:
 2 nodes of 2 gloo ranks over 1 Gbit/s links; it probes the links
 (``Cluster.probe``: bandwidth between nodes, gloo's round trip) and the
-loopback inside the nodes (each collective kind, every node at once), runs
+loopback inside the nodes (each collective kind on the same buffer, every
+node at once, timed round-robin with the patterns), runs
 ``cluster_patterns.PATTERNS`` (flat fp32, two-level fp32, two-level int8),
 and prints the model's time for each beside the measured one, the error,
 the bytes that crossed each node's link per step and the measured ratios.
@@ -108,41 +109,18 @@ def measure_kernels(numel: int, repeats: int, device: torch.device) -> Dict[str,
 CHECK_PATTERNS = tuple(cluster_patterns.PATTERNS)
 
 
-def _intra_probe(rank: int, world_size: int, local_size: int, numel: int,
-                 repeats: int) -> Optional[Dict[str, float]]:
-    """Rank 0: each intra-node collective kind's median seconds on ``numel`` fp32
-    elements, every node at once (the loopback shared as the patterns share it)."""
-    import torch.distributed as dist
-    groups = cluster_patterns.make_groups(rank, world_size, local_size)
-    x = torch.ones(numel)
-    part, out = torch.empty(numel // local_size), torch.empty(numel)
-    kinds = {"all_reduce": lambda: dist.all_reduce(x, group=groups.intra),
-             "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, x, group=groups.intra),
-             "all_gather": lambda: dist.all_gather_into_tensor(out, part, group=groups.intra)}
-    samples: Dict[str, List[float]] = {kind: [] for kind in kinds}
-    for call in kinds.values():
-        call()
-    for _ in range(repeats):
-        for kind, call in kinds.items():
-            dist.barrier()
-            started = time.perf_counter()
-            call()
-            seconds = torch.tensor([time.perf_counter() - started])
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-            samples[kind].append(seconds.item())
-    return {kind: statistics.median(v) for kind, v in samples.items()} if rank == 0 else None
-
-
 def simulated_links(probe: dict, intra_seconds: Dict[str, float], intra_numel: int,
                     kernels: Dict[str, float]) -> step_model.Links:
     """The model's figures for the simulated cluster: the NIC (one per node) from the
     probe's all_reduce bus bandwidth between nodes, the loopback from each intra
-    kind's time (bus bytes / seconds), half a gloo round trip per ring step."""
+    kind's time on ``intra_numel`` fp32 elements (bus bytes / seconds), half a gloo
+    round trip per ring step."""
     local = probe["ranks_per_node"]
     intra = {kind: step_model.bus_factor(kind, local) * intra_numel * 4 / seconds
              for kind, seconds in intra_seconds.items()}
     sources = {"nic_bw": "Cluster.probe(): all_reduce busbw between nodes",
-               "intra_bw": "this run's loopback probe: every node at once, per kind",
+               "intra_bw": "the runner's loopback probe, round-robin with the patterns on "
+                           "their buffer, every node at once, per kind",
                "latency": "Cluster.probe(): half of gloo's round trip per ring step"}
     return step_model.Links(
         name="simulated cluster", ranks_per_node=local,
@@ -160,13 +138,14 @@ def check_cluster(numel: int, repeats: int, rate: str, kernels: Dict[str, float]
         fusedreduce.bench.cluster.ClusterUnavailable: no root, no ``ip``/``tc``.
     """
     local = 2
-    # the loopback's speed depends on the message size (caches): probed at the patterns'
     numel = cluster_patterns.padded_numel(numel, 2 * local)
     with cluster.Cluster(nodes=2, ranks_per_node=local, rate=rate) as sim:
         probe = sim.probe()
-        intra = sim.run(_intra_probe, local, numel, repeats, timeout=timeout)[0]
-        measured = sim.run(cluster_patterns.run_patterns, local, numel, CHECK_PATTERNS,
-                           repeats, timeout=timeout)[0]
+        measured = sim.run(cluster_patterns.run_patterns, local, numel,
+                           CHECK_PATTERNS + ("loopback",), repeats, timeout=timeout)[0]
+    intra = {phase.split()[0]: statistics.median(step[phase]
+                                                 for step in measured["steps"]["loopback"])
+             for phase in measured["steps"]["loopback"][0]}
     links = simulated_links(probe, intra, numel, kernels)
     rows = []
     for name in CHECK_PATTERNS:
