@@ -22,10 +22,10 @@ the bytes that crossed each node's link per step and the measured ratios.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
-import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ from fusedreduce.kernels import flatten_cast_scale, unflatten_cast_scale
 
 from . import cluster, cluster_patterns, common, step_model
 from .models import gradients
-from .timing import synchronize
+from .timing import summary_ms, time_interleaved
 
 NAME = "model"
 
@@ -82,26 +82,25 @@ ASSUMPTIONS = [
 ]
 
 
+#: untimed calls before timing: a kept launch's first calls choose its way (timed)
+KERNEL_WARMUP = 4
+
+
 def measure_kernels(numel: int, repeats: int, device: torch.device) -> Dict[str, float]:
     """Bytes moved per second by ``flatten_cast_scale`` and ``unflatten_cast_scale`` of
-    ResNet-50-shaped fp32 gradients to / from a kept fp32 buffer (read + written)."""
+    ResNet-50-shaped fp32 gradients to / from a kept fp32 buffer (read + written):
+    the median call, the two timed round-robin after ``KERNEL_WARMUP`` calls each."""
     grads = gradients("resnet50", numel, torch.float32, device, seed=0)
     total = sum(g.numel() for g in grads)
     flat = torch.empty(total, device=device)
     calls = {"flatten": lambda: flatten_cast_scale(grads, flat),
              "unflatten": lambda: unflatten_cast_scale(flat, grads)}
-    rates = {}
-    for name, call in calls.items():
-        call()
-        times = []
-        for _ in range(repeats):
-            synchronize(device)
-            started = time.perf_counter()
+    for call in calls.values():
+        for _ in range(KERNEL_WARMUP):
             call()
-            synchronize(device)
-            times.append(time.perf_counter() - started)
-        rates[name] = 2 * 4 * total / statistics.median(times)
-    return rates
+    samples = time_interleaved(calls, repeats, device)
+    return {name: 2 * 4 * total / (summary_ms(times)["time_ms"] / 1e3)
+            for name, times in samples.items()}
 
 
 # ------------------------------------------------------------ the cluster check
@@ -236,6 +235,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--kernel-gbps", type=float, metavar="GB/S",
                         help="the kernel passes' bytes moved per second for the GPU "
                              "prediction (default: measured on CUDA, else the H100 figure)")
+    parser.add_argument("--nics-per-node", type=int, metavar="K",
+                        help="400 Gb/s NICs per 8-GPU node (default 8, one per GPU)")
     parser.add_argument("--compute-ms", type=float, default=0.0,
                         help="forward + backward ms added to every step (default 0: the "
                              "step time is the reduction's part)")
@@ -264,6 +265,9 @@ def main(args: argparse.Namespace) -> int:
     elif device.type == "cuda":
         links = H100.with_kernels(kernels["flatten"], kernels["unflatten"],
                                   f"measured here on {torch.cuda.get_device_name(device)}")
+    if args.nics_per_node is not None:
+        links = dataclasses.replace(links, nics_per_node=args.nics_per_node, sources={
+            **links.sources, "nics_per_node": f"{args.nics_per_node} (--nics-per-node)"})
     rows = step_model.predictions(step_model.STRATEGIES, sizes, args.nodes, links,
                                   args.compute_ms / 1e3)
     print(f"# predictions (not measurements) for {links.name}; per cell: communication ms / "

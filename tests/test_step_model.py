@@ -13,7 +13,7 @@ import math
 import pytest
 
 from fusedreduce.bench import cli, cluster, model_bench, step_model
-from fusedreduce.bench.step_model import Links, bus_factor, predict, ring_steps, traffic
+from fusedreduce.bench.step_model import Links, bus_factor, predict, ring_steps
 
 REASON = cluster.unavailable_reason()
 needs_root = pytest.mark.skipif(REASON is not None, reason=REASON or "")
