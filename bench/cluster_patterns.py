@@ -4,7 +4,7 @@ A pattern is built once per rank from the process groups (``Groups``: the
 world, this rank's node, and the ranks of its local index on every node) and
 a flat fp32 gradient buffer, and returns a step: a call that reduces the
 buffer (the sum over every rank) and returns the seconds of each of its
-collectives, each timed from a barrier. ``PATTERNS`` is the table the runner
+collectives, each timed from a barrier, and the sum. ``PATTERNS`` is the table the runner
 reads; another entry (the library's own collectives, timed as one phase) can
 be added without touching the runner.
 

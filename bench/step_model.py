@@ -278,10 +278,25 @@ STRATEGIES = ("ddp", "fused_fp32", "two_level_fp32", "flat_bfloat16", "two_level
 
 
 def predict(name: str, numel: int, nodes: int, links: Links, compute_s: float = 0.0) -> dict:
-    """One prediction: communication, kernel passes and step seconds, and the
-    bytes each link carries per step (``nic_bytes``: through one NIC;
+    """One prediction: communication, kernel passes and step milliseconds, and
+    the bytes each link carries per step (``nic_bytes``: through one NIC;
     ``node_egress_bytes``: leaving one node; ``intra_bytes``: one rank's link
-    in its node)."""
+    in its node).
+
+    Raises:
+        ValueError: an unknown strategy ``name`` (see ``STRATEGIES``), or a
+            size below 1.
+
+    Examples:
+        >>> links = Links("2 ranks a node", ranks_per_node=2, intra_bw=10e9, nic_bw=1e9,
+        ...               nics_per_node=1, call_latency=0.0, intra_latency=0.0,
+        ...               inter_latency=0.0, flatten_bw=5e9, unflatten_bw=5e9)
+        >>> flat = predict("fused_fp32", 1_000_000, 2, links)
+        >>> flat["node_egress_bytes"] / 4e6  # 2(N-1)/N of the fp32 buffer, N = 4
+        1.5
+        >>> round(flat["comm_ms"], 3)  # the NIC is the busiest link: 6 MB at 1 GB/s
+        6.0
+    """
     plan = strategy(name, numel, nodes, links.ranks_per_node)
     moved = [traffic(phase, nodes, links) for phase in plan.phases]
     comm = sum(phase_seconds(phase, nodes, links) for phase in plan.phases)

@@ -8,7 +8,7 @@ MODULES = ["fusedreduce.kernels", "fusedreduce.kernels._checks", "fusedreduce.ke
            "fusedreduce.kernels._backends", "fusedreduce.kernels._prepared",
            "fusedreduce.kernels._norms", "fusedreduce.kernels._instrument", "fusedreduce.buckets",
            "fusedreduce.precision", "fusedreduce.clipping", "fusedreduce.param_swap",
-           "fusedreduce.buffer_lifetime"]
+           "fusedreduce.buffer_lifetime", "fusedreduce.bench.step_model"]
 
 
 @pytest.mark.parametrize("name", MODULES)

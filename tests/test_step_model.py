@@ -146,6 +146,16 @@ def test_quick_command_prints_every_strategy_and_writes_the_json(tmp_path, capsy
     assert record["kernels_here"]["flatten"] > 0
 
 
+def test_fewer_nics_per_node_make_the_cross_node_phases_the_bottleneck(capsys):
+    assert cli.main(["model", "--quick", "--sizes", "1M", "--nodes", "2",
+                     "--nics-per-node", "1"]) == 0
+    assert "nics_per_node: 1 (--nics-per-node)" in capsys.readouterr().out
+    one = Links(**{**model_bench.H100.__dict__, "nics_per_node": 1})
+    flat = predict("fused_fp32", 10 ** 9, 2, one)["comm_ms"]
+    # one NIC carries the node's whole egress: compression across nodes pays
+    assert predict("two_level_int8", 10 ** 9, 2, one)["comm_ms"] < flat / 3
+
+
 #: the model's stated error on the simulated cluster's communication time
 #: (docs/benchmarks/model.md): the largest error measured at 2M and 25.6M
 #: elements on the 2-core VM was 26%; the bound leaves room for a loaded machine
