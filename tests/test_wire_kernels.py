@@ -472,3 +472,31 @@ def test_wire_scale_count_counts_whole_blocks_of_the_scaled_formats():
         kernels.wire_scale_count(1024, torch.float16)
     with pytest.raises(ValueError, match="numel must not be negative"):
         kernels.wire_scale_count(-256, torch.int8)
+
+
+@pytest.mark.parametrize("wire_dtype", kernels.WIRE_DTYPES)
+def test_the_torch_backend_pieces_change_no_bit(monkeypatch, wire_dtype):
+    # the fallback encodes and sums PIECE elements at a time: pieces of 64
+    # cut these tensors, blocks and chunks everywhere
+    from fusedreduce.kernels.wire import torch_backend
+    monkeypatch.setattr(torch_backend, "PIECE", 64)
+    block, gen = 16, torch.Generator().manual_seed(11)
+    tensors = [torch.randn(n, generator=gen).to(dtype)
+               for n, dtype in ((70, torch.float16), (3, torch.float32), (130, torch.float64))]
+    offsets, numel = _layout(tensors, [0, 1, 5], block)
+    codes, scales, residual = _buffers(wire_dtype, numel, block, "cpu", True, 11)
+    v = ref.flat_values(tensors, offsets, numel, 0.37, residual.clone())
+    want_codes, want_scales, _, want_residual = ref.quantize(v, wire_dtype, block)
+    kernels.quantize_flatten(tensors, codes, scales, scale=0.37, offsets=offsets,
+                             residual=residual, block=block, backend="torch")
+    _assert_bitwise(codes, want_codes, "codes")
+    _assert_bitwise(residual, want_residual, "residual")
+    # a second rank's row: the same codes shifted by one block
+    rows = torch.stack([codes, codes.roll(block)])
+    row_scales = None if scales is None else torch.stack([scales, scales.roll(1)])
+    out = torch.empty(numel)
+    kernels.dequantize_sum(rows, row_scales, out, block=block, backend="torch")
+    want = ref.pairwise_sum([ref.dequantize(_as_float64(rows[r]), None if scales is None
+                                            else _as_float64(row_scales[r]), block,
+                                            torch.float32) for r in range(2)], torch.float32)
+    _assert_bitwise(out, want, "sum")

@@ -16,8 +16,12 @@ import torch
 from .._common import WIRE_LEVELS
 from ..flatten import torch_backend as _flatten
 
-# elements per piece: 256 KiB of fp32, a multiple of every block size
-PIECE = 1 << 16
+# elements per piece, a multiple of every block size: 4 MiB of fp32. On the
+# 2-core VM, int8 of ResNet-50's gradients took 52 ms in pieces of 2^16, 35 ms
+# of 2^18, 30 ms of 2^20 and 31 ms of 2^22 (110 ms with a residual): the
+# per-op overhead of small pieces against the cache misses of large ones
+PIECE = 1 << 20
+_SMALLEST_NORMAL = torch.finfo(torch.float32).tiny
 
 
 def prepare_quantize(tensors: Sequence[torch.Tensor], starts: Sequence[int],
@@ -71,7 +75,9 @@ def _encode(v: torch.Tensor, codes: torch.Tensor, scales: Optional[torch.Tensor]
             else:
                 torch.sub(v, codes.float(), out=residual)
                 residual.nan_to_num_(0.0, 0.0, 0.0)
-        return ~torch.isfinite(v).all() if check_finite else None
+        # inf * 0 and NaN * 0 are NaN, finite * 0 is 0: one product and one
+        # sum, several times faster than isfinite().all() on the CPU
+        return (v * 0.0).sum().isnan() if check_finite else None
     rows = v.view(-1, block)
     # torch's amax propagates NaN, and inf stays inf: the absmax is finite
     # exactly for the blocks without an inf or NaN
@@ -82,13 +88,23 @@ def _encode(v: torch.Tensor, codes: torch.Tensor, scales: Optional[torch.Tensor]
     q = rows / torch.where(s > 0, s, 1.0).unsqueeze(1)
     if codes.dtype == torch.int8:
         q.round_()  # to nearest even
-    q.clamp_(-level, level).masked_fill_(~finite.unsqueeze(1), 0.0)
+    # |v / s| <= level (1 + 2^-23) for a normal s, which rounds to level: the
+    # clamp only acts where s is an fp32 subnormal, and non-finite blocks need
+    # their codes zeroed. A host read on the CPU (cheap) skips both passes
+    # when neither happens; elsewhere they always run.
+    cpu = v.device.type == "cpu"
+    all_finite = cpu and bool(finite.all())
+    if not cpu or bool(((s > 0) & (s < _SMALLEST_NORMAL)).any()):
+        q.clamp_(-level, level)
+    if not all_finite:
+        q.masked_fill_(~finite.unsqueeze(1), 0.0)
     code_rows = codes.view(-1, block)
     code_rows.copy_(q)
     scales.copy_(s)
     if residual is not None:
         torch.sub(rows, code_rows.float() * s.unsqueeze(1), out=residual.view(-1, block))
-        residual.nan_to_num_(0.0, 0.0, 0.0)  # a non-finite block leaves no error behind
+        if not all_finite:
+            residual.nan_to_num_(0.0, 0.0, 0.0)  # a non-finite block leaves no error behind
     return ~finite.all() if check_finite else None
 
 
