@@ -500,3 +500,20 @@ def test_the_torch_backend_pieces_change_no_bit(monkeypatch, wire_dtype):
                                             else _as_float64(row_scales[r]), block,
                                             torch.float32) for r in range(2)], torch.float32)
     _assert_bitwise(out, want, "sum")
+
+
+@pytest.mark.parametrize("wire_dtype, values, codes_want", [
+    # absmax 127 makes the scale 1: the codes are the values rounded, ties to even
+    (torch.int8, [127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5],
+     [127.0, 0.0, 2.0, 2.0, 0.0, -2.0, -2.0, 126.0]),
+    # absmax 448 makes the scale 1: ties between e4m3 neighbours go to the even
+    # mantissa (1 | 1.125 | 1.25; 240 | 256 | 288), in the subnormals too
+    # (0 | 2^-9 | 2^-8)
+    (torch.float8_e4m3fn, [448.0, 1.0625, 1.1875, 248.0, 272.0, 2.0 ** -10, 3 * 2.0 ** -10,
+                           -1.0625],
+     [448.0, 1.0, 1.25, 256.0, 256.0, 0.0, 2.0 ** -8, -1.0]),
+])
+def test_exact_ties_round_to_even(backend, device, wire_dtype, values, codes_want):
+    codes, scales, _ = _quantized(torch.tensor(values), wire_dtype, 8, backend, device)
+    assert scales.tolist() == [1.0]
+    assert codes.float().tolist() == codes_want
