@@ -517,3 +517,21 @@ def test_exact_ties_round_to_even(backend, device, wire_dtype, values, codes_wan
     codes, scales, _ = _quantized(torch.tensor(values), wire_dtype, 8, backend, device)
     assert scales.tolist() == [1.0]
     assert codes.float().tolist() == codes_want
+
+
+def test_a_kept_launch_still_refuses_a_residual_that_overlaps_the_gradients(backend, device):
+    storage = torch.randn(48).to(device)
+    grads, residual = [storage[:8], storage[8:16]], torch.zeros(16, device=device)
+    codes = torch.empty(16, dtype=torch.int8, device=device)
+    scales = torch.empty(2, device=device)
+    for _ in range(2):  # prepared and kept, then served by the kept launch
+        kernels.quantize_flatten(grads, codes, scales, residual=residual, block=8,
+                                 backend=backend)
+    before = [codes.clone(), scales.clone(), storage.clone()]
+    with pytest.raises(ValueError, match="tensors\\[1\\] overlaps residual"):
+        kernels.quantize_flatten(grads, codes, scales, residual=storage[8:24], block=8,
+                                 backend=backend)
+    with pytest.raises(ValueError, match="block_scales and residual share memory"):
+        kernels.quantize_flatten(grads, codes, storage[30:32], residual=storage[16:32],
+                                 block=8, backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip((codes, scales, storage), before))
