@@ -190,7 +190,8 @@ def _assigned_name(locations: dict, ref: str):
 
 #: PTX instructions the AdaSum, norm and wire tests count: arithmetic by type,
 #: branches, atomics, and any conversion to or from fp8
-INSTRUCTION = re.compile(r"\b((?:fma|mul|add|sub|div)(?:\.rn|\.full|\.approx)?\.f(?:32|64)|"
+INSTRUCTION = re.compile(r"\b((?:fma|mul|add|sub|div)(?:\.rn|\.full|\.approx)?(?:\.ftz)?"
+                         r"\.f(?:32|64)|"
                          r"bra(?:\.uni)?|atom|red|cvt[.\w]*e4m3[.\w]*)\b")
 
 
@@ -287,13 +288,15 @@ def wire_variants():
                     "HAS_RESIDUAL": extras, "CHECK_FINITE": extras, "SCALE_TENSOR": False},
                    wire.OPTIONS)
         for ranks, out in ((5, "fp32"), (3, "fp64")):
+            padded = 1 << (ranks - 1).bit_length()
             yield (f"sum {dtype} R={ranks} out={out}", codes, wire._dequantize_sum_kernel,
                    {"codes": f"*{codes}", "scales": "*fp32", "out": f"*{out}", "n": "i32",
-                    "n_blocks": "i32", "WIRE": "constexpr", "R": "constexpr", "TOP": "constexpr",
-                    "BLOCK": "constexpr", "GROUPS": "constexpr"},
+                    "n_blocks": "i32", "WIRE": "constexpr", "R": "constexpr",
+                    "RANKS": "constexpr", "LEVELS": "constexpr", "BLOCK": "constexpr",
+                    "GROUPS": "constexpr"},
                    {"WIRE": wire.WIRE_CODES[getattr(torch, dtype)], "R": ranks,
-                    "TOP": 1 << (ranks - 1).bit_length(), "BLOCK": 256,
-                    "GROUPS": wire.TILE // 256}, wire.OPTIONS)
+                    "RANKS": padded, "LEVELS": padded.bit_length() - 1, "BLOCK": 256,
+                    "GROUPS": max(1, wire.TILE // (256 * padded))}, wire.OPTIONS)
 
 
 def main_adasum(capability: int, kernel: str = "adasum") -> None:

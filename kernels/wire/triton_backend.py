@@ -22,11 +22,15 @@ Both kernels compile with ``enable_fp_fusion=False``: a product followed by
 a sum (``x * scale + residual``, ``v - code * s``, the dequantized rows
 added) contracted into an FMA would round once instead of twice and differ
 from the torch backend's bits. Divisions are ``div_rn`` (IEEE), not the
-approximate division Triton emits for ``/``.
+approximate division Triton emits for ``/`` (Triton 3.2 compiles it to
+``div.rn.ftz``, which flushes fp32 subnormals: blocks of values below 2^-126
+are the one place where that Triton can differ from the fallback).
 
-``dequantize_sum`` unrolls the rank tree at compile time (``R`` is a
-constexpr): ``_tree`` splits at the largest power of two below its count,
-exactly the bottom-up pairwise order of ``wire/__init__.py``.
+``dequantize_sum`` loads a tile of every rank's row at once (``R`` is a
+constexpr, rounded up to a power of two with rows of -0.0) and halves the
+rows level by level, adding neighbours: exactly the bottom-up pairwise order
+of ``wire/__init__.py``. (A recursive jit function would unroll the tree too,
+but Triton 3.2's dependency hashing never returns from one.)
 """
 from __future__ import annotations
 
@@ -73,10 +77,13 @@ def _decode_e4m3(code):
     c = code.to(tl.int32)
     exponent = (c >> 3) & 15
     mantissa = c & 7
-    normal = (((c & 0x80) << 24) | ((exponent + 120) << 23) | (mantissa << 20))
-    value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125,
-                     normal.to(tl.float32, bitcast=True))
-    value = tl.where((exponent == 0) & ((c & 0x80) != 0), -value, value)
+    normal = ((exponent + 120) << 23) | (mantissa << 20)
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125,
+                         normal.to(tl.float32, bitcast=True))
+    # the sign goes on as a bit: a negation is 0 - x on some Tritons, which
+    # turns the code -0 into +0
+    value = (magnitude.to(tl.int32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32,
+                                                                          bitcast=True)
     return tl.where((c & 0x7F) == 0x7F, float("nan"), value)
 
 
@@ -122,12 +129,16 @@ def _quantize_kernel(table, tiles, base, codes, scales, residual, flag, n_segmen
     live = offs < numel
     scale = scale_of(scale_ptr, scale_high, scale_low, SCALE_TENSOR)
     v = tl.zeros((GROUPS, BLOCK), dtype=tl.float32)
-    for seg in range(tl.load(tiles + 2 * tile), tl.load(tiles + 2 * tile + 1)):
+    # a while loop: Triton 3.2's interpreter cannot take loaded bounds in range()
+    seg = tl.load(tiles + 2 * tile)
+    end = tl.load(tiles + 2 * tile + 1)
+    while seg < end:
         code = tl.load(table + 4 * n_segments + seg) & 255
         for CODE in tl.static_range(4):
             if ((KINDS >> CODE) & 1) != 0:
                 if (KINDS == (1 << CODE)) or (code == CODE):
                     v = _segment_values(table, base, seg, n_segments, offs, v, scale, CODE)
+        seg += 1
     if HAS_RESIDUAL:
         v = v + tl.load(residual + offs, mask=live, other=0.0)
     finite = tl.abs(v) < float("inf")  # false for inf and NaN
@@ -164,55 +175,40 @@ def _quantize_kernel(table, tiles, base, codes, scales, residual, flag, n_segmen
         tl.store(residual + offs, tl.where(tl.abs(error) < float("inf"), error, 0.0), mask=live)
 
 
-@triton.jit
-def _row(codes, scales, r: tl.constexpr, n, n_blocks, offs, blocks, live,
-         WIRE: tl.constexpr, COMPUTE: tl.constexpr):
-    """Row ``r``'s dequantized values in ``COMPUTE``."""
-    c = tl.load(codes + (n * r + offs), mask=live, other=0)
+@triton.jit(do_not_specialize=["n", "n_blocks"])
+def _dequantize_sum_kernel(codes, scales, out, n, n_blocks, WIRE: tl.constexpr,
+                           R: tl.constexpr, RANKS: tl.constexpr, LEVELS: tl.constexpr,
+                           BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+    """Every row's tile dequantized into a ``(RANKS, GROUPS, BLOCK)`` array
+    (``RANKS``: ``R`` rounded up to a power of two, the rows past ``R`` -0.0,
+    which adds nothing, not even to a -0.0), then ``LEVELS`` halvings, each
+    adding rows ``2i`` and ``2i + 1``: the bottom-up pairwise order, an odd
+    last row carried up unchanged (plus -0.0)."""
+    tile = tl.program_id(0).to(tl.int64)
+    blocks = tile * GROUPS + tl.arange(0, GROUPS)
+    offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    rows = tl.arange(0, RANKS)
+    n = n.to(tl.int64)
+    present = (rows < R)[:, None, None] & (offs < n)[None, :, :]
+    c = tl.load(codes + (rows[:, None, None] * n + offs[None, :, :]), mask=present, other=0)
+    COMPUTE: tl.constexpr = out.dtype.element_ty
     if WIRE == 3:
         value = _decode_e4m3(c).to(COMPUTE)
     else:
         value = upcast(c, COMPUTE)
     if WIRE >= 2:
-        s = tl.load(scales + n_blocks * r + blocks, mask=blocks < n_blocks, other=0.0)
-        value = value * s.to(COMPUTE)[:, None]
-    return value
+        s = tl.load(scales + (rows[:, None] * n_blocks + blocks[None, :]),
+                    mask=(rows < R)[:, None] & (blocks < n_blocks)[None, :], other=0.0)
+        value = value * s.to(COMPUTE)[:, :, None]
+    value = tl.where(present, value, -0.0)
+    for level in tl.static_range(LEVELS):
+        value = tl.sum(tl.reshape(value, (RANKS >> (level + 1), 2, GROUPS, BLOCK)), axis=1)
+    tl.store(out + offs, tl.reshape(value, (GROUPS, BLOCK)), mask=offs < n)
 
 
-@triton.jit
-def _tree(codes, scales, FIRST: tl.constexpr, COUNT: tl.constexpr, TOP: tl.constexpr, n,
-          n_blocks, offs, blocks, live, WIRE: tl.constexpr, COMPUTE: tl.constexpr):
-    """The sum of rows ``FIRST .. FIRST + COUNT``, split at ``TOP``: the largest
-    power of two below ``COUNT`` (``TOP`` starts at one at least that large)."""
-    if COUNT == 1:
-        return _row(codes, scales, FIRST, n, n_blocks, offs, blocks, live, WIRE, COMPUTE)
-    elif TOP >= COUNT:
-        return _tree(codes, scales, FIRST, COUNT, TOP // 2, n, n_blocks, offs, blocks, live,
-                     WIRE, COMPUTE)
-    else:
-        left = _tree(codes, scales, FIRST, TOP, TOP // 2, n, n_blocks, offs, blocks, live,
-                     WIRE, COMPUTE)
-        right = _tree(codes, scales, FIRST + TOP, COUNT - TOP, TOP, n, n_blocks, offs, blocks,
-                      live, WIRE, COMPUTE)
-        return left + right
-
-
-@triton.jit(do_not_specialize=["n", "n_blocks"])
-def _dequantize_sum_kernel(codes, scales, out, n, n_blocks, WIRE: tl.constexpr,
-                           R: tl.constexpr, TOP: tl.constexpr, BLOCK: tl.constexpr,
-                           GROUPS: tl.constexpr):
-    tile = tl.program_id(0).to(tl.int64)
-    blocks = tile * GROUPS + tl.arange(0, GROUPS)
-    offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    live = offs < n
-    n = n.to(tl.int64)
-    total = _tree(codes, scales, 0, R, TOP, n, n_blocks, offs, blocks, live, WIRE,
-                  out.dtype.element_ty)
-    tl.store(out + offs, total, mask=live)
-
-
-def _groups(block: int) -> int:
-    return max(1, TILE // block)
+def _groups(block: int, rows: int = 1) -> int:
+    """Blocks per program: ``TILE`` elements of each of ``rows`` rows."""
+    return max(1, TILE // (block * rows))
 
 
 def _tile_segments(starts, numels, numel: int, tile: int) -> np.ndarray:
@@ -262,13 +258,13 @@ def dequantize_sum(codes: torch.Tensor, block_scales: Optional[torch.Tensor],
                    out: torch.Tensor, block: int) -> None:
     """``out`` = the ``R`` rows of ``codes`` dequantized and summed in the fixed order."""
     ranks, n = codes.shape
-    groups = _groups(block)
+    padded = 1 << (ranks - 1).bit_length()
+    groups = _groups(block, padded)
     programs = -(-n // (groups * block))
     if not programs:
         return
     wire = WIRE_CODES[codes.dtype]
-    top = 1 << (ranks - 1).bit_length()
     _dequantize_sum_kernel[(programs,)](
         codes.view(torch.uint8) if wire == 3 else codes,
         out if block_scales is None else block_scales, out, n, max(n // block, 1), wire, ranks,
-        top, block, groups, **OPTIONS)
+        padded, padded.bit_length() - 1, block, groups, **OPTIONS)
