@@ -328,7 +328,8 @@ def test_empty_and_all_gap_layouts(backend, device):
     kernels.quantize_flatten([], codes, scales, offsets=[], block=8, backend=backend)
     assert not bool(codes.any()) and not bool(scales.any())
     empty = torch.empty(0, dtype=torch.int8, device=device)
-    flag = kernels.quantize_flatten([torch.zeros(0, device=device)], empty, torch.empty(0),
+    flag = kernels.quantize_flatten([torch.zeros(0, device=device)], empty,
+                                    torch.empty(0, device=device),
                                     block=8, check_finite=True, backend=backend)
     assert not bool(flag)
 
