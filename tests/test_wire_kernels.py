@@ -536,3 +536,24 @@ def test_a_kept_launch_still_refuses_a_residual_that_overlaps_the_gradients(back
         kernels.quantize_flatten(grads, codes, storage[30:32], residual=storage[16:32],
                                  block=8, backend=backend)
     assert all(torch.equal(a, b) for a, b in zip((codes, scales, storage), before))
+
+
+@pytest.mark.parametrize("wire_dtype", kernels.WIRE_DTYPES)
+def test_blocks_of_fp32_subnormals_are_the_reference_bit_for_bit(backend, device, wire_dtype):
+    # the scale absmax / 127 (or / 448) of such a block is itself subnormal,
+    # or 0: the clamp and the all-zero rule are what keep the codes in range
+    block = 8
+    values = torch.tensor([1e-40, -3e-41, 7e-42, 2e-44, 0.0, -1e-45, 5e-39, -5e-39]
+                          + [1.4e-45, -1.4e-45, 2.8e-45] + [0.0] * 5 + [1.1e-38] * 8
+                          # absmax / 127 and absmax / 448 round down to 2^-149 here, so
+                          # v / s is 190 or 600: only the clamp keeps the codes in range
+                          + [190 * 2.0 ** -149, -2.0 ** -149] + [0.0] * 6
+                          + [600 * 2.0 ** -149, 3 * 2.0 ** -149] + [0.0] * 6)
+    residual = torch.zeros(values.numel(), device=device)
+    codes, scales, _ = _quantized(values, wire_dtype, block, backend, device, residual)
+    v = ref.flat_values([values], [0], values.numel(), 1.0, None)
+    want_codes, want_scales, _, want_residual = ref.quantize(v, wire_dtype, block)
+    _assert_bitwise(codes, want_codes, "codes")
+    _assert_bitwise(residual, want_residual, "residual")
+    if scales is not None:
+        _assert_bitwise(scales, want_scales, "scales")
