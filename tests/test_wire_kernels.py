@@ -486,12 +486,15 @@ def test_the_torch_backend_pieces_change_no_bit(monkeypatch, wire_dtype):
                for n, dtype in ((70, torch.float16), (3, torch.float32), (130, torch.float64))]
     offsets, numel = _layout(tensors, [0, 1, 5], block)
     codes, scales, residual = _buffers(wire_dtype, numel, block, "cpu", True, 11)
-    v = ref.flat_values(tensors, offsets, numel, 0.37, residual.clone())
-    want_codes, want_scales, _, want_residual = ref.quantize(v, wire_dtype, block)
-    kernels.quantize_flatten(tensors, codes, scales, scale=0.37, offsets=offsets,
-                             residual=residual, block=block, backend="torch")
-    _assert_bitwise(codes, want_codes, "codes")
-    _assert_bitwise(residual, want_residual, "residual")
+    for step in range(3):  # prepared, then kept (the second call times strategies)
+        for t in tensors:
+            t.mul_(-1.5)
+        v = ref.flat_values(tensors, offsets, numel, 0.37, residual.clone())
+        want_codes, want_scales, _, want_residual = ref.quantize(v, wire_dtype, block)
+        kernels.quantize_flatten(tensors, codes, scales, scale=0.37, offsets=offsets,
+                                 residual=residual, block=block, backend="torch")
+        _assert_bitwise(codes, want_codes, f"codes, step {step}")
+        _assert_bitwise(residual, want_residual, f"residual, step {step}")
     # a second rank's row: the same codes shifted by one block
     rows = torch.stack([codes, codes.roll(block)])
     row_scales = None if scales is None else torch.stack([scales, scales.roll(1)])
