@@ -92,6 +92,19 @@ class DistributedGradReducer(ReducerSurface):
             constructor does. ``"unchecked"``: neither (``parameters`` are
             not replicas: placeholders whose values mean nothing, or tensors
             whose gradients are averaged although they differ by rank).
+        local_size: ranks per node (contiguous in the group's rank order, as
+            torchrun numbers them: ``int(os.environ["LOCAL_WORLD_SIZE"])``).
+            1 (default): the flat all-reduce, today's bits. More: each
+            bucket is summed inside the node, then this rank's
+            ``1/local_size`` part is all-reduced across nodes, then the parts
+            are all-gathered inside the node (``node_collectives.TwoLevel``):
+            the link between nodes carries ``1/local_size`` of the bytes of
+            a flat all-reduce. The process groups are made once per set of
+            ranks and shared (``node_groups``); equal to the group's size,
+            one node: the flat all-reduce. docs/guides/across-nodes.md.
+        wire_dtype: not supported yet (None).
+        deterministic: not supported yet (False).
+        error_feedback: not supported yet (False).
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
@@ -101,7 +114,8 @@ class DistributedGradReducer(ReducerSurface):
         ValueError: ``degree`` is not a positive int (as in MindSpore), a
             parameter passed twice, a bad ``fusion_type`` length,
             ``bucket_cap_mb`` or ``prescale``; ``initial_parameters`` is not
-            one of ``INITIAL_PARAMETERS`` (a TypeError if not a string).
+            one of ``INITIAL_PARAMETERS`` (a TypeError if not a string);
+            ``local_size`` is not a positive int dividing the group's size.
         RuntimeError: (at the first reduction, on every rank, with
             ``initial_parameters="verify"``) a rank's parameters differ from
             group rank 0's.
@@ -130,13 +144,19 @@ class DistributedGradReducer(ReducerSurface):
         error_if_nonfinite: bool = False,
         split_norm: Optional[bool] = None,
         initial_parameters: str = "verify",
+        local_size: int = 1,
+        wire_dtype: Optional[torch.dtype] = None,
+        deterministic: bool = False,
+        error_feedback: bool = False,
     ) -> None:
         self._engine = BucketEngine(
             parameters, mean, degree, fusion_type, group, bucket_cap_mb=bucket_cap_mb,
             reduce_dtype=reduce_dtype, prescale=prescale, check_finite=check_finite,
             backend=backend, max_grad_norm=max_grad_norm, norm_type=norm_type,
             error_if_nonfinite=error_if_nonfinite, split_norm=split_norm,
-            initial_parameters=initial_parameters, kind=type(self).__name__, shards=False,
+            initial_parameters=initial_parameters, local_size=local_size,
+            wire_dtype=wire_dtype, deterministic=deterministic, error_feedback=error_feedback,
+            kind=type(self).__name__, shards=False,
             start=self._start, finish=self._finish)
         # how the hooks' path writes back: chosen by register_hooks
         self._write_back: Unflatten = Unflatten(self._engine)

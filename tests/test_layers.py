@@ -57,6 +57,7 @@ LAYERS = {
     "clipping": "foundations",
     "param_swap": "foundations",
     "rank_agreement": "foundations",
+    "node_groups": "foundations",
     # what lives in the buffers, and for how long
     "bucket_views": "layout and buffers",
     "buffer_lifetime": "layout and buffers",
@@ -67,6 +68,7 @@ LAYERS = {
     "adasum": "collectives and pipelines",
     "broadcast": "collectives and pipelines",
     "grad_collectives": "collectives and pipelines",
+    "node_collectives": "collectives and pipelines",
     # running the buckets during backward
     "overlap": "engine",
     "bucket_engine": "engine",
