@@ -19,6 +19,12 @@ Flatten semantics (both backends):
 - flat elements not covered by any tensor (padding between ``offsets``) are
   written as zero by ``flatten_cast_scale`` and ignored by the inverse.
 
+``quantize_flatten`` and ``dequantize_sum`` are the wire family's
+(``_wire.py``; semantics in ``wire/__init__.py``): the flatten pass writing a
+wire dtype (bf16, or int8/e4m3 with one fp32 scale per ``WIRE_BLOCK``
+elements, with an optional error-feedback residual), and the chunks of ``R``
+ranks dequantized and summed in one fixed pairwise order.
+
 ``norm_powers`` is the clipping norm's kernel: each flat buffer's sum of
 ``|x| ** p`` in a fixed order (rows of ``NORM_ROW`` elements summed in fp32,
 fp64 for fp64 buffers, the rows then added in fp64), the same bits on every
@@ -51,11 +57,12 @@ from ._backends import (backend_for, check_backend, resolve_backend, triton_avai
                         triton_unavailable_reason)
 from ._checks import capturing, check_disjoint, check_scale, metadata_guard, refuse_in_capture
 from ._common import (ADASUM_CHUNK, ADASUM_FP32_LIMIT, ADASUM_NORM_FLOOR, ALIGN_BYTES,
-                      NORM_ROW, SIXTEEN_BIT_DTYPES, SUPPORTED_DTYPES, adasum_chunk_counts as _chunk_counts,
-                      packed_boundaries, scratch_buffer)
+                      NORM_ROW, SIXTEEN_BIT_DTYPES, SUPPORTED_DTYPES, WIRE_BLOCK, WIRE_DTYPES,
+                      adasum_chunk_counts as _chunk_counts, packed_boundaries, scratch_buffer)
 from ._instrument import (LAUNCH_OUTCOMES, allow_cpu_launches, compiled_launch_arguments,
                           count_launches, kept_launch)
 from ._norms import clip_buffers, clip_partials, clip_scales, norm_partials, norm_powers
+from ._wire import dequantize_sum, quantize_flatten, wire_scale_count
 
 __all__ = [
     "flatten_cast_scale",
@@ -72,6 +79,11 @@ __all__ = [
     "clip_partials",
     "clip_buffers",
     "NORM_ROW",
+    "quantize_flatten",
+    "dequantize_sum",
+    "wire_scale_count",
+    "WIRE_BLOCK",
+    "WIRE_DTYPES",
     "packed_boundaries",
     "scratch_buffer",
     "ADASUM_NORM_FLOOR",
@@ -153,8 +165,8 @@ def flatten_cast_scale(
         >>> flatten_cast_scale(grads, scale=0.5).tolist()
         [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0]
     """
-    scale = _scale_argument(scale)
-    launch = _kept_launch("flatten", backend, out, tensors, offsets)
+    scale = _checks.scale_argument(scale)
+    launch = _prepared.lookup_launch("flatten", backend, out, tensors, offsets)
     if launch is None:
         tensors = _checks.check_tensors(tensors, "tensors")
         starts, size = _checks.segment_starts(tensors, offsets, "tensors")
@@ -166,16 +178,17 @@ def flatten_cast_scale(
             _checks.check_disjoint(out, "out", tensors, "tensors")
             dtype, device = out.dtype, out.device
         chosen = backend_for(backend, device)
-        _check_scale_device(scale, device)
+        _checks.check_scale_device(scale, device)
         kept = out is not None
         if out is None:
             out = torch.empty(size, dtype=dtype, device=device)
         launch = chosen.prepare_flatten(tensors, starts, _checks.extents(starts, out.numel()),
                                         out)
         if kept:  # a buffer made here is never passed again: nothing to keep
-            _keep("flatten", backend, chosen, out, tensors, offsets, starts, launch)
+            _prepared.keep_launch("flatten", backend, chosen.name, out, tensors, offsets,
+                                  starts, launch)
     else:
-        _check_scale_device(scale, out.device)
+        _checks.check_scale_device(scale, out.device)
     flag = launch(tensors, out, scale, check_finite)
     return (out, flag) if check_finite else out
 
@@ -221,8 +234,8 @@ def unflatten_cast_scale(
         >>> grads[1]
         tensor([ 8., 10., 12.])
     """
-    scale = _scale_argument(scale)
-    launch = _kept_launch("unflatten", backend, flat, tensors, offsets)
+    scale = _checks.scale_argument(scale)
+    launch = _prepared.lookup_launch("unflatten", backend, flat, tensors, offsets)
     if launch is None:
         _checks.check_flat(flat, "flat")
         tensors = _checks.check_tensors(tensors, "tensors")
@@ -235,45 +248,10 @@ def unflatten_cast_scale(
         _checks.check_outputs_disjoint(tensors, "tensors")
         chosen = backend_for(backend, flat.device)
         launch = chosen.prepare_unflatten(flat, tensors, starts)
-        _keep("unflatten", backend, chosen, flat, tensors, offsets, starts, launch)
-    _check_scale_device(scale, flat.device)
+        _prepared.keep_launch("unflatten", backend, chosen.name, flat, tensors, offsets, starts,
+                              launch, outputs=True)
+    _checks.check_scale_device(scale, flat.device)
     launch(flat, tensors, scale, bool(accumulate))
-
-
-def _scale_argument(scale):
-    """A checked Python scale as a float, or a checked tensor scale as it is.
-
-    Raises:
-        TypeError: neither a real number nor an fp32/fp64 tensor.
-        ValueError: a non-finite number, or a tensor of more than one element.
-    """
-    if isinstance(scale, torch.Tensor):
-        if scale.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"a tensor scale must be float32 or float64, got {scale.dtype}")
-        if scale.numel() != 1:
-            raise ValueError(f"a tensor scale must hold one element, got shape "
-                             f"{tuple(scale.shape)}")
-        return scale.detach()
-    return check_scale(scale)
-
-
-def _check_scale_device(scale, device: torch.device) -> None:
-    if isinstance(scale, torch.Tensor) and scale.device != device:
-        raise ValueError(f"the scale tensor is on {scale.device} but the buffer is on {device}")
-
-
-def _kept_launch(op: str, backend, buffer, tensors, offsets):
-    """The launch prepared for exactly this call's layout, or None (see ``_prepared``)."""
-    # anything but a list or tuple goes through validation, which names it
-    if buffer is None or type(backend) is not str or type(tensors) not in (list, tuple):
-        return None
-    return _prepared.LAUNCHES.lookup(op, backend, buffer, tensors, offsets)
-
-
-def _keep(op: str, backend: str, chosen, buffer, tensors, offsets, starts, launch) -> None:
-    entry = _prepared.Prepared(buffer, offsets, starts, tensors, launch,
-                               by_shape=chosen.name == "torch", outputs=op == "unflatten")
-    _prepared.LAUNCHES.store(op, backend, buffer, entry)
 
 
 def adasum_chunk_counts(segments: Sequence[int]) -> List[int]:

@@ -35,9 +35,15 @@ A backend is one implementation of every kernel, with arguments the façade
 ``clip_partials``      ``(partials, buffers, postscales, max_norm, norm_type,
                        loss_scale, norm_dtype)``: ``clip_buffers`` from the whole
                        ``norm_partials`` (``clip_buffers`` is exactly this)
+``prepare_quantize``   ``(tensors, starts, extents, codes, block)``: the launch
+                       ``(tensors, codes, block_scales, residual, scale,
+                       check_finite) -> flag or None`` that fills ``codes`` of
+                       a wire dtype (and the block scales and the residual)
+``dequantize_sum``     ``(codes, block_scales, out, block)``: the ``R`` rows of
+                       ``codes`` dequantized and summed in the fixed order
 =====================  =======================================================
 
-The op families (``flatten/``, ``adasum/``, ``norm/``) each have a
+The op families (``flatten/``, ``adasum/``, ``norm/``, ``wire/``) each have a
 ``torch_backend`` and a ``triton_backend`` module with their functions above;
 a ``Backend`` gathers one of each. The flatten family's launches are prepared once per layout and
 kept by the façade (``_prepared.py``): a launch takes tensors and a buffer of
@@ -57,6 +63,7 @@ from ._common import triton_launch_mode
 from .adasum import torch_backend as _adasum_torch
 from .flatten import torch_backend as _flatten_torch
 from .norm import torch_backend as _norm_torch
+from .wire import torch_backend as _wire_torch
 
 BACKEND_NAMES = ("auto", "triton", "torch")
 
@@ -76,18 +83,21 @@ class Backend:
     clip_buffers: Callable
     norm_partials: Callable
     clip_partials: Callable
+    prepare_quantize: Callable
+    dequantize_sum: Callable
 
     @classmethod
-    def of(cls, name: str, flatten_ops, adasum_ops, norm_ops) -> "Backend":
+    def of(cls, name: str, flatten_ops, adasum_ops, norm_ops, wire_ops) -> "Backend":
         """The backend made of an op family module each."""
         return cls(name, flatten_ops.prepare_flatten, flatten_ops.prepare_unflatten,
                    adasum_ops.chunk_stats,
                    adasum_ops.reduce_chunks, adasum_ops.combine,
                    norm_ops.norm_powers, norm_ops.clip_scales, norm_ops.clip_buffers,
-                   norm_ops.norm_partials, norm_ops.clip_partials)
+                   norm_ops.norm_partials, norm_ops.clip_partials,
+                   wire_ops.prepare_quantize, wire_ops.dequantize_sum)
 
 
-TORCH = Backend.of("torch", _flatten_torch, _adasum_torch, _norm_torch)
+TORCH = Backend.of("torch", _flatten_torch, _adasum_torch, _norm_torch, _wire_torch)
 
 #: the oldest Triton the kernels run on (torch 2.6's CUDA build pins 3.2.0);
 #: pyproject.toml states the same floor, docs/guides/gpu.md the versions tested
@@ -162,7 +172,9 @@ def triton_backend() -> Optional[Backend]:
                 f"{triton.__version__} ({type(exc).__name__}: {exc}); the versions tested are "
                 f"{_dotted(MIN_TRITON)} to {_dotted(NEWEST_TESTED_TRITON)}")
         else:
-            _triton = Backend.of("triton", flatten_ops, adasum_ops, norm_ops)
+            # the wire kernels' Triton side is not written yet: their torch
+            # ops run on the device meanwhile
+            _triton = Backend.of("triton", flatten_ops, adasum_ops, norm_ops, _wire_torch)
     return _triton
 
 

@@ -85,6 +85,29 @@ def check_scale(scale, name: str = "scale") -> float:
     return float(scale)
 
 
+def scale_argument(scale):
+    """A checked Python scale as a float, or a checked tensor scale as it is.
+
+    Raises:
+        TypeError: neither a real number nor an fp32/fp64 tensor.
+        ValueError: a non-finite number, or a tensor of more than one element.
+    """
+    if isinstance(scale, torch.Tensor):
+        if scale.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"a tensor scale must be float32 or float64, got {scale.dtype}")
+        if scale.numel() != 1:
+            raise ValueError(f"a tensor scale must hold one element, got shape "
+                             f"{tuple(scale.shape)}")
+        return scale.detach()
+    return check_scale(scale)
+
+
+def check_scale_device(scale, device: torch.device) -> None:
+    """A tensor ``scale`` must be on the buffer's ``device``."""
+    if isinstance(scale, torch.Tensor) and scale.device != device:
+        raise ValueError(f"the scale tensor is on {scale.device} but the buffer is on {device}")
+
+
 def check_dtype(dtype, name: str) -> None:
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be one of float16, bfloat16, float32, float64; got {dtype}")
@@ -230,7 +253,7 @@ def _element_starts(t: torch.Tensor) -> torch.Tensor:
     return (t.data_ptr() + offsets.reshape(-1) * t.element_size()).sort().values
 
 
-def _share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+def share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether any byte of an element of ``a`` is a byte of an element of ``b``."""
     (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
     if a_start >= b_end or b_start >= a_end or a_start == a_end or b_start == b_end:
@@ -266,7 +289,7 @@ def check_disjoint(buffer: torch.Tensor, buffer_name: str, tensors, name: str,
         ValueError: tensors[0] overlaps flat: ...
     """
     for i, t in zip(range(len(tensors)) if indices is None else indices, tensors):
-        if _share_bytes(buffer, t):
+        if share_bytes(buffer, t):
             raise ValueError(f"{name}[{i}] overlaps {buffer_name}: the fused copy would read "
                              f"values it has already overwritten; pass tensors that do not "
                              f"share memory with {buffer_name}")
@@ -284,7 +307,7 @@ def check_outputs_disjoint(tensors, name: str) -> None:
     for (start, end), i in spans:
         active = [(e, j) for e, j in active if e > start]
         for _, j in active:
-            if _share_bytes(tensors[j], tensors[i]):
+            if share_bytes(tensors[j], tensors[i]):
                 first, second = sorted((j, i))
                 raise ValueError(f"{name}[{first}] and {name}[{second}] share memory; each "
                                  f"output must be written by one segment only")

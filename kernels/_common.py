@@ -34,6 +34,16 @@ ADASUM_FP32_LIMIT = 2.0 ** 64
 ADASUM_NORM_FLOOR = math.sqrt(2.2250738585072014e-308)
 
 
+#: the dtypes a flat buffer can travel in (``quantize_flatten``'s codes)
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
+#: the blockwise wire dtypes, each with the largest code magnitude a block's
+#: absmax maps to: the block's fp32 scale is ``absmax / WIRE_LEVELS[dtype]``
+WIRE_LEVELS = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+#: elements per fp32 scale of a blockwise wire dtype
+WIRE_BLOCK = 256
+#: the block sizes the wire kernels take: powers of two in this range
+WIRE_BLOCK_RANGE = (8, 1 << 14)
+
 #: the environment variable that picks how Triton kernels are launched
 LAUNCH_VARIABLE = "FUSEDREDUCE_TRITON_LAUNCH"
 #: its values: straight through the compiled kernel's launcher once a call of

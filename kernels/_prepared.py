@@ -318,3 +318,21 @@ class Cache:
 
 #: the kernels' prepared launches (``flatten_cast_scale`` and ``unflatten_cast_scale``)
 LAUNCHES = Cache()
+
+
+def lookup_launch(op: str, backend, buffer, tensors, offsets) -> Optional[Callable]:
+    """The launch kept for exactly this call's layout, or None: a public
+    function's first step (``buffer`` is the one it writes or reads whole)."""
+    # anything but a list or tuple goes through validation, which names it
+    if buffer is None or type(backend) is not str or type(tensors) not in (list, tuple):
+        return None
+    return LAUNCHES.lookup(op, backend, buffer, tensors, offsets)
+
+
+def keep_launch(op: str, backend: str, backend_name: str, buffer: torch.Tensor, tensors,
+                offsets, starts: Sequence[int], launch: Callable, outputs: bool = False) -> None:
+    """Keep ``launch``, prepared by the backend ``backend_name`` for this call's
+    layout, for ``lookup_launch``; ``outputs``: the tensors are written."""
+    entry = Prepared(buffer, offsets, starts, tensors, launch,
+                     by_shape=backend_name == "torch", outputs=outputs)
+    LAUNCHES.store(op, backend, buffer, entry)
