@@ -29,7 +29,7 @@ from .clipping import (check_clipping, check_split_norm, clip_buffers, clip_scal
                        norm_dtype_of, norm_powers, norm_split_for, over_ranks,
                        raise_if_nonfinite, warn_if_exhausted)
 from .grad_collectives import all_reduce_collective
-from .node_collectives import check_node_options
+from .node_collectives import check_exchanged_dtypes, check_node_options
 from .overlap import BackwardOverlap
 from .precision import communication_dtype, split_scale
 from .process_group import require_process_group
@@ -106,7 +106,9 @@ class BucketEngine:
                                comm_dtype=lambda d: communication_dtype(d, reduce_dtype),
                                fusion_ids=[fusion_ids[i] for i in self.order],
                                shards=self.world_size if shards
-                               else self.node.shards(self.world_size))
+                               else self.node.shards(self.world_size),
+                               part_multiple=self.node.part_multiple())
+        check_exchanged_dtypes(self.plan, self.node)
         total = 1.0 / self.degree if self.mean else 1.0
         # by default 16-bit communication divides fully before the sum (guarding
         # fp16 overflow); wider communication divides after it

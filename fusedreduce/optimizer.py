@@ -144,9 +144,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``local_size``: inside the node, this rank's part across nodes,
             gathered inside the node; docs/guides/across-nodes.md). 1
             (default): the flat reduction, today's bits.
-        wire_dtype: ``DistributedGradReducer``'s (not supported yet).
-        deterministic: ``DistributedGradReducer``'s (not supported yet).
-        error_feedback: ``DistributedGradReducer``'s (not supported yet).
+        wire_dtype: ``DistributedGradReducer``'s (with "mean"/"sum", without
+            ``shard``): the compressed wire format of the cross-node sum.
+        deterministic: ``DistributedGradReducer``'s: the all-to-all sum in
+            fp32, the same bits whatever the bucket cap and topology.
+        error_feedback: ``DistributedGradReducer``'s: the quantization error
+            of a compressing ``wire_dtype`` kept and added at the next step.
         shard: shard the optimizer state and master weights across the group
             (see above); AdaSum stops its tree after the halving, each rank
             steps the slice it holds there, and the tree's reverse swaps
@@ -254,7 +257,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ValueError: ``reduce_method`` is not "sum", "mean" or "adasum"; a bad
             ``bcast_period``, ``param_pack_thd`` or ``backward_passes_per_step``;
             ``local_size`` not dividing the world size, or other than 1 with
-            ``shard=True`` and "mean"/"sum" (not supported yet); a 16-bit ``reduce_dtype`` with AdaSum; ``shard=True``
+            ``shard=True`` and "mean"/"sum" (not supported yet);
+            ``wire_dtype`` or ``deterministic`` with ``shard=True`` or AdaSum,
+            and ``DistributedGradReducer``'s errors for them; a 16-bit ``reduce_dtype`` with AdaSum; ``shard=True``
             with an optimizer not known to be elementwise (LBFGS, ...) unless
             ``assume_elementwise``, or with ``gradient_as_bucket_view``;
             ``overlap_param_gather``, ``shard_gradients``,

@@ -69,6 +69,7 @@ LAYERS = {
     "broadcast": "collectives and pipelines",
     "grad_collectives": "collectives and pipelines",
     "node_collectives": "collectives and pipelines",
+    "wire_collectives": "collectives and pipelines",
     # running the buckets during backward
     "overlap": "engine",
     "bucket_engine": "engine",

@@ -17,8 +17,6 @@ from torch import nn
 from harness import (assert_raised_before_any_collective, outcomes, outcomes_and_collectives,
                      run_ranks)
 from fusedreduce import DistributedGradReducer, DistributedOptimizer
-from fusedreduce.grad_collectives import AllReduce
-from fusedreduce.node_collectives import TwoLevel
 from fusedreduce.node_groups import node_groups
 
 SHAPES = [(33, 7), (5,), (129,), (2, 3, 4)]
@@ -154,30 +152,35 @@ def _model():
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3), nn.Linear(3, 2))
 
 
-def _train(rank, world_size, local_size):
+def train(rank, world_size, options):
+    """Three SGD steps of ``DistributedOptimizer(**options)`` (the wire
+    tests' too): the parameters, whether the unused layer's gradients are
+    None, the reducer's collective's name."""
     model = _model()
     unused = model[3]  # never in the graph: its .grad must stay None
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                               local_size=local_size, find_unused_parameters=True)
-    reducer = opt.reducer
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **options)
     for step in range(3):
         gen = torch.Generator().manual_seed(10 * rank + step)
         x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
         nn.functional.mse_loss(model[:3](x), y).backward()
         opt.step()
         opt.zero_grad()
+    return {"params": [p.detach().clone() for p in model.parameters()],
+            "unused grads": [p.grad is None for p in unused.parameters()],
+            "collective": type(opt.reducer._engine.collective).__name__}
+
+
+def _train(rank, world_size, local_size):
+    results = train(rank, world_size, dict(local_size=local_size,
+                                           find_unused_parameters=True))
     # check_finite: a NaN on rank 1 only is seen on every rank
     checker = DistributedGradReducer(_params(), check_finite=True, local_size=local_size)
     grads = _grads(rank)
     if rank == 1:
         grads[2][5] = float("nan")
     checker(grads)
-    return {
-        "params": [p.detach().clone() for p in model.parameters()],
-        "unused grads": [p.grad is None for p in unused.parameters()],
-        "found nonfinite": bool(checker.found_nonfinite),
-        "collective": type(reducer._engine.collective).__name__,
-    }
+    results["found nonfinite"] = bool(checker.found_nonfinite)
+    return results
 
 
 def test_optimizer_with_local_size_trains_as_the_flat_one_within_rounding():
@@ -209,10 +212,23 @@ def _bad_arguments(rank, world_size):
                                                                    deterministic="yes"),
         "optimizer local_size not dividing": lambda: DistributedOptimizer(sgd(), local_size=3),
         "shard with local_size": lambda: DistributedOptimizer(sgd(), local_size=2, shard=True),
+        "wire fp16": lambda: DistributedGradReducer(params, wire_dtype=torch.float16),
+        "wire a string": lambda: DistributedGradReducer(params, wire_dtype="int8"),
+        "feedback without compression": lambda: DistributedGradReducer(
+            params, deterministic=True, error_feedback=True),
+        "feedback not a bool": lambda: DistributedGradReducer(params, error_feedback=1),
+        "wire with bf16 reduce_dtype": lambda: DistributedGradReducer(
+            params, wire_dtype=torch.int8, reduce_dtype=torch.bfloat16),
+        "deterministic fp64": lambda: DistributedGradReducer(_params(torch.float64),
+                                                             deterministic=True),
+        "shard with wire": lambda: DistributedOptimizer(sgd(), wire_dtype=torch.int8,
+                                                        shard=True),
+        "adasum with deterministic": lambda: DistributedOptimizer(
+            sgd(), reduce_method="adasum", deterministic=True),
     })
 
 
-def test_bad_node_options_are_refused_before_any_collective():
+def test_bad_node_and_wire_options_are_refused_before_any_collective():
     assert_raised_before_any_collective(run_ranks(_bad_arguments, 4), {
         "local_size not dividing": ("ValueError", "local_size must be a positive int dividing"),
         "local_size zero": ("ValueError", "local_size must be a positive int dividing"),
@@ -220,6 +236,14 @@ def test_bad_node_options_are_refused_before_any_collective():
         "deterministic not a bool": ("TypeError", "deterministic must be True or False"),
         "optimizer local_size not dividing": ("ValueError", "local_size must be a positive int"),
         "shard with local_size": ("ValueError", "not supported with shard=True yet"),
+        "wire fp16": ("ValueError", "wire_dtype must be one of"),
+        "wire a string": ("TypeError", "wire_dtype must be None or a torch.dtype"),
+        "feedback without compression": ("ValueError", "error_feedback=True keeps"),
+        "feedback not a bool": ("TypeError", "error_feedback must be True or False"),
+        "wire with bf16 reduce_dtype": ("ValueError", "reduce_dtype must be torch.float32"),
+        "deterministic fp64": ("ValueError", "wire_dtype and deterministic sum float32"),
+        "shard with wire": ("ValueError", "not supported with shard=True yet"),
+        "adasum with deterministic": ("ValueError", "do not combine with reduce_method"),
     })
 
 
