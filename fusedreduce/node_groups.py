@@ -16,18 +16,22 @@ in one while a peer waits in another (torch's note on overlapping groups).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
 from .process_group import verify_same_on_all_ranks
 
-# per default group, one group per (backend, global ranks), and one
-# NodeGroups per (parent's global ranks, local_size), for the life of the
-# process group (a new default group after destroy_process_group misses)
-_MADE: Dict[tuple, dist.ProcessGroup] = {}
-_NODES: Dict[tuple, "NodeGroups"] = {}
+# held weakly, by the world's group object (as process_group.consecutive_block
+# keeps its blocks): a kept gloo group's threads outlive destroy_process_group
+# and can abort the interpreter's exit, and a world made again gets groups of
+# its own. Per world: the groups made, by (backend, global ranks), and the
+# NodeGroups, by (parent's global ranks, local_size)
+_made: "weakref.WeakKeyDictionary[Any, Dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+_nodes: "weakref.WeakKeyDictionary[Any, Dict[tuple, NodeGroups]]" = \
+    weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,8 @@ class NodeGroups:
         nodes: the number of nodes (the group's size / ``local_size``).
         local_rank: this rank's position in its node.
         node: this rank's node index.
-        intra: the node's group (``local_size`` ranks); the parent group
-            itself when there is one node.
+        intra: the node's group (``local_size`` ranks); None with one node
+            (the parent group is the node).
         cross: the group of the ranks with this local rank (``nodes``
             ranks); None with one node (nothing crosses).
     """
@@ -86,8 +90,8 @@ def node_groups(group, local_size: int) -> NodeGroups:
     check_node_local_size(local_size, world_size)
     ranks = tuple(dist.get_process_group_ranks(group) if group is not None
                   else range(world_size))
-    key = (dist.group.WORLD, ranks, local_size)
-    made = _NODES.get(key)
+    known = _nodes.setdefault(dist.group.WORLD, {})
+    made = known.get((ranks, local_size))
     if made is not None:
         return made
     verify_same_on_all_ranks([], [], group, what="option",
@@ -95,17 +99,19 @@ def node_groups(group, local_size: int) -> NodeGroups:
     node, local_rank = divmod(dist.get_rank(group), local_size)
     nodes = world_size // local_size
     backend = str(dist.get_backend(group))
-    intra = group if nodes == 1 else _made(
+    intra = None if nodes == 1 else _group(
         backend, ranks[node * local_size:(node + 1) * local_size])
-    cross = None if nodes == 1 else _made(backend, ranks[local_rank::local_size])
-    made = _NODES[key] = NodeGroups(local_size, nodes, local_rank, node, intra, cross)
+    cross = None if nodes == 1 else _group(backend, ranks[local_rank::local_size])
+    made = known[(ranks, local_size)] = NodeGroups(local_size, nodes, local_rank, node,
+                                                   intra, cross)
     return made
 
 
-def _made(backend: str, ranks: Tuple[int, ...]) -> dist.ProcessGroup:
-    key = (dist.group.WORLD, backend, ranks)
-    made = _MADE.get(key)
+def _group(backend: str, ranks: Tuple[int, ...]) -> dist.ProcessGroup:
+    """The group of ``ranks``, made by its members at the first call."""
+    groups = _made.setdefault(dist.group.WORLD, {})
+    made = groups.get((backend, ranks))
     if made is None:
-        made = _MADE[key] = dist.new_group(list(ranks), backend=backend,
-                                           use_local_synchronization=True)
+        made = groups[(backend, ranks)] = dist.new_group(list(ranks), backend=backend,
+                                                         use_local_synchronization=True)
     return made

@@ -9,6 +9,9 @@ are checked against the float64 sum of every rank's inputs
 all-reduce's bits, computed here by hand with one ``dist.all_reduce`` of the
 same flat buffer. Rank functions never assert: they return what they saw.
 """
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -256,3 +259,23 @@ def test_ranks_passing_different_local_sizes_raise_on_every_rank_instead_of_wait
     for seen in run_ranks(_differing_local_size, 4):
         kind, message = seen["differing"]
         assert kind == "RuntimeError" and "local_size" in message
+
+
+def _groups_after_destroy(rank, world_size):
+    """The node groups once the reducers are gone and the world destroyed
+    (a kept gloo group's threads could abort the interpreter's exit); a
+    world of one is made again for the harness to destroy."""
+    reducer = DistributedGradReducer(_params(), local_size=2, deterministic=True)
+    groups = node_groups(None, 2)
+    watched = [weakref.ref(groups.intra), weakref.ref(groups.cross),
+               weakref.ref(dist.group.WORLD)]
+    del reducer, groups
+    dist.destroy_process_group()
+    gc.collect()
+    alive = [ref() is not None for ref in watched]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return alive
+
+
+def test_node_groups_are_not_kept_past_destroy_process_group():
+    assert run_ranks(_groups_after_destroy, 4) == [[False, False, False]] * 4
