@@ -81,6 +81,7 @@ LAYERS = {
     "reducer": "user APIs",
     "adasum_reducer": "user APIs",
     "hooks": "user APIs",
+    "node_hook": "user APIs",
     "sharded_optimizer": "user APIs",
     "sharded_params": "user APIs",
     "shard_transport": "user APIs",

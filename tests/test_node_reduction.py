@@ -279,3 +279,49 @@ def _groups_after_destroy(rank, world_size):
 
 def test_node_groups_are_not_kept_past_destroy_process_group():
     assert run_ranks(_groups_after_destroy, 4) == [[False, False, False]] * 4
+
+
+# ------------------------------------------------------------ allreduce_hook
+def _hooked(rank, world_size):
+    """One DDP backward per HookState, against the reducer's deterministic
+    mean of the same local gradients (a power-of-two world: the hook's
+    prescale 1/4 before the sum and the reducer's after it are exact)."""
+    from torch.nn.parallel import DistributedDataParallel
+    from fusedreduce.hooks import HookState, allreduce_hook
+
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+    local = _model()
+    nn.functional.mse_loss(local[:3](x), y).backward()
+    grads = [p.grad for p in local[:3].parameters()]
+    expected = DistributedGradReducer(list(local[:3].parameters()), deterministic=True)(grads)
+    results = {"local": [g.clone() for g in grads], "reducer": [g.clone() for g in expected]}
+    for name, options in {"two-level": dict(local_size=2),
+                          "deterministic two-level": dict(local_size=2, deterministic=True),
+                          "int8 two-level": dict(local_size=2, wire_dtype=torch.int8)}.items():
+        model = DistributedDataParallel(_model()[:3], bucket_cap_mb=1e-4)
+        model.register_comm_hook(HookState(**options), allreduce_hook)
+        for _ in range(2):  # DDP rebuilds its buckets after the first iteration
+            model.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+        results[name] = [p.grad.clone() for p in model.parameters()]
+    return results
+
+
+def test_allreduce_hook_takes_the_node_options():
+    results = run_ranks(_hooked, 4)
+    mean = [sum(r["local"][i].double() for r in results) / 4
+            for i in range(len(results[0]["local"]))]
+    for got in results:
+        for name in ("two-level", "deterministic two-level", "int8 two-level"):
+            assert all(torch.equal(a, b) for a, b in zip(got[name], results[0][name])), name
+        # the deterministic sum is elementwise: DDP's buckets give the reducer's bits
+        assert all(torch.equal(a, b) for a, b in zip(got["deterministic two-level"],
+                                                     got["reducer"]))
+        eps = torch.finfo(torch.float32).eps
+        largest = sum(max(float(g.abs().max()) for g in r["local"]) for r in results)
+        for a, m in zip(got["two-level"], mean):
+            assert (a.double() - m).abs().max() <= 3 * eps * largest / 4 + eps * m.abs().max()
+        # int8: one code error per node's partial sum and one for the sum sent back
+        for a, m in zip(got["int8 two-level"], mean):
+            assert (a.double() - m).abs().max() <= (2 * largest / 254 + 6 * eps * largest) / 4
