@@ -26,6 +26,11 @@ scaled to each ``--sizes`` entry), input dtype and scale there are two cases:
   preallocated buffer reused every call, the way the library calls it.
 - ``fusedreduce_fresh_out`` (ours): the same with ``out=None``, so the cost
   of a new buffer (allocation, page faults, freeing it) shows.
+- ``fusedreduce_int8`` and ``fusedreduce_float8`` (ours): the same gradients
+  quantized in the flatten pass for the wire, ``quantize_flatten`` into kept
+  int8 / float8_e4m3fn codes and fp32 block scales (``WIRE_BLOCK``): beside
+  ``fusedreduce``, what quantizing adds to the plain flatten (their time over
+  ``fusedreduce``'s is the ratio the docs quote).
 
 ``unflatten``: an fp32 flat buffer back into tensors of the input dtype, scaled:
 ``copy`` (the fp32 -> dtype copy), ``naive``
@@ -74,7 +79,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from fusedreduce.kernels import flatten_cast_scale, triton_available, unflatten_cast_scale
+from fusedreduce.kernels import (WIRE_BLOCK, dequantize_sum, flatten_cast_scale, quantize_flatten,
+                                 triton_available, unflatten_cast_scale, wire_scale_count)
 
 from . import common, host_cost, timing
 from .models import TENSOR_LISTS, Shape
@@ -93,7 +99,8 @@ ROLES = {"copy": "reference", "naive": "baseline", "views_then_scale": "baseline
          "torch_scale_then_foreach": "baseline",
          "torch_chunk_cat": "baseline",
          "torch_split_copy": "baseline", "fusedreduce": "ours",
-         "fusedreduce_fresh_out": "ours", "fusedreduce_host": "host",
+         "fusedreduce_fresh_out": "ours", "fusedreduce_int8": "ours",
+         "fusedreduce_float8": "ours", "fusedreduce_host": "host",
          "fusedreduce_host_moved": "host", "fusedreduce_host_new": "host"}
 HOST_METHOD = "fusedreduce_host"
 HOST_MOVED_METHOD = "fusedreduce_host_moved"
@@ -104,6 +111,11 @@ HOST_METHODS = {"": HOST_METHOD, host_cost.MOVED_SUFFIX: HOST_MOVED_METHOD,
 #: what the ``timer`` of a CUDA run's config says
 DEVICE_TIMER = "device time alone (CUDA events, call queued behind a spin kernel, L2 flushed)"
 BASELINE = "copy"
+#: the wire methods' code dtypes, and the largest error of a dequantized
+#: element as a fraction of the largest magnitude (int8: half a step of
+#: absmax / 127; e4m3: 2^-4 of the value, 3 mantissa bits)
+WIRE_METHODS = {"fusedreduce_int8": (torch.int8, 1 / 254),
+                "fusedreduce_float8": (torch.float8_e4m3fn, 1 / 16)}
 
 
 class Workload:
@@ -124,6 +136,14 @@ class Workload:
         self.copy_dst = torch.empty(self.n_elements, dtype=FLAT_DTYPE, device=device)
         self.out = torch.empty(self.n_elements, dtype=FLAT_DTYPE, device=device)
         self.slices = list(torch.split(self.out, self.numels))
+        # the wire methods: codes of whole blocks, the tensors packed from 0
+        padded = -(-self.n_elements // WIRE_BLOCK) * WIRE_BLOCK
+        self.offsets = [0]
+        for n in self.numels[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        self.codes = {dtype: torch.empty(padded, dtype=dtype, device=device)
+                      for dtype, _ in WIRE_METHODS.values()}
+        self.block_scales = torch.empty(wire_scale_count(padded, torch.int8), device=device)
         # unflatten: an fp32 flat buffer into tensors of the input dtype
         self.flat = torch.randn(self.n_elements, device=device)
         self.flat_views = list(torch.split(self.flat, self.numels))
@@ -166,10 +186,18 @@ def flatten_methods(w: Workload, scale: float) -> Dict[str, Callable[[], object]
     def fusedreduce_fresh_out():
         return flatten_cast_scale(w.tensors, dtype=FLAT_DTYPE, scale=scale)
 
+    def wire(dtype):
+        def quantized():
+            quantize_flatten(w.tensors, w.codes[dtype], w.block_scales, scale=scale,
+                             offsets=w.offsets)
+            return w.codes[dtype], w.block_scales
+        return quantized
+
     return {"copy": copy, "naive": naive, "views_then_scale": views_then_scale,
             "torch_foreach": torch_foreach, "torch_cat": torch_cat,
             "torch_chunk_cat": torch_chunk_cat, "fusedreduce": fusedreduce,
-            "fusedreduce_fresh_out": fusedreduce_fresh_out}
+            "fusedreduce_fresh_out": fusedreduce_fresh_out,
+            **{name: wire(dtype) for name, (dtype, _) in WIRE_METHODS.items()}}
 
 
 def unflatten_methods(w: Workload, scale: float) -> Dict[str, Callable[[], object]]:
@@ -227,6 +255,16 @@ def check(w: Workload, scale: float, direction: str, name: str, result) -> None:
     """Raise unless ``result`` (what method ``name`` returned) is the right answer."""
     if direction == "flatten":
         expected = w.src.to(FLAT_DTYPE) * (1.0 if name == "copy" else scale)
+        if name in WIRE_METHODS:
+            codes, block_scales = result
+            result = torch.empty(codes.numel(), device=codes.device)
+            dequantize_sum(codes.view(1, -1), block_scales.view(1, -1), result)
+            result = result[:w.n_elements]
+            bound = WIRE_METHODS[name][1] * float(expected.abs().max()) * (1 + 2 ** -10)
+            if not bool(((result - expected).abs() <= bound).all()):
+                raise AssertionError(f"method {name} gave a dequantized flatten more than "
+                                     f"{bound:.3g} away on {w.name}")
+            return
     else:
         result = result if name == "copy" else torch.cat([t.view(-1) for t in result])
         expected = (w.flat * (1.0 if name == "copy" else scale)).to(w.dtype)

@@ -166,15 +166,14 @@ def triton_backend() -> Optional[Backend]:
             from .adasum import triton_backend as adasum_ops
             from .flatten import triton_backend as flatten_ops
             from .norm import triton_backend as norm_ops
+            from .wire import triton_backend as wire_ops
         except Exception as exc:  # noqa: BLE001 (a Triton this code does not know)
             _triton_error = ImportError(
                 f"fusedreduce's Triton kernels failed to load with Triton "
                 f"{triton.__version__} ({type(exc).__name__}: {exc}); the versions tested are "
                 f"{_dotted(MIN_TRITON)} to {_dotted(NEWEST_TESTED_TRITON)}")
         else:
-            # the wire kernels' Triton side is not written yet: their torch
-            # ops run on the device meanwhile
-            _triton = Backend.of("triton", flatten_ops, adasum_ops, norm_ops, _wire_torch)
+            _triton = Backend.of("triton", flatten_ops, adasum_ops, norm_ops, wire_ops)
     return _triton
 
 

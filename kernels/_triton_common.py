@@ -30,6 +30,14 @@ def scale_from_words(high, low):
     return bits.to(tl.float64, bitcast=True)
 
 
+@triton.jit
+def scale_of(scale_ptr, high, low, SCALE_TENSOR: tl.constexpr):
+    """A launch's float64 scale: from the device tensor, or from its words."""
+    if SCALE_TENSOR:
+        return tl.load(scale_ptr).to(tl.float64)
+    return scale_from_words(high, low)
+
+
 def to_device(table: np.ndarray, device: torch.device) -> torch.Tensor:
     """A launch table on ``device``; to a GPU from pinned memory, without
     waiting (the copy is ordered before the launches that read it)."""

@@ -1,6 +1,6 @@
 """Compile the kernels ahead of time for a CUDA target and report what came out.
 
-    python tests/compile_kernels.py {flatten,unflatten,adasum,norm,unspecialized} CAPABILITY
+    python tests/compile_kernels.py {flatten,unflatten,adasum,norm,wire,unspecialized} CAPABILITY
 
 Prints one JSON list, one entry per launch variant. Flatten kernels: the
 constexprs, whether PTX came out, the global loads/stores of the PTX by width
@@ -8,7 +8,8 @@ in bits, and every value of the TTIR that carries a ``tt.divisibility`` hint.
 AdaSum kernels (chunk statistics, their in-order reduction, the combine, per
 buffer dtype): whether PTX came out and the count of each arithmetic, branch
 and atomic instruction of interest; the norm kernels likewise, per norm and
-buffer dtype. ``unspecialized`` (nothing compiled; CAPABILITY ignored): every
+buffer dtype. The wire kernels likewise, per wire dtype (and rank count and
+output dtype for the sum). ``unspecialized`` (nothing compiled; CAPABILITY ignored): every
 kernel's parameters and those Triton never specialises on. It needs no GPU, but
 it must run without ``TRITON_INTERPRET``: under the interpreter ``@triton.jit``
 makes functions that cannot be compiled (test_compile_aot.py runs it in a
@@ -60,6 +61,7 @@ os.environ["TRITON_CACHE_DIR"] = os.path.join(
                                                        "cache"), "ahead-of-time-reports",
     _reports_cache_key())
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
@@ -68,6 +70,7 @@ from fusedreduce.kernels import (ADASUM_CHUNK, ADASUM_FP32_LIMIT, ADASUM_NORM_FL
 from fusedreduce.kernels.adasum import triton_backend as adasum  # noqa: E402
 from fusedreduce.kernels.flatten import triton_backend as kernels  # noqa: E402
 from fusedreduce.kernels.norm import triton_backend as norm  # noqa: E402
+from fusedreduce.kernels.wire import triton_backend as wire  # noqa: E402
 
 BUFFER_TYPES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
 # what kinds_mask can return: one dtype code's bit, or ALL_KINDS for a mix
@@ -185,9 +188,11 @@ def _assigned_name(locations: dict, ref: str):
     return assigned.group(1) if assigned else None
 
 
-#: PTX instructions the AdaSum tests count: arithmetic by type, branches, atomics
-INSTRUCTION = re.compile(r"\b((?:fma|mul|add|sub|div)(?:\.rn)?\.f(?:32|64)|bra(?:\.uni)?|"
-                         r"atom|red)\b")
+#: PTX instructions the AdaSum, norm and wire tests count: arithmetic by type,
+#: branches, atomics, and any conversion to or from fp8
+INSTRUCTION = re.compile(r"\b((?:fma|mul|add|sub|div)(?:\.rn|\.full|\.approx)?(?:\.ftz)?"
+                         r"\.f(?:32|64)|"
+                         r"bra(?:\.uni)?|atom|red|cvt[.\w]*e4m3[.\w]*)\b")
 
 
 def ast_source(fn, signature: dict, constexprs: dict, attrs: Optional[dict] = None):
@@ -258,14 +263,52 @@ def norm_variants():
                    norm.NUM_WARPS)
 
 
+WIRE_TYPES = {"float32": "fp32", "bfloat16": "bf16", "int8": "i8", "float8_e4m3fn": "u8"}
+
+
+def wire_variants():
+    """(name, codes, kernel, signature, constexprs, options) of the wire launches:
+    the quantize kernel per wire dtype (mixed input dtypes, residual and flag
+    on; and fp32 inputs with neither), the sum per wire dtype for 5 ranks
+    into fp32, and for 3 ranks into fp64."""
+    for dtype, codes in WIRE_TYPES.items():
+        level = {"int8": 127.0, "float8_e4m3fn": 448.0}.get(dtype, 1.0)
+        for kinds, extras in ((kernels.ALL_KINDS, True), (1 << 2, False)):
+            yield (f"quantize {dtype} kinds={kinds} residual={int(extras)}", codes,
+                   wire._quantize_kernel,
+                   {"table": "*i64", "tiles": "*i64", "base": "*u8", "codes": f"*{codes}",
+                    "scales": "*fp32", "residual": "*fp32" if extras else "*i64",
+                    "flag": "*u8" if extras else "*i64", "n_segments": "i32", "numel": "i32",
+                    "scale_high": "i32", "scale_low": "i32", "scale_ptr": "*i64",
+                    "KINDS": "constexpr", "WIRE": "constexpr", "LEVEL": "constexpr",
+                    "BLOCK": "constexpr", "GROUPS": "constexpr", "HAS_RESIDUAL": "constexpr",
+                    "CHECK_FINITE": "constexpr", "SCALE_TENSOR": "constexpr"},
+                   {"KINDS": kinds, "WIRE": wire.WIRE_CODES[getattr(torch, dtype)],
+                    "LEVEL": level, "BLOCK": 256, "GROUPS": wire.TILE // 256,
+                    "HAS_RESIDUAL": extras, "CHECK_FINITE": extras, "SCALE_TENSOR": False},
+                   wire.OPTIONS)
+        for ranks, out in ((5, "fp32"), (3, "fp64")):
+            padded = 1 << (ranks - 1).bit_length()
+            yield (f"sum {dtype} R={ranks} out={out}", codes, wire._dequantize_sum_kernel,
+                   {"codes": f"*{codes}", "scales": "*fp32", "out": f"*{out}", "n": "i32",
+                    "n_blocks": "i32", "WIRE": "constexpr", "R": "constexpr",
+                    "RANKS": "constexpr", "LEVELS": "constexpr", "BLOCK": "constexpr",
+                    "GROUPS": "constexpr"},
+                   {"WIRE": wire.WIRE_CODES[getattr(torch, dtype)], "R": ranks,
+                    "RANKS": padded, "LEVELS": padded.bit_length() - 1, "BLOCK": 256,
+                    "GROUPS": max(1, wire.TILE // (256 * padded))}, wire.OPTIONS)
+
+
 def main_adasum(capability: int, kernel: str = "adasum") -> None:
     target = GPUTarget("cuda", capability, 32)
     report = []
-    for name, buffer, fn, signature, constexprs, num_warps in (
-            adasum_variants() if kernel == "adasum" else norm_variants()):
+    families = {"adasum": adasum_variants, "norm": norm_variants, "wire": wire_variants}
+    for name, buffer, fn, signature, constexprs, options in families[kernel]():
         start = time.perf_counter()
+        if isinstance(options, int):
+            options = {"num_warps": options}
         compiled = triton.compile(ast_source(fn, signature, constexprs),
-                                  target=target, options={"num_warps": num_warps})
+                                  target=target, options=options)
         ptx = compiled.asm.get("ptx", "")
         body = ptx[ptx.find(".entry"):]
         report.append({
@@ -286,7 +329,7 @@ def main_unspecialized() -> None:
     """Every ``@triton.jit`` kernel's parameters and those it never specialises
     on (``do_not_specialize``)."""
     report = {}
-    for module in (kernels, adasum, norm):
+    for module in (kernels, adasum, norm, wire):
         for name, fn in sorted(vars(module).items()):
             if isinstance(fn, triton.runtime.JITFunction) and name.endswith("_kernel"):
                 report[f"{module.__name__}.{name}"] = {
@@ -299,7 +342,7 @@ def main(kernel: str, capability: int) -> None:
     if kernel == "unspecialized":
         main_unspecialized()
         return
-    if kernel in ("adasum", "norm"):
+    if kernel in ("adasum", "norm", "wire"):
         main_adasum(capability, kernel)
         return
     fn = {"flatten": kernels._flatten_kernel, "unflatten": kernels._unflatten_kernel}[kernel]

@@ -20,7 +20,8 @@ from fusedreduce import kernels
 #: the protocol: each op family's functions, in both backend modules
 PROTOCOL = {"flatten": ("prepare_flatten", "prepare_unflatten"),
             "adasum": ("chunk_stats", "reduce_chunks", "combine"),
-            "norm": ("norm_powers", "clip_scales", "clip_buffers")}
+            "norm": ("norm_powers", "clip_scales", "clip_buffers"),
+            "wire": ("prepare_quantize", "dequantize_sum")}
 
 
 def _backend_module(family: str, name: str):

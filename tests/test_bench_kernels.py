@@ -15,7 +15,8 @@ from fusedreduce.bench.models import (n_elements, resnet50_classes, resnet50_sha
 # scale is 1/8, so torch_scale_then_foreach (scale != 1) does
 CPU_METHODS = {"flatten": {"copy", "naive", "views_then_scale", "torch_foreach", "torch_cat",
                            "torch_chunk_cat",
-                           "fusedreduce", "fusedreduce_fresh_out", "fusedreduce_host",
+                           "fusedreduce", "fusedreduce_fresh_out", "fusedreduce_int8",
+                           "fusedreduce_float8", "fusedreduce_host",
                            "fusedreduce_host_moved", "fusedreduce_host_new"},
                "unflatten": {"copy", "naive", "scale_then_views", "torch_foreach",
                              "torch_scale_then_foreach", "fusedreduce", "fusedreduce_host", "fusedreduce_host_moved",

@@ -219,3 +219,25 @@ def test_the_words_of_run_time_floats_are_never_specialised_on():
     assert sum(map(len, words.values())) >= 4, words  # the flatten kernels' and the norm's
     for name, kernel in report.items():
         assert set(words[name]) <= set(kernel["unspecialized"]), (name, kernel)
+
+
+# ------------------------------------------------------------------ the wire formats
+
+@pytest.mark.parametrize("capability", TARGETS)
+def test_every_wire_kernel_compiles_with_ieee_roundings_and_no_fp8_instructions(capability):
+    report = compile_report("wire", capability)
+    # a quantize with residual and flag, and one without, per wire dtype; two sums each
+    assert len(report["variants"]) == 4 * 4
+    for variant in report["variants"]:
+        name = f"{variant['name']} sm_{capability}"
+        assert variant["has_ptx"], f"{name}: no PTX"
+        found = variant["instructions"]
+        # bit-equal to the torch backend: no FMA contraction (enable_fp_fusion
+        # off), no approximate division, no atomics (one writer per element)
+        assert not [op for op in found if op.startswith("fma") or ".full" in op
+                    or ".approx" in op or op in ("atom", "red")], f"{name}: {found}"
+        # e4m3 is encoded on the integer bits: nothing that needs sm_89's fp8 cvt
+        assert not [op for op in found if "e4m3" in op], f"{name}: {found}"
+        # IEEE division (Triton 3.2's div_rn flushes subnormals: div.rn.ftz)
+        if variant["name"].startswith(("quantize int8", "quantize float8")):
+            assert _instructions(variant, "div.rn.f32", "div.rn.ftz.f32") > 0, f"{name}: {found}"

@@ -46,10 +46,10 @@ def round_e4m3(y: float) -> float:
     """``y`` (|y| <= 448) rounded to nearest even on e4m3's grid: 3 mantissa
     bits for |y| >= 2^-6, multiples of 2^-9 below."""
     if y == 0.0:
-        return 0.0
+        return y
     exponent = max(math.frexp(abs(y))[1] - 1, -6)
     spacing = 2.0 ** (exponent - 3)
-    return round(y / spacing) * spacing
+    return math.copysign(round(y / spacing) * spacing, y)  # e4m3 has a -0
 
 
 def quantize(v: torch.Tensor, wire_dtype: torch.dtype, block: int):

@@ -6,7 +6,7 @@ layout (:func:`build_table`), uploads them once and keeps them on the device::
     table: [ src_bytes | numel | extent | flat_start | kind ]  a column per segment
     work:  [ segment << 32 | block ]                           an entry per program
 
-Tensors that move (``_Layout.rebind``) change only ``table``'s first and last
+Tensors that move (``Layout.rebind``) change only ``table``'s first and last
 columns; ``work``, as long as the program count, never changes, so a re-pointed
 launch uploads 40 bytes per segment.
 
@@ -53,7 +53,7 @@ import triton.language as tl
 
 from .._common import ALIGN_BYTES
 from .._launcher import CompiledLaunch
-from .._triton_common import downcast, scale_from_words, scale_words, to_device, upcast
+from .._triton_common import downcast, scale_of, scale_words, to_device, upcast
 
 BLOCK = 2048
 NUM_WARPS = 4
@@ -74,14 +74,6 @@ def _flag_nonfinite(x, flag, CHECK_FINITE: tl.constexpr):
         if tl.max(tl.where(tl.abs(x) < float("inf"), 0, 1), axis=0) > 0:
             # every writer stores the same 1: the race is benign and the flag exact
             tl.store(flag, 1)
-
-
-@triton.jit
-def _scale_of(scale_ptr, high, low, SCALE_TENSOR: tl.constexpr):
-    """The launch's float64 scale: from the device tensor, or from its words."""
-    if SCALE_TENSOR:
-        return tl.load(scale_ptr).to(tl.float64)
-    return scale_from_words(high, low)
 
 
 @triton.jit
@@ -168,7 +160,7 @@ def _flatten_kernel(table, work, base, out, flag, n_segments, scale_high, scale_
                     BLOCK: tl.constexpr, OUT_VEC: tl.constexpr, SCALE_TENSOR: tl.constexpr):
     seg, start, src_bytes, numel, extent, flat_start, kind = _segment(table, work, n_segments,
                                                                       BLOCK, OUT_VEC)
-    scale = _scale_of(scale_ptr, scale_high, scale_low, SCALE_TENSOR)
+    scale = scale_of(scale_ptr, scale_high, scale_low, SCALE_TENSOR)
     code = kind & 255
     # single-dtype launches compile one branch; mixed launches pick per segment
     for CODE in tl.static_range(4):
@@ -239,7 +231,7 @@ def _unflatten_kernel(table, work, base, flat, n_segments, scale_high, scale_low
                       BLOCK: tl.constexpr, FLAT_VEC: tl.constexpr, SCALE_TENSOR: tl.constexpr):
     seg, start, dst_bytes, numel, extent, flat_start, kind = _segment(table, work, n_segments,
                                                                       BLOCK, FLAT_VEC)
-    scale = _scale_of(scale_ptr, scale_high, scale_low, SCALE_TENSOR)
+    scale = scale_of(scale_ptr, scale_high, scale_low, SCALE_TENSOR)
     code = kind & 255
     for CODE in tl.static_range(4):
         if ((KINDS >> CODE) & 1) != 0:
@@ -296,7 +288,7 @@ def build_table(tensors, starts, extents, flat, base):
     return table, work, programs
 
 
-def _scale_arguments(scale, placeholder: torch.Tensor):
+def scale_arguments(scale, placeholder: torch.Tensor):
     """``(high, low, scale_ptr, SCALE_TENSOR)`` for a Python or a tensor scale;
     a float's ``scale_ptr`` is ``placeholder`` (never read)."""
     if isinstance(scale, torch.Tensor):
@@ -305,7 +297,7 @@ def _scale_arguments(scale, placeholder: torch.Tensor):
     return high, low, placeholder, False
 
 
-class _Layout:
+class Layout:
     """What every launch of one layout shares: the device table, the program
     count, the base tensor's place and the staging of non-contiguous tensors.
 
@@ -409,7 +401,7 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
     device, the scale travels as kernel arguments, so a launch copies nothing
     to the device and never waits for it.
     """
-    layout = _Layout(tensors, starts, extents, out, zero_lead=True)
+    layout = Layout(tensors, starts, extents, out, zero_lead=True)
     staged, staging = layout.staged_indices, layout.staging
     # positional: every parameter of _flatten_kernel, constexprs included
     kernel = CompiledLaunch(_flatten_kernel, (layout.programs,), num_warps=NUM_WARPS)
@@ -419,21 +411,21 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
             torch._foreach_copy_(staging, [tensors[i] for i in staged])
         flag = torch.zeros(1, dtype=torch.uint8, device=out.device) if check_finite else None
         if layout.programs:
-            high, low, scale_ptr, scale_tensor = _scale_arguments(scale, layout.table)
+            high, low, scale_ptr, scale_tensor = scale_arguments(scale, layout.table)
             kernel(layout.table, layout.work, layout.base(tensors, out), out,
                    flag if flag is not None else layout.table, layout.n_segments, high, low,
                    scale_ptr, layout.kinds, flag is not None, BLOCK, layout.flat_vec,
                    scale_tensor)
         return flag.view(torch.bool)[0] if flag is not None else None
     launch.kernel = kernel
-    return _rebindable(launch, layout)
+    return rebindable(launch, layout)
 
 
 def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
                       starts: Sequence[int]) -> Callable:
     """The launch ``(flat, tensors, scale, accumulate) -> None`` that writes (or
     adds) each segment of ``flat`` into its tensor, in place."""
-    layout = _Layout(tensors, starts, [t.numel() for t in tensors], flat, zero_lead=False)
+    layout = Layout(tensors, starts, [t.numel() for t in tensors], flat, zero_lead=False)
     staged, staging = layout.staged_indices, layout.staging
     kernel = CompiledLaunch(_unflatten_kernel, (layout.programs,), num_warps=NUM_WARPS)
 
@@ -442,17 +434,17 @@ def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
             if staged and accumulate:
                 torch._foreach_copy_(staging, [tensors[i] for i in staged])
             if layout.programs:
-                high, low, scale_ptr, scale_tensor = _scale_arguments(scale, layout.table)
+                high, low, scale_ptr, scale_tensor = scale_arguments(scale, layout.table)
                 kernel(layout.table, layout.work, layout.base(tensors, flat), flat,
                        layout.n_segments, high, low, scale_ptr, layout.kinds, accumulate,
                        BLOCK, layout.flat_vec, scale_tensor)
             if staged:
                 torch._foreach_copy_([tensors[i] for i in staged], staging)
     launch.kernel = kernel
-    return _rebindable(launch, layout)
+    return rebindable(launch, layout)
 
 
-def _rebindable(launch: Callable, layout: _Layout) -> Callable:
+def rebindable(launch: Callable, layout: Layout) -> Callable:
     """``launch``, with ``launch.rebind(tensors, ptrs, flat_address)`` and
     ``launch.accepts_buffer_at(address)`` (see ``_prepared.py``) when its
     layout's offsets all start from the flat buffer and nothing is staged."""
