@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from fusedreduce import DistributedGradReducer
+from fusedreduce import DistributedGradReducer, kernels
 from test_node_reduction import train
 
 WORLD = 4
@@ -163,7 +163,7 @@ def test_error_feedback_keeps_a_residual_and_adds_it_to_the_next_step(wire_ranks
 def test_a_nan_on_one_rank_is_found_on_every_rank_and_poisons_its_block_only(wire_ranks):
     for found, element_nan, nans, other_tensor in (r["nan"] for r in wire_ranks):
         assert found and element_nan and not other_tensor
-        assert 0 < nans <= 2 * 256  # its block, in at most the two blocks it spans
+        assert 0 < nans <= kernels.WIRE_BLOCK  # its block's elements of that tensor
 
 
 # ---------------------------------------------------------------- the optimizer
