@@ -70,6 +70,10 @@ class AllReduce:
         """The buckets' ``(prescale, postscale)``, from the reducer's ``scales``."""
         return scales
 
+    def held(self) -> List[torch.Tensor]:
+        """The buffers this collective keeps between reductions (none)."""
+        return []
+
     def communicate(self, bucket: Bucket, buffer: torch.Tensor,
                     spare: Optional[torch.Tensor]) -> PendingBucket:
         """Start combining ``bucket``'s already filled ``buffer`` (bucket views)."""
@@ -93,12 +97,18 @@ class OneRankSum(AllReduce):
         return PendingBucket(bucket, buffer, None, spare)
 
 
-def all_reduce_collective(plan: BucketPlan, group, world_size: int, backend: str) -> AllReduce:
+def all_reduce_collective(plan: BucketPlan, group, world_size: int, backend: str,
+                          node=None):
     """``DistributedGradReducer``'s collective: the all-reduce, or on a world
-    of one rank none."""
+    of one rank none; ``node`` (``node_collectives.NodeOptions``) other than
+    the flat all-reduce: its collective, where more than one node holds the
+    group."""
     if world_size == 1:
         return OneRankSum(plan, backend)
-    return AllReduce(plan, group, world_size, backend)
+    from .node_collectives import node_collective  # its collectives build on AllReduce
+    return (node_collective(plan, group, world_size, backend, node)
+            if node is not None and not node.flat else None) \
+        or AllReduce(plan, group, world_size, backend)
 
 
 class AdaSumTree:
@@ -119,6 +129,10 @@ class AdaSumTree:
     def prescales(self, scales: List[tuple]) -> List[tuple]:
         """1/local_size in the flatten, as ``adasum_allreduce`` does; no postscale."""
         return [(1.0 / self.local_size, 1.0)] * len(scales)
+
+    def held(self) -> List[torch.Tensor]:
+        """The buffers this collective keeps between reductions (none)."""
+        return []
 
     def start(self, bucket: Bucket, tensors: Sequence[torch.Tensor], buffer: torch.Tensor,
               part: Optional[torch.Tensor] = None, prescale: float = 1.0,
