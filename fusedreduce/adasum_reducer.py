@@ -42,7 +42,8 @@ class AdaSumReducer(DistributedGradReducer):
     Raises:
         ValueError: ``reduce_dtype`` is 16-bit (AdaSum's statistics and
             combine need fp32 or fp64 buffers), or ``local_size`` does not
-            divide the world size; and ``DistributedGradReducer``'s errors.
+            divide the world size, or ``wire_dtype``, ``deterministic`` or
+            ``error_feedback`` given; and ``DistributedGradReducer``'s errors.
     """
 
     def __init__(self, parameters, group: Optional[dist.ProcessGroup] = None, *,
@@ -50,6 +51,10 @@ class AdaSumReducer(DistributedGradReducer):
                  reduce_dtype: torch.dtype = torch.float32, backend: str = "auto",
                  **clipping) -> None:
         check_adasum_reduce_dtype(reduce_dtype)
+        if any(clipping.get(name) not in (None, False)
+               for name in ("wire_dtype", "deterministic", "error_feedback")):
+            raise ValueError("wire_dtype and deterministic do not combine with AdaSum (it "
+                             "combines the gradients, it does not sum them)")
         super().__init__(parameters, mean=False, group=group, bucket_cap_mb=bucket_cap_mb,
                          reduce_dtype=reduce_dtype, backend=backend, **clipping)
         self.local_size = check_local_size(local_size, self.world_size)

@@ -29,6 +29,7 @@ from .clipping import (check_clipping, check_split_norm, clip_buffers, clip_scal
                        norm_dtype_of, norm_powers, norm_split_for, over_ranks,
                        raise_if_nonfinite, warn_if_exhausted)
 from .grad_collectives import all_reduce_collective
+from .node_collectives import check_exchanged_dtypes, check_node_options
 from .overlap import BackwardOverlap
 from .precision import communication_dtype, split_scale
 from .process_group import require_process_group
@@ -50,7 +51,9 @@ class BucketEngine:
                  check_finite: bool = False, backend: str = "auto",
                  max_grad_norm: Optional[float] = None, norm_type=2.0,
                  error_if_nonfinite: bool = False, split_norm: Optional[bool] = None,
-                 initial_parameters: str = "verify", kind: str, shards: bool, start: Callable,
+                 initial_parameters: str = "verify", local_size: int = 1,
+                 wire_dtype: Optional[torch.dtype] = None, deterministic: bool = False,
+                 error_feedback: bool = False, kind: str, shards: bool, start: Callable,
                  finish: Callable, before_sync: Optional[Callable[[], None]] = None) -> None:
         self.parameters: List[torch.Tensor] = tensor_list(parameters, "parameters")
         check_bool(mean, "mean")  # a string such as "False" would be true
@@ -81,6 +84,11 @@ class BucketEngine:
             kernels.resolve_backend(backend, device)
         self.group = group
         self.world_size = require_process_group(group)
+        self.node = check_node_options(local_size, wire_dtype, deterministic, error_feedback,
+                                       world_size=self.world_size, reduce_dtype=reduce_dtype)
+        if shards and not self.node.flat:
+            raise ValueError("local_size, wire_dtype and deterministic are not supported with "
+                             "shard=True yet (docs/guides/across-nodes.md)")
         self.mean = bool(mean)
         self.degree = self.world_size if degree is None else degree
         self.reduce_dtype = reduce_dtype
@@ -97,7 +105,10 @@ class BucketEngine:
                                bucket_cap_mb=bucket_cap_mb,
                                comm_dtype=lambda d: communication_dtype(d, reduce_dtype),
                                fusion_ids=[fusion_ids[i] for i in self.order],
-                               shards=self.world_size if shards else 1)
+                               shards=self.world_size if shards
+                               else self.node.shards(self.world_size),
+                               part_multiple=self.node.part_multiple())
+        check_exchanged_dtypes(self.plan, self.node)
         total = 1.0 / self.degree if self.mean else 1.0
         # by default 16-bit communication divides fully before the sum (guarding
         # fp16 overflow); wider communication divides after it
@@ -112,7 +123,8 @@ class BucketEngine:
         self._owned_norm = shards
         # the one-rank world is decided here: a collective that does not
         # communicate (nothing to verify, broadcast or count over the ranks)
-        self.collective = all_reduce_collective(self.plan, group, self.world_size, backend)
+        self.collective = all_reduce_collective(self.plan, group, self.world_size, backend,
+                                                self.node)
         self.verified = not self.collective.communicates
         # DistributedOptimizer's rule (DDP's): a parameter no rank gave a
         # gradient in a pass keeps none, so the optimizer skips it
@@ -156,7 +168,7 @@ class BucketEngine:
             clipping=("clipping", self.max_grad_norm, self.norm_type,
                       self.norm_split is not None),
             reduction=("reduction", self.kind, self.scales, self.check_finite,
-                       self.collective.signature,
+                       self.collective.signature, self.node.signature(),
                        self.overlap.passes_per_sync if hooked else None,
                        self.unused_grads_to_none if hooked else None),
             values=self._verify_values)

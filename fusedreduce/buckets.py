@@ -167,12 +167,15 @@ class BucketPlan:
             group's world size, for ``reduce_scatter_plan``): each bucket is
             padded at its end only, to a multiple of ``shards`` times the
             16-byte alignment, so every part starts aligned.
+        part_multiple: each part's element count is also a multiple of
+            this (``kernels.WIRE_BLOCK`` for the blockwise wire formats, whose
+            rank chunks must hold whole blocks).
 
     Raises:
         TypeError: a non-tensor, sparse or non-floating entry, or a bad
             ``comm_dtype`` (the index is named).
-        ValueError: a non-positive ``bucket_cap_mb`` or ``shards``, or
-            ``fusion_ids`` of the wrong length.
+        ValueError: a non-positive ``bucket_cap_mb``, ``shards`` or
+            ``part_multiple``, or ``fusion_ids`` of the wrong length.
 
     Examples:
         >>> ts = [torch.zeros(1000), torch.zeros(10, dtype=torch.float16), torch.zeros(3)]
@@ -192,10 +195,12 @@ class BucketPlan:
         comm_dtype: DtypeRule = None,
         fusion_ids: Optional[Sequence[int]] = None,
         shards: int = 1,
+        part_multiple: int = 1,
     ) -> None:
-        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
-            raise ValueError(f"shards must be a positive int, got {shards!r}")
-        self.shards = shards
+        for name, value in (("shards", shards), ("part_multiple", part_multiple)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.shards, self.part_multiple = shards, part_multiple
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
                 or not bucket_cap_mb > 0 or not math.isfinite(bucket_cap_mb):
             raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
@@ -243,7 +248,7 @@ class BucketPlan:
             offsets.append(position)
             position += -(-self.specs[i].numel // align) * align
         # sharded: padding at the end only, so that each part starts aligned
-        stride = align * self.shards
+        stride = math.lcm(align, self.part_multiple) * self.shards
         size = -(-position // stride) * stride
         return Bucket(index=index, device=self.specs[members[0]].device, dtype=dtype,
                       fusion_id=self.fusion_ids[members[0]], tensor_indices=tuple(members),

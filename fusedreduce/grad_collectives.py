@@ -93,12 +93,18 @@ class OneRankSum(AllReduce):
         return PendingBucket(bucket, buffer, None, spare)
 
 
-def all_reduce_collective(plan: BucketPlan, group, world_size: int, backend: str) -> AllReduce:
+def all_reduce_collective(plan: BucketPlan, group, world_size: int, backend: str,
+                          node=None):
     """``DistributedGradReducer``'s collective: the all-reduce, or on a world
-    of one rank none."""
+    of one rank none; ``node`` (``node_collectives.NodeOptions``) other than
+    the flat all-reduce: its collective, where more than one node holds the
+    group."""
     if world_size == 1:
         return OneRankSum(plan, backend)
-    return AllReduce(plan, group, world_size, backend)
+    from .node_collectives import node_collective  # its collectives build on AllReduce
+    return (node_collective(plan, group, world_size, backend, node)
+            if node is not None and not node.flat else None) \
+        or AllReduce(plan, group, world_size, backend)
 
 
 class AdaSumTree:

@@ -36,6 +36,8 @@ from .buckets import BucketPlan, TensorSpec
 from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers, clip_shared,
                        norm_dtype_of, norm_split_for, raise_if_nonfinite, share_norm)
 from .kernels import refuse_in_capture
+from .node_collectives import check_node_options
+from .node_hook import NodeWays, reduce_by_node
 from .precision import communication_dtype, split_scale
 from .process_group import global_ranks, require_process_group
 from .rank_agreement import verify_hook_agrees
@@ -64,8 +66,23 @@ class HookState:
             and 16-bit buckets it also keeps fp16 sums from overflowing; for
             fp32/fp64 buckets ``allreduce_hook`` then multiplies by
             ``1 / world_size`` in place, as DDP without a hook does).
-        local_size: ``adasum_hook`` first averages inside consecutive blocks
-            of this many ranks, then AdaSums across them.
+        local_size: ranks per node (contiguous; under torchrun
+            ``int(os.environ["LOCAL_WORLD_SIZE"])``). ``adasum_hook`` first
+            averages inside consecutive blocks of this many ranks, then
+            AdaSums across them; ``allreduce_hook`` sums inside the node,
+            this rank's ``1/local_size`` part across nodes, and gathers the
+            parts inside the node (``DistributedGradReducer``'s
+            ``local_size``; ``node_hook``). The compress hooks ignore it.
+        wire_dtype: ``allreduce_hook`` only: the compressed wire format
+            (``torch.bfloat16``, ``torch.float8_e4m3fn``, ``torch.int8``), as
+            ``DistributedGradReducer``'s; each DDP bucket is summed to its
+            end inside the hook (on gloo the hook returns when it is).
+        deterministic: ``allreduce_hook`` only: the all-to-all fp32 sum in a
+            fixed order, as ``DistributedGradReducer``'s.
+        error_feedback: ``allreduce_hook`` with a compressing
+            ``wire_dtype``: the quantization error kept per DDP bucket
+            buffer and added at the next iteration (lost when DDP rebuilds
+            its buckets after the first).
         backend: the kernels' backend (``"auto"``, ``"triton"``, ``"torch"``).
         max_grad_norm: clip the reduced gradients of every bucket to this total
             norm, as ``clip_grad_norm_`` would: each bucket's future completes
@@ -90,15 +107,21 @@ class HookState:
 
     Raises:
         ValueError: a zero or non-finite ``prescale``; ``local_size`` not a
-            positive int, or (once the group is known) not dividing its size.
+            positive int, or (once the group is known) not dividing its size;
+            ``wire_dtype`` not one of ``kernels.WIRE_DTYPES``,
+            ``error_feedback`` without a compressing ``wire_dtype``; (at the
+            first bucket) ``wire_dtype`` or ``deterministic`` with another
+            hook than ``allreduce_hook``, or with float64 gradients.
         TypeError: a non-number ``prescale``; ``split_norm`` not None or a
-            bool.
+            bool; ``wire_dtype`` not a dtype, ``deterministic`` or
+            ``error_feedback`` not a bool.
         RuntimeError: on first use (or at construction, when a process group
             exists): torch.distributed is not initialised, this process is not
             a member of ``group``, or an unpickled state's group is not the
             world. At the first bucket a state sees (every rank, before
             anything is written): the ranks run different hooks, or the same
-            hook with different options (``prescale``, ``local_size``, the
+            hook with different options (``prescale``, ``local_size``,
+            ``wire_dtype``, ``deterministic``, ``error_feedback``, the
             backend each resolves to, ``max_grad_norm``, ``norm_type``,
             ``error_if_nonfinite``, ``split_norm``), or the bucket dtypes
             differ; the error names the first option that differs and each
@@ -117,7 +140,8 @@ class HookState:
                  prescale: Optional[float] = None, local_size: int = 1,
                  backend: str = "auto", max_grad_norm: Optional[float] = None,
                  norm_type: Union[float, str] = 2.0, error_if_nonfinite: bool = False,
-                 split_norm: Optional[bool] = None) -> None:
+                 split_norm: Optional[bool] = None, wire_dtype: Optional[torch.dtype] = None,
+                 deterministic: bool = False, error_feedback: bool = False) -> None:
         check_prescale(prescale)
         self.max_grad_norm, self.norm_type = check_clipping(max_grad_norm, norm_type,
                                                             error_if_nonfinite)
@@ -139,6 +163,13 @@ class HookState:
         self.prescale = prescale
         self.local_size = local_size
         self.backend = backend
+        # checked at once where they can be without the group (its size too
+        # once it is known, in _resolve)
+        self._node = check_node_options(1, wire_dtype, deterministic, error_feedback,
+                                        world_size=1, reduce_dtype=torch.float32)
+        self.wire_dtype, self.deterministic = wire_dtype, deterministic
+        self.error_feedback = error_feedback
+        self.node_ways = NodeWays()
         self._group = group
         self._world_size: Optional[int] = None
         self._pickled_ranks: Optional[List[int]] = None
@@ -217,6 +248,9 @@ class HookState:
                         f"back with the world's: set state.group to that group again")
                 self._pickled_ranks = None
             check_local_size(self.local_size, world_size)
+            self._node = check_node_options(self.local_size, self.wire_dtype, self.deterministic,
+                                            self.error_feedback, world_size=world_size,
+                                            reduce_dtype=torch.float32)
             self._world_size = world_size
         return self._world_size
 
@@ -229,6 +263,7 @@ class HookState:
         state["_wires"], state["_iteration"] = {}, 0
         state["_clipping"], state["grad_norm"], state["_norm_split"] = [], None, None
         state["_agreed"] = False  # the other side's ranks are checked there
+        state["node_ways"] = NodeWays()
         if group is not None:
             # a group's members are known only while it exists; record them so
             # that the other side can tell whether the world is the same group
@@ -266,7 +301,9 @@ class HookState:
             ("hook", hook), ("bucket dtype", str(buffer.dtype)), ("wire dtype", str(wire_dtype)),
             ("prescale", self.prescale), ("local_size", self.local_size), ("backend", backend),
             ("max_grad_norm", self.max_grad_norm), ("norm_type", self.norm_type),
-            ("error_if_nonfinite", self.error_if_nonfinite), ("split_norm", self.split_norm)],
+            ("error_if_nonfinite", self.error_if_nonfinite), ("split_norm", self.split_norm),
+            ("wire_dtype", str(self.wire_dtype)), ("deterministic", self.deterministic),
+            ("error_feedback", self.error_feedback)],
             self.backend, buffer.device, self.group)
         self._agreed = True
 
@@ -420,6 +457,12 @@ def _state(state) -> HookState:
     return kept
 
 
+def _refuse_exchanges(state: HookState, hook: str) -> None:
+    if state._node.exchanges and hook != "allreduce_hook":
+        raise ValueError(f"wire_dtype and deterministic apply to allreduce_hook only, not to "
+                         f"{hook}")
+
+
 def _future_of(tensor: torch.Tensor) -> torch.futures.Future:
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(tensor)
@@ -432,7 +475,10 @@ def _reduce_in(state: HookState, bucket: dist.GradBucket, dtype: torch.dtype,
     dtype, else through the state's kept wire buffer (one fused
     cast-and-prescale pass before, one cast-back-and-postscale pass after)."""
     buffer = bucket.buffer()
+    _refuse_exchanges(state, hook)
     state._check_ranks_agree(hook, bucket, dtype)
+    if hook == "allreduce_hook" and not state._node.flat:
+        return reduce_by_node(state, bucket, dtype, state._node)
     before, after = state.scales()
     wire = buffer if buffer.dtype == dtype else state.wire_for(bucket, dtype)
     reduced = start_cast_all_reduce(buffer, wire, group=state.group, prescale=before,
@@ -504,6 +550,7 @@ def fusedreduce_adasum_hook(state: Optional[HookState],
     """
     state = _state(state)
     buffer = bucket.buffer()
+    _refuse_exchanges(state, "adasum_hook")
     state._check_ranks_agree("adasum_hook", bucket, communication_dtype(buffer.dtype))
     grads = bucket.gradients()
     # DDP packs a bucket densely in gradients() order

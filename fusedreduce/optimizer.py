@@ -135,9 +135,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         gradient_as_bucket_view: keep each ``.grad`` as a view of its fused
             bucket (DDP's option; see ``DistributedGradReducer.register_hooks``):
             no flatten copy, one gradient copy less in memory, same results.
-        local_size: with ``reduce_method="adasum"``: average inside
-            consecutive blocks of this many ranks first (a node's GPUs), then
-            AdaSum across the blocks, as ``hooks.adasum_hook``'s ``local_size``.
+        local_size: ranks per node, contiguous in the group's rank order
+            (under torchrun ``int(os.environ["LOCAL_WORLD_SIZE"])``). With
+            ``reduce_method="adasum"``: average inside consecutive blocks of
+            this many ranks first (a node's GPUs), then AdaSum across the
+            blocks, as ``hooks.adasum_hook``'s ``local_size``. With "mean" or
+            "sum": the node-aware reduction (``DistributedGradReducer``'s
+            ``local_size``: inside the node, this rank's part across nodes,
+            gathered inside the node; docs/guides/across-nodes.md). 1
+            (default): the flat reduction, today's bits.
+        wire_dtype: ``DistributedGradReducer``'s (with "mean"/"sum", without
+            ``shard``): the compressed wire format of the cross-node sum.
+        deterministic: ``DistributedGradReducer``'s: the all-to-all sum in
+            fp32, the same bits whatever the bucket cap and topology.
+        error_feedback: ``DistributedGradReducer``'s: the quantization error
+            of a compressing ``wire_dtype`` kept and added at the next step.
         shard: shard the optimizer state and master weights across the group
             (see above); AdaSum stops its tree after the halving, each rank
             steps the slice it holds there, and the tree's reverse swaps
@@ -244,8 +256,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Raises:
         ValueError: ``reduce_method`` is not "sum", "mean" or "adasum"; a bad
             ``bcast_period``, ``param_pack_thd`` or ``backward_passes_per_step``;
-            ``local_size`` other than 1 without AdaSum, or not dividing the
-            world size; a 16-bit ``reduce_dtype`` with AdaSum; ``shard=True``
+            ``local_size`` not dividing the world size, or other than 1 with
+            ``shard=True`` and "mean"/"sum" (not supported yet);
+            ``wire_dtype`` or ``deterministic`` with ``shard=True`` or AdaSum,
+            and ``DistributedGradReducer``'s errors for them; a 16-bit ``reduce_dtype`` with AdaSum; ``shard=True``
             with an optimizer not known to be elementwise (LBFGS, ...) unless
             ``assume_elementwise``, or with ``gradient_as_bucket_view``;
             ``overlap_param_gather``, ``shard_gradients``,
@@ -298,6 +312,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         reduce_dtype: torch.dtype = torch.float32,
         gradient_as_bucket_view: bool = False,
         local_size: int = 1,
+        wire_dtype: Optional[torch.dtype] = None,
+        deterministic: bool = False,
+        error_feedback: bool = False,
         shard: bool = False,
         shard_gradients: bool = False,
         master_dtype: torch.dtype = torch.float32,
@@ -319,6 +336,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             param_pack=param_pack, param_pack_thd=param_pack_thd,
             backward_passes_per_step=backward_passes_per_step, reduce_dtype=reduce_dtype,
             gradient_as_bucket_view=gradient_as_bucket_view, local_size=local_size,
+            wire_dtype=wire_dtype, deterministic=deterministic, error_feedback=error_feedback,
             shard=shard, shard_gradients=shard_gradients, master_dtype=master_dtype,
             assume_elementwise=assume_elementwise, overlap_param_gather=overlap_param_gather,
             max_grad_norm=max_grad_norm, norm_type=norm_type,

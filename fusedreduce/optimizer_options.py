@@ -25,6 +25,7 @@ from .adasum_reducer import AdaSumReducer
 from .broadcast import PackedBroadcast
 from .checkpoint_group import check_timeout
 from .clipping import check_clipping, check_split_norm
+from .node_collectives import check_node_options
 from .param_swap import params_of
 from .process_group import require_process_group, value_checksums, verify_same_on_all_ranks
 from .reducer import DistributedGradReducer
@@ -89,7 +90,8 @@ def check_options(
     optimizer: torch.optim.Optimizer, *, reduce_method: str,
     group: Optional[dist.ProcessGroup], bcast_period: int, param_pack: bool,
     param_pack_thd: int, backward_passes_per_step: int, reduce_dtype: torch.dtype,
-    gradient_as_bucket_view: bool, local_size: int, shard: bool, shard_gradients: bool,
+    gradient_as_bucket_view: bool, local_size: int, wire_dtype: Optional[torch.dtype],
+    deterministic: bool, error_feedback: bool, shard: bool, shard_gradients: bool,
     master_dtype: torch.dtype, assume_elementwise: bool, overlap_param_gather: bool,
     max_grad_norm: Optional[float], norm_type: Union[float, str], error_if_nonfinite: bool,
     find_unused_parameters: bool, split_norm: Optional[bool],
@@ -134,8 +136,6 @@ def check_options(
     adasum = reduce_method == "adasum"
     check_collectives(gradient_collective, parameter_gather, shard=shard, adasum=adasum)
     kernels.check_backend(backend)
-    if not adasum and local_size != 1:
-        raise ValueError(f"local_size={local_size!r} applies to reduce_method='adasum' only")
     check_int(bcast_period, "bcast_period", minimum=-1)
     check_int(param_pack_thd, "param_pack_thd")
     check_int(backward_passes_per_step, "backward_passes_per_step")
@@ -143,6 +143,17 @@ def check_options(
     check_split_norm(split_norm)
     timeout = check_timeout(checkpoint_timeout, "checkpoint_timeout")
     world_size = require_process_group(group)
+    if adasum and (wire_dtype is not None or deterministic is not False
+                   or error_feedback is not False):
+        raise ValueError("wire_dtype and deterministic do not combine with "
+                         "reduce_method='adasum' (AdaSum combines the gradients, it does not "
+                         "sum them)")
+    # AdaSum's local_size is its own (checked below)
+    node = check_node_options(1 if adasum else local_size, wire_dtype, deterministic,
+                              error_feedback, world_size=world_size, reduce_dtype=reduce_dtype)
+    if shard and not node.flat:
+        raise ValueError("local_size, wire_dtype and deterministic are not supported with "
+                         "shard=True yet (docs/guides/across-nodes.md)")
     buffer_sync = buffer_sync_of(buffers, params_of(optimizer), group)
     if adasum:
         # checked here too, before the optimizer's state is taken over
@@ -160,6 +171,9 @@ def check_options(
         reducer_args["local_size"] = local_size
     else:
         reducer_args["mean"] = reduce_method == "mean"
+        if not node.flat:
+            reducer_args.update(local_size=local_size, wire_dtype=wire_dtype,
+                                deterministic=deterministic, error_feedback=error_feedback)
     return OptimizerOptions(
         group=group, world_size=world_size,
         rank=dist.get_rank(group) if world_size > 1 else 0, reduce_method=reduce_method,

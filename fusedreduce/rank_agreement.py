@@ -62,7 +62,8 @@ def verify_reducer_agrees(parameters: Sequence[torch.Tensor], order: Sequence[in
                                                     "shard, max_grad_norm, norm_type, "
                                                     "split_norm, backend, mean (reduce_method), "
                                                     "degree, prescale, local_size, "
-                                                    "check_finite, passes per reduction and "
+                                                    "wire_dtype, deterministic, "
+                                                    "error_feedback, check_finite, passes per reduction and "
                                                     "find_unused_parameters on every rank")
 
     _agree(backend, parameters[0].device if parameters else None, compare)

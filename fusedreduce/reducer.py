@@ -92,6 +92,35 @@ class DistributedGradReducer(ReducerSurface):
             constructor does. ``"unchecked"``: neither (``parameters`` are
             not replicas: placeholders whose values mean nothing, or tensors
             whose gradients are averaged although they differ by rank).
+        local_size: ranks per node (contiguous in the group's rank order, as
+            torchrun numbers them: ``int(os.environ["LOCAL_WORLD_SIZE"])``).
+            1 (default): the flat all-reduce, today's bits. More: each
+            bucket is summed inside the node, then this rank's
+            ``1/local_size`` part is all-reduced across nodes, then the parts
+            are all-gathered inside the node (``node_collectives.TwoLevel``):
+            the link between nodes carries ``1/local_size`` of the bytes of
+            a flat all-reduce. The process groups are made once per set of
+            ranks and shared (``node_groups``); equal to the group's size,
+            one node: the flat all-reduce. docs/guides/across-nodes.md.
+        wire_dtype: None (default): the sum travels in the bucket's dtype.
+            ``torch.bfloat16``, ``torch.float8_e4m3fn`` or ``torch.int8``
+            (the last two blockwise, one fp32 scale per
+            ``kernels.WIRE_BLOCK`` elements): each bucket is quantized in the
+            flatten pass, exchanged by all-to-all, dequantized and summed in
+            fp32 in a fixed order, re-quantized and all-gathered
+            (``wire_collectives.WireSum``); with ``local_size`` > 1 only the
+            cross-node hop is compressed, the node's sum is fp32. Needs
+            ``reduce_dtype=torch.float32`` and float32/16-bit parameters.
+            Results: bitwise identical on every rank and run to run, within
+            the format's error (docs/guides/across-nodes.md).
+        deterministic: sum by the same all-to-all in fp32: the result is a
+            pure function of the gradients, the same bits for any
+            ``bucket_cap_mb``, transport and (``local_size`` a power of two)
+            flat or on two levels.
+        error_feedback: with a compressing ``wire_dtype``: keep each
+            bucket's quantization error (fp32, 4 bytes per element
+            quantized) and add it to the next reduction's values, in the
+            same pass.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
@@ -101,7 +130,15 @@ class DistributedGradReducer(ReducerSurface):
         ValueError: ``degree`` is not a positive int (as in MindSpore), a
             parameter passed twice, a bad ``fusion_type`` length,
             ``bucket_cap_mb`` or ``prescale``; ``initial_parameters`` is not
-            one of ``INITIAL_PARAMETERS`` (a TypeError if not a string).
+            one of ``INITIAL_PARAMETERS`` (a TypeError if not a string);
+            ``local_size`` is not a positive int dividing the group's size;
+            ``wire_dtype`` not one of ``kernels.WIRE_DTYPES`` (a TypeError if
+            not a dtype); ``wire_dtype`` or ``deterministic`` with a
+            ``reduce_dtype`` other than float32 or with float64 parameters;
+            ``error_feedback`` without a compressing ``wire_dtype`` (a
+            TypeError if it or ``deterministic`` is not a bool).
+        RuntimeError: (at construction, on every rank) the ranks passed
+            different ``local_size`` values.
         RuntimeError: (at the first reduction, on every rank, with
             ``initial_parameters="verify"``) a rank's parameters differ from
             group rank 0's.
@@ -110,6 +147,8 @@ class DistributedGradReducer(ReducerSurface):
         >>> reducer = DistributedGradReducer(model.parameters())          # doctest: +SKIP
         >>> loss.backward()                                                # doctest: +SKIP
         >>> grads = reducer([p.grad for p in model.parameters()])          # doctest: +SKIP
+        >>> across = DistributedGradReducer(model.parameters(),            # doctest: +SKIP
+        ...     local_size=int(os.environ["LOCAL_WORLD_SIZE"]), wire_dtype=torch.int8)
     """
 
     def __init__(
@@ -130,13 +169,19 @@ class DistributedGradReducer(ReducerSurface):
         error_if_nonfinite: bool = False,
         split_norm: Optional[bool] = None,
         initial_parameters: str = "verify",
+        local_size: int = 1,
+        wire_dtype: Optional[torch.dtype] = None,
+        deterministic: bool = False,
+        error_feedback: bool = False,
     ) -> None:
         self._engine = BucketEngine(
             parameters, mean, degree, fusion_type, group, bucket_cap_mb=bucket_cap_mb,
             reduce_dtype=reduce_dtype, prescale=prescale, check_finite=check_finite,
             backend=backend, max_grad_norm=max_grad_norm, norm_type=norm_type,
             error_if_nonfinite=error_if_nonfinite, split_norm=split_norm,
-            initial_parameters=initial_parameters, kind=type(self).__name__, shards=False,
+            initial_parameters=initial_parameters, local_size=local_size,
+            wire_dtype=wire_dtype, deterministic=deterministic, error_feedback=error_feedback,
+            kind=type(self).__name__, shards=False,
             start=self._start, finish=self._finish)
         # how the hooks' path writes back: chosen by register_hooks
         self._write_back: Unflatten = Unflatten(self._engine)

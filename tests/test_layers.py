@@ -57,6 +57,7 @@ LAYERS = {
     "clipping": "foundations",
     "param_swap": "foundations",
     "rank_agreement": "foundations",
+    "node_groups": "foundations",
     # what lives in the buffers, and for how long
     "bucket_views": "layout and buffers",
     "buffer_lifetime": "layout and buffers",
@@ -67,6 +68,8 @@ LAYERS = {
     "adasum": "collectives and pipelines",
     "broadcast": "collectives and pipelines",
     "grad_collectives": "collectives and pipelines",
+    "node_collectives": "collectives and pipelines",
+    "wire_collectives": "collectives and pipelines",
     # running the buckets during backward
     "overlap": "engine",
     "bucket_engine": "engine",
@@ -78,6 +81,7 @@ LAYERS = {
     "reducer": "user APIs",
     "adasum_reducer": "user APIs",
     "hooks": "user APIs",
+    "node_hook": "user APIs",
     "sharded_optimizer": "user APIs",
     "sharded_params": "user APIs",
     "shard_transport": "user APIs",

@@ -122,7 +122,8 @@ def _bad_arguments(rank, world_size):
     return outcomes_and_collectives({
         "16-bit reduce_dtype": wrap(reduce_method="adasum", reduce_dtype=torch.bfloat16),
         "local_size not dividing": wrap(reduce_method="adasum", local_size=3),
-        "local_size without adasum": wrap(reduce_method="mean", local_size=2),
+        "local_size not dividing, mean": wrap(reduce_method="mean", local_size=3),
+        "wire_dtype with adasum": wrap(reduce_method="adasum", wire_dtype=torch.bfloat16),
         "unknown method": wrap(reduce_method="Adasum"),
     })
 
@@ -131,6 +132,9 @@ def test_bad_adasum_arguments_are_value_errors_before_any_collective():
     assert_raised_before_any_collective(run_ranks(_bad_arguments, 4), {
         "16-bit reduce_dtype": ("ValueError", "AdaSum combines in float32 or float64"),
         "local_size not dividing": ("ValueError", "local_size must be a positive int dividing"),
-        "local_size without adasum": ("ValueError", "applies to reduce_method='adasum' only"),
+        "local_size not dividing, mean": ("ValueError", "local_size must be a positive int "
+                                                        "dividing"),
+        "wire_dtype with adasum": ("ValueError", "wire_dtype and deterministic do not combine "
+                                                 "with reduce_method='adasum'"),
         "unknown method": ("ValueError", "'sum', 'mean' or 'adasum'"),
     })

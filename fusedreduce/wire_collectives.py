@@ -1,0 +1,259 @@
+"""All-to-all gradient sums: compressed wire formats and the deterministic sum.
+
+Never reduce in low precision inside the collective: each level of
+``WireSum`` exchanges codes (``all_to_all_single``: chunk ``i`` of every rank
+goes to the level's rank ``i``), and each rank dequantizes and sums the
+chunks it received in fp32, in one fixed pairwise order
+(``kernels.dequantize_sum``), into its own chunk of the bucket's buffer. The
+sum is a pure function of the inputs: the same bits whatever the transport,
+the bucket cap or the message sizes. Then the chunks travel back by
+all-gathers, the innermost level first: in the wire format (each rank's
+chunk re-quantized, its own included, so that every rank dequantizes the
+same codes: the same bits everywhere), or in fp32 (``gather_wire=False``).
+
+The levels (``node_collectives.node_collective`` builds them):
+
+- one node, or ``local_size=1``: one level over the whole group, in the
+  wire format (fp32 codes when only ``deterministic`` is asked, or on one
+  node: nothing crosses a node there);
+- two levels: inside the node in fp32 (the node's partial sums), then across
+  nodes in the wire format, on the node's ``1/local_size`` chunk only. The
+  pairwise order makes the node partial sums the subtrees of the flat
+  order's tree when ``local_size`` is a power of two, so deterministic
+  two-level results are bitwise the flat ones; with another ``local_size``
+  they are deterministic too, but another order than the flat one.
+
+The first level's codes of a wire format come straight from the gradients,
+in the flatten pass (``kernels.quantize_flatten``, with error feedback's
+residual added in the same pass); fp32 codes are the flatten itself, into
+the buffer. The spare counts after the bucket (``check_finite``,
+``find_unused_parameters``) are summed exactly by a small all-reduce of
+their own (``node_collectives``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import kernels
+from .allreduce import PendingBucket, flatten_bucket
+from .buckets import Bucket, BucketPlan
+from .grad_collectives import AllReduce
+from .sharded import start_all_gather
+
+
+@dataclass(frozen=True)
+class Level:
+    """One exchange of ``WireSum``: ``group`` (``ranks`` ranks, this one at
+    ``me``), its codes' ``dtype``."""
+
+    group: Optional[dist.ProcessGroup]
+    ranks: int
+    me: int
+    dtype: torch.dtype
+
+
+class Phases:
+    """A bucket's collectives in flight (``firsts``) and the phases after
+    them (``later``, called in order), run by ``wait``: a
+    ``PendingBucket.work``."""
+
+    def __init__(self, firsts: Sequence, later: Sequence) -> None:
+        self.firsts = list(firsts)
+        self.later = [call for call in later if call is not None]
+
+    def wait(self) -> None:
+        while self.firsts:
+            self.firsts.pop(0).wait()
+        while self.later:
+            self.later.pop(0)()
+
+
+def spares_sum(bucket: Bucket, buffer: torch.Tensor, group):
+    """The sum of ``buffer``'s spare elements over ``group``, started now (a
+    call that waits for it), or None when it has none."""
+    if buffer.numel() == bucket.size:
+        return None
+    return dist.all_reduce(buffer[bucket.size:], group=group, async_op=True).wait
+
+
+class WireSum(AllReduce):
+    """The all-to-all sum of a bucket over ``levels`` (see the module).
+
+    Attributes:
+        gather_wire: the all-gathers back in the wire format (default) or in
+            fp32; a knob for measuring both ways (fp32 sends 4 bytes per
+            element back instead of 1 or 2, and skips a re-quantization).
+        residuals: with ``error_feedback``, per bucket, the fp32
+            quantization error of the compressing level, added to the next
+            step's values (4 bytes per element of the chunk quantized:
+            the whole bucket flat, ``1/local_size`` of it on two levels).
+    """
+
+    gather_wire = True
+
+    def __init__(self, plan: BucketPlan, group, world_size: int, backend: str,
+                 levels: Sequence[Level], error_feedback: bool) -> None:
+        super().__init__(plan, group, world_size, backend)
+        self.levels = list(levels)
+        self.error_feedback = error_feedback
+        self.signature = ("all-to-all", tuple((lv.ranks, str(lv.dtype)) for lv in levels))
+        self.blocking = dist.get_backend(group) == dist.Backend.GLOO
+        self.residuals: Dict[int, torch.Tensor] = {}
+        self._kept: Dict[Tuple, torch.Tensor] = {}
+
+    # ------------------------------------------------------------ the start
+    def start(self, bucket: Bucket, tensors: Sequence[torch.Tensor], buffer: torch.Tensor,
+              part: Optional[torch.Tensor] = None, prescale: float = 1.0, *,
+              count_nonfinite: bool = False, mark_spare: Optional[int] = None) -> PendingBucket:
+        if self.levels[0].dtype == torch.float32:
+            spare = flatten_bucket(self.plan, bucket, tensors, buffer, prescale=prescale,
+                                   backend=self.backend, count_nonfinite=count_nonfinite,
+                                   mark_spare=mark_spare)
+            return self.communicate(bucket, buffer, spare)
+        # the codes straight from the gradients, in the flatten pass
+        codes, scales = self._codes(bucket, 0, bucket.size)
+        flag = kernels.quantize_flatten(
+            [tensors[i] for i in bucket.tensor_indices], codes, scales, scale=prescale,
+            offsets=bucket.offsets, residual=self._residual(bucket, 0, bucket.size),
+            check_finite=count_nonfinite, backend=self.backend)
+        spare = None
+        if buffer.numel() > bucket.size:
+            buffer[bucket.size:].zero_()
+            if count_nonfinite:
+                spare = buffer[bucket.size]
+                spare.copy_(flag)
+            if mark_spare is not None:
+                buffer[bucket.size + mark_spare] = 1
+        return self._exchange(bucket, buffer, codes, scales, spare)
+
+    def communicate(self, bucket: Bucket, buffer: torch.Tensor,
+                    spare: Optional[torch.Tensor]) -> PendingBucket:
+        """Start the sum of ``bucket``'s already filled fp32 ``buffer``."""
+        codes, scales = self._encode(bucket, 0, buffer[:bucket.size])
+        return self._exchange(bucket, buffer, codes, scales, spare)
+
+    def _exchange(self, bucket: Bucket, buffer: torch.Tensor, codes: torch.Tensor,
+                  scales: Optional[torch.Tensor], spare) -> PendingBucket:
+        """The first level's all-to-all started; the rest in ``wait`` on gloo
+        (whose waits block the host), issued now elsewhere."""
+        received, works = self._all_to_all(bucket, 0, codes, scales)
+        region = buffer[:bucket.size]
+        phases = Phases(works, [lambda: self._levels(bucket, region, received),
+                                spares_sum(bucket, buffer, self.group)])
+        if not self.blocking:
+            phases.wait()  # NCCL's waits only order the streams
+        return PendingBucket(bucket, buffer, phases, spare)
+
+    # ----------------------------------------------------------- the levels
+    def _levels(self, bucket: Bucket, region: torch.Tensor, received) -> None:
+        """Every level's dequantize-and-sum, outermost first, each into this
+        rank's chunk of the last; then the all-gathers back, innermost first."""
+        chunks: List[Tuple[int, torch.Tensor, torch.Tensor]] = []
+        for k, level in enumerate(self.levels):
+            if k:
+                codes, scales = self._encode(bucket, k, region)
+                received, works = self._all_to_all(bucket, k, codes, scales)
+                Phases(works, ()).wait()
+            width = region.numel() // level.ranks
+            mine = region[level.me * width:(level.me + 1) * width]
+            kernels.dequantize_sum(*received, mine, backend=self.backend)
+            chunks.append((k, region, mine))
+            region = mine
+        for k, whole, mine in reversed(chunks):
+            self._gather(bucket, k, whole, mine)
+
+    def _gather(self, bucket: Bucket, k: int, whole: torch.Tensor, mine: torch.Tensor) -> None:
+        """Every rank's chunk of level ``k`` into ``whole``."""
+        level = self.levels[k]
+        if level.dtype == torch.float32 or not self.gather_wire:
+            start_all_gather(whole, mine, level.group).wait()
+            return
+        codes, scales = self._codes(bucket, k, whole.numel())
+        width = mine.numel()
+        own = codes[level.me * width:(level.me + 1) * width]
+        own_scales = scales[level.me * width // kernels.WIRE_BLOCK:
+                            (level.me + 1) * width // kernels.WIRE_BLOCK] \
+            if scales is not None else None
+        # this rank's chunk re-quantized like every other rank's: the same codes everywhere
+        kernels.quantize_flatten([mine], own, own_scales, backend=self.backend)
+        gathered, gathered_scales = self._received(bucket, k, whole.numel())
+        works = [start_all_gather(_bytes(gathered), _bytes(own), level.group)]
+        if scales is not None:
+            works.append(start_all_gather(gathered_scales.view(-1), own_scales, level.group))
+        Phases(works, ()).wait()
+        kernels.dequantize_sum(gathered.view(1, -1),
+                               None if scales is None else gathered_scales.view(1, -1),
+                               whole, backend=self.backend)
+
+    # ------------------------------------------------- codes and exchanges
+    def _encode(self, bucket: Bucket, k: int, values: torch.Tensor):
+        """Level ``k``'s codes of ``values`` (fp32 codes: ``values`` themselves)."""
+        if self.levels[k].dtype == torch.float32:
+            return values, None
+        codes, scales = self._codes(bucket, k, values.numel())
+        kernels.quantize_flatten([values], codes, scales,
+                                 residual=self._residual(bucket, k, values.numel()),
+                                 backend=self.backend)
+        return codes, scales
+
+    def _all_to_all(self, bucket: Bucket, k: int, codes: torch.Tensor,
+                    scales: Optional[torch.Tensor]):
+        """Level ``k``'s all-to-all of ``codes`` (and their block scales)
+        started: ``((received codes, received scales), works)``, each
+        received ``(ranks, chunk)``."""
+        group = self.levels[k].group
+        got, got_scales = self._received(bucket, k, codes.numel())
+        works = [dist.all_to_all_single(_bytes(got), _bytes(codes), group=group,
+                                        async_op=True)]
+        if scales is not None:
+            works.append(dist.all_to_all_single(got_scales.view(-1), scales, group=group,
+                                                async_op=True))
+        return (got, got_scales if scales is not None else None), works
+
+    def _codes(self, bucket: Bucket, k: int, numel: int):
+        """Level ``k``'s kept codes (and block scales) for ``numel`` values."""
+        dtype = self.levels[k].dtype
+        return (self._keep((bucket.index, k, "codes"), (numel,), dtype),
+                self._scales((bucket.index, k, "scales"), numel, dtype, (-1,)))
+
+    def _received(self, bucket: Bucket, k: int, numel: int):
+        """Level ``k``'s kept buffers for the chunks it receives, ``(ranks,
+        chunk)`` codes and scales (also where its all-gather lands)."""
+        level = self.levels[k]
+        shape = (level.ranks, numel // level.ranks)
+        return (self._keep((bucket.index, k, "received"), shape, level.dtype),
+                self._scales((bucket.index, k, "received scales"), numel, level.dtype,
+                             (level.ranks, -1)))
+
+    def _scales(self, key, numel: int, dtype: torch.dtype, shape) -> Optional[torch.Tensor]:
+        count = kernels.wire_scale_count(numel, dtype)
+        return self._keep(key, (count,), torch.float32).view(shape) if count else None
+
+    def _keep(self, key, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer kept from step to step (a fresh one costs page faults,
+        and the kernels find their prepared launch by the buffer)."""
+        kept = self._kept.get(key)
+        if kept is None:
+            device = self.plan.buckets[key[0]].device
+            kept = self._kept[key] = torch.empty(shape, dtype=dtype, device=device)
+        return kept
+
+    def _residual(self, bucket: Bucket, k: int, numel: int) -> Optional[torch.Tensor]:
+        """Error feedback's residual of the compressing level (zeros at first)."""
+        if not self.error_feedback or self.levels[k].dtype == torch.float32:
+            return None
+        residual = self.residuals.get(bucket.index)
+        if residual is None:
+            residual = self.residuals[bucket.index] = torch.zeros(
+                numel, dtype=torch.float32, device=bucket.device)
+        return residual
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as flat bytes: gloo exchanges float8 only as bytes, and the
+    all-to-all splits a flat buffer into equal chunks whatever the dtype."""
+    return t.reshape(-1).view(torch.uint8)
