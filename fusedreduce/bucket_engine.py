@@ -391,6 +391,9 @@ class ReducerSurface:
         they are made when the hooks are registered, and the gradients live
         in them (and in one buffer per other gradient dtype of a bucket,
         counted too), so the gradients take no memory of their own.
+        With ``wire_dtype`` or ``deterministic``, the collective's kept
+        codes, received chunks, block scales and error feedback's residuals
+        are counted too.
 
         Examples:
             >>> reducer = DistributedGradReducer([torch.zeros(1000, 10)])  # doctest: +SKIP

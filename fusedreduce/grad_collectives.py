@@ -70,6 +70,10 @@ class AllReduce:
         """The buckets' ``(prescale, postscale)``, from the reducer's ``scales``."""
         return scales
 
+    def held(self) -> List[torch.Tensor]:
+        """The buffers this collective keeps between reductions (none)."""
+        return []
+
     def communicate(self, bucket: Bucket, buffer: torch.Tensor,
                     spare: Optional[torch.Tensor]) -> PendingBucket:
         """Start combining ``bucket``'s already filled ``buffer`` (bucket views)."""
@@ -125,6 +129,10 @@ class AdaSumTree:
     def prescales(self, scales: List[tuple]) -> List[tuple]:
         """1/local_size in the flatten, as ``adasum_allreduce`` does; no postscale."""
         return [(1.0 / self.local_size, 1.0)] * len(scales)
+
+    def held(self) -> List[torch.Tensor]:
+        """The buffers this collective keeps between reductions (none)."""
+        return []
 
     def start(self, bucket: Bucket, tensors: Sequence[torch.Tensor], buffer: torch.Tensor,
               part: Optional[torch.Tensor] = None, prescale: float = 1.0,

@@ -111,8 +111,9 @@ class Unflatten:
         return self
 
     def held(self) -> List[torch.Tensor]:
-        """What the reducer keeps between reductions for its own use."""
-        return [*(self.buffers or ()), *(self.call_buffers or ())]
+        """What the reducer keeps between reductions for its own use (its
+        collective's kept buffers too)."""
+        return [*(self.buffers or ()), *(self.call_buffers or ()), *self.engine.collective.held()]
 
     def flat_buffers(self) -> FlatBuffers:
         """The held buffers by role (``DistributedGradReducer.flat_buffers``)."""

@@ -105,6 +105,10 @@ class WireSum(AllReduce):
         self.residuals: Dict[int, torch.Tensor] = {}
         self._kept: Dict[Tuple, torch.Tensor] = {}
 
+    def held(self) -> List[torch.Tensor]:
+        """The codes, received chunks, scales and residuals kept."""
+        return [*self._kept.values(), *self.residuals.values()]
+
     # ------------------------------------------------------------ the start
     def start(self, bucket: Bucket, tensors: Sequence[torch.Tensor], buffer: torch.Tensor,
               part: Optional[torch.Tensor] = None, prescale: float = 1.0, *,

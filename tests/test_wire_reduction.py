@@ -73,6 +73,13 @@ def _wire_ranks(rank, world_size):
     if rank == 1:
         grads[2][5] = float("nan")
     out = checker(grads)
+    # the memory counted: the fp32 buffer, the int8 codes and the chunks
+    # received, their fp32 block scales (both), error feedback's fp32 residual
+    counted = DistributedGradReducer(_params(), wire_dtype=torch.int8, error_feedback=True)
+    counted(_grads(rank))
+    size = sum(b.size for b in counted.plan.buckets)
+    results["bytes"] = (counted.buffer_bytes,
+                        4 * size + 2 * size + 2 * 4 * size // kernels.WIRE_BLOCK + 4 * size)
     results["nan"] = (bool(checker.found_nonfinite), bool(out[2][5].isnan()),
                       int(out[2].isnan().sum()), bool(out[0].isnan().any()))
     return results
@@ -158,6 +165,12 @@ def test_error_feedback_keeps_a_residual_and_adds_it_to_the_next_step(wire_ranks
                             for f, s, e in zip(first, second, mean))
         without = sum((2 * f.double() - 2 * e).abs().sum() for f, e in zip(first, mean))
         assert with_feedback < without
+
+
+def test_buffer_bytes_counts_the_wire_buffers_and_the_residual(wire_ranks):
+    for results in wire_ranks:
+        got, expected = results["bytes"]
+        assert got == expected
 
 
 def test_a_nan_on_one_rank_is_found_on_every_rank_and_poisons_its_block_only(wire_ranks):
