@@ -98,7 +98,7 @@ def _unpack(packed: torch.Tensor, wire_dtype: torch.dtype, block: int):
     scales (rows, n/block), None for a wire without scales."""
     packed = packed.view(torch.uint8)
     width = packed.shape[1]
-    itemsize = torch.empty((), dtype=wire_dtype).element_size()
+    itemsize = wire_dtype.itemsize
     if wire_scale_count(block, wire_dtype, block) == 0:
         return packed.view(wire_dtype), None
     n = width * block // (itemsize * block + 4)
