@@ -4,21 +4,25 @@ A pattern is built once per rank from the process groups (``Groups``: the
 world, this rank's node, and the ranks of its local index on every node) and
 a flat fp32 gradient buffer, and returns a step: a call that reduces the
 buffer (the sum over every rank) and returns the seconds of each of its
-collectives, each timed from a barrier, and the sum. ``PATTERNS`` is the table the runner
-reads; another entry (the library's own collectives, timed as one phase) can
-be added without touching the runner.
+collectives, each timed from a barrier, and the sum. ``PATTERNS`` (plain
+``torch.distributed`` calls) and ``LIBRARY_PATTERNS`` (the library's reducer)
+are the tables the runner reads.
 
 - ``fused_fp32``: one all-reduce of the buffer over the world.
 - ``two_level_fp32``: reduce-scatter inside the node, all-reduce of this
   rank's 1/L part across nodes, all-gather inside the node.
-- ``two_level_int8``: reduce-scatter in fp32 inside the node; the part
-  quantized to int8 codes with one fp32 scale per block of ``WIRE_BLOCK``
-  elements (absmax/127), codes and scales packed per destination (as int32
-  words) and exchanged across nodes by one all-to-all; the received chunks dequantized
-  and summed in fp32 in rank order; the summed chunk quantized again and
-  all-gathered across nodes in int8; dequantized; all-gathered inside the node
-  in fp32. Quantization here is plain torch (what the wire kernels fuse into
-  the flatten pass is not on the wire, so it is not timed).
+- ``two_level_<wire>`` (``bfloat16``, ``float8_e4m3fn``, ``int8``):
+  reduce-scatter in fp32 inside the node; the part quantized by the library's
+  ``quantize_flatten`` (bf16, or int8/e4m3 codes with one fp32 scale per
+  ``WIRE_BLOCK`` elements), codes and scales packed per destination (as int32
+  words) and exchanged across nodes by one all-to-all; the received chunks
+  dequantized and summed by ``dequantize_sum`` (fp32, its fixed pairwise
+  order); the summed chunk quantized again and all-gathered across nodes in
+  the wire format; dequantized; all-gathered inside the node in fp32. The
+  kernel passes between the collectives are not timed.
+- ``library_*``: ``DistributedGradReducer`` called on the buffer cut into
+  gradients, with ``local_size``, ``wire_dtype`` or ``deterministic``: one
+  phase, the whole call, kernel passes included.
 
 ``run_patterns`` runs on every rank of a cluster (``Cluster.run``): it counts
 the bytes each node's link sent during each step (``tx_bytes`` of the node's
@@ -27,6 +31,7 @@ namespace) and returns, on rank 0, every step's slowest-rank phase times.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -34,7 +39,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .step_model import WIRE_BLOCK
+from fusedreduce import DistributedGradReducer
+from fusedreduce.kernels import WIRE_BLOCK, dequantize_sum, quantize_flatten, wire_scale_count
 
 Step = Callable[[], Tuple[Dict[str, float], torch.Tensor]]
 
@@ -77,36 +83,37 @@ def _timed(times: Dict[str, float], name: str, collective: Callable[[], object])
     times[name] = times.get(name, 0.0) + time.perf_counter() - started
 
 
-def quantize_int8(x: torch.Tensor, block: int = WIRE_BLOCK):
-    """Blockwise int8 codes of ``x`` (numel a multiple of ``block``) and one
-    fp32 scale per block, absmax/127, rounded to nearest."""
-    blocks = x.view(-1, block)
-    scales = blocks.abs().amax(dim=1) / 127.0
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-    return codes.view(-1), scales
+def _pack(codes: torch.Tensor, scales: Optional[torch.Tensor], rows: int) -> torch.Tensor:
+    """Codes and scales as one int32 tensor of ``rows`` rows (one per destination),
+    so one all-to-all carries both: the wire's bytes in 4-byte words, which
+    gloo moved no slower than 1-byte elements (``docs/benchmarks/model.md``)."""
+    parts = [codes.view(torch.uint8).view(rows, -1)]
+    if scales is not None:
+        parts.append(scales.view(torch.uint8).view(rows, -1))
+    return torch.cat(parts, dim=1).view(torch.int32)
 
 
-def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor,
-                    block: int = WIRE_BLOCK) -> torch.Tensor:
-    return (codes.view(-1, block).float() * scales[:, None]).view(-1)
-
-
-def _pack(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
-    """Codes and scales as one int32 tensor of ``rows`` rows (one per destination):
-    the wire's bytes in 4-byte words, which gloo moves at the link's rate where
-    it moves 1-byte elements at about half of it (all_to_all_single here)."""
-    packed = torch.cat([codes.view(torch.uint8).view(rows, -1),
-                        scales.view(torch.uint8).view(rows, -1)], dim=1)
-    return packed.view(torch.int32)
-
-
-def _unpack(packed: torch.Tensor, block: int):
-    """``_pack``'s inverse, row by row: codes (rows, n) and scales (rows, n/block)."""
+def _unpack(packed: torch.Tensor, wire_dtype: torch.dtype, block: int):
+    """``_pack``'s inverse, row by row: codes (rows, n) of ``wire_dtype`` and
+    scales (rows, n/block), None for a wire without scales."""
     packed = packed.view(torch.uint8)
-    n = packed.shape[1] * block // (block + 4)
-    codes = packed[:, :n].contiguous().view(torch.int8)
-    scales = packed[:, n:].contiguous().view(torch.float32)
+    width = packed.shape[1]
+    itemsize = wire_dtype.itemsize
+    if wire_scale_count(block, wire_dtype, block) == 0:
+        return packed.view(wire_dtype), None
+    n = width * block // (itemsize * block + 4)
+    codes = packed[:, :n * itemsize].contiguous().view(wire_dtype)
+    scales = packed[:, n * itemsize:].contiguous().view(torch.float32)
+    return codes, scales
+
+
+def _quantize(values: torch.Tensor, wire_dtype: torch.dtype, block: int):
+    """``values`` (fp32) as codes of ``wire_dtype`` and their block scales (None
+    for bf16), by the library's ``quantize_flatten``."""
+    codes = torch.empty(values.numel(), dtype=wire_dtype)
+    count = wire_scale_count(values.numel(), wire_dtype, block)
+    scales = torch.empty(count) if count else None
+    quantize_flatten([values], codes, scales, block=block)
     return codes, scales
 
 
@@ -136,12 +143,17 @@ def two_level_fp32(groups: Groups, grads: torch.Tensor) -> Step:
     return step
 
 
-def two_level_int8(groups: Groups, grads: torch.Tensor, block: int = WIRE_BLOCK) -> Step:
+def two_level_wire(groups: Groups, grads: torch.Tensor, wire_dtype: torch.dtype,
+                   block: int = WIRE_BLOCK) -> Step:
+    """Reduce-scatter in fp32 inside the node; the part in ``wire_dtype`` across
+    nodes (all-to-all, ``dequantize_sum``, re-quantized, all-gathered); fp32
+    all-gather inside the node."""
     nodes = groups.nodes
     part = torch.empty(grads.numel() // groups.local_size)
     chunk = part.numel() // nodes
     if chunk % block:
         raise ValueError(f"the buffer's numel must be a multiple of world_size x {block}")
+    total = torch.empty(chunk)
     gathered_part = torch.empty_like(part)
     out = torch.empty_like(grads)
 
@@ -149,23 +161,45 @@ def two_level_int8(groups: Groups, grads: torch.Tensor, block: int = WIRE_BLOCK)
         times: Dict[str, float] = {}
         _timed(times, "reduce_scatter intra",
                lambda: dist.reduce_scatter_tensor(part, grads, group=groups.intra))
-        send = _pack(*quantize_int8(part, block), nodes)
+        send = _pack(*_quantize(part, wire_dtype, block), nodes)
         received = torch.empty_like(send)
         _timed(times, "all_to_all cross",
                lambda: dist.all_to_all_single(received, send, group=groups.cross))
-        codes, scales = _unpack(received, block)
-        total = dequantize_int8(codes[0], scales[0], block)
-        for r in range(1, nodes):
-            total += dequantize_int8(codes[r], scales[r], block)
-        mine = _pack(*quantize_int8(total, block), 1)
+        dequantize_sum(*_unpack(received, wire_dtype, block), total, block=block)
+        mine = _pack(*_quantize(total, wire_dtype, block), 1)
         every = torch.empty(nodes, mine.shape[1], dtype=mine.dtype)
         _timed(times, "all_gather cross",
                lambda: dist.all_gather_into_tensor(every, mine, group=groups.cross))
-        codes, scales = _unpack(every, block)
-        gathered_part.copy_(dequantize_int8(codes.reshape(-1), scales.reshape(-1), block))
+        codes, scales = _unpack(every, wire_dtype, block)
+        rows = gathered_part.view(nodes, chunk)
+        for r in range(nodes):
+            dequantize_sum(codes[r:r + 1], None if scales is None else scales[r:r + 1],
+                           rows[r], block=block)
         _timed(times, "all_gather intra",
                lambda: dist.all_gather_into_tensor(out, gathered_part, group=groups.intra))
         return times, out
+    return step
+
+
+#: gradient tensors a flat buffer is cut into for the library's reducer
+LIBRARY_TENSORS = 16
+
+
+def library(groups: Groups, grads: torch.Tensor, **options) -> Step:
+    """The library's ``DistributedGradReducer(mean=False, **options)`` called on
+    the buffer cut into ``LIBRARY_TENSORS`` gradients: one phase, the whole
+    call (its flatten / quantize and unflatten passes included), default
+    buckets (25 MiB)."""
+    pieces = tuple(torch.tensor_split(grads, LIBRARY_TENSORS))
+    params = [torch.nn.Parameter(torch.zeros_like(piece)) for piece in pieces]
+    reducer = DistributedGradReducer(params, mean=False, **options)
+    results: List[Tuple[torch.Tensor, ...]] = []
+
+    def step():
+        times: Dict[str, float] = {}
+        results.clear()
+        _timed(times, "reducer", lambda: results.append(reducer(pieces)))
+        return times, torch.cat(results[0])
     return step
 
 
@@ -191,7 +225,21 @@ def loopback(groups: Groups, grads: torch.Tensor) -> Step:
 PATTERNS: Dict[str, Callable[[Groups, torch.Tensor], Step]] = {
     "fused_fp32": fused_fp32,
     "two_level_fp32": two_level_fp32,
-    "two_level_int8": two_level_int8,
+    "two_level_bfloat16": functools.partial(two_level_wire, wire_dtype=torch.bfloat16),
+    "two_level_float8_e4m3fn": functools.partial(two_level_wire,
+                                                 wire_dtype=torch.float8_e4m3fn),
+    "two_level_int8": functools.partial(two_level_wire, wire_dtype=torch.int8),
+}
+#: the library's own reducer on the same buffer, two ranks per node where node-aware
+LIBRARY_PATTERNS: Dict[str, Callable[[Groups, torch.Tensor], Step]] = {
+    "library_flat": library,
+    "library_two_level": functools.partial(library, local_size=2),
+    "library_two_level_bfloat16": functools.partial(library, local_size=2,
+                                                    wire_dtype=torch.bfloat16),
+    "library_two_level_float8_e4m3fn": functools.partial(library, local_size=2,
+                                                         wire_dtype=torch.float8_e4m3fn),
+    "library_two_level_int8": functools.partial(library, local_size=2, wire_dtype=torch.int8),
+    "library_deterministic": functools.partial(library, local_size=2, deterministic=True),
 }
 #: what the runner times beside the patterns: their steps return no sum
 PROBES: Dict[str, Callable[[Groups, torch.Tensor], Step]] = {"loopback": loopback}
@@ -233,16 +281,19 @@ def run_patterns(rank: int, world_size: int, local_size: int, numel: int,
     groups = make_groups(rank, world_size, local_size)
     numel = padded_numel(numel, world_size)
     grads = rank_gradients(rank, numel)
-    builders = {**PATTERNS, **PROBES}
+    builders = {**PATTERNS, **LIBRARY_PATTERNS, **PROBES}
     steps = {name: builders[name](groups, grads) for name in names}
     record: dict = {"numel": numel, "steps": {name: [] for name in names},
                     "tx_bytes": {name: [] for name in names}, "max_error": {}}
     counting = interface is not None and rank % local_size == 0
+    expected = None
     for name in names:
         _, result = steps[name]()
         if check and result is not None:
-            expected = sum(rank_gradients(r, numel).double() for r in range(world_size))
-            record["max_error"][name] = float((result.double() - expected).abs().max())
+            if expected is None:
+                expected = sum(rank_gradients(r, numel).double() for r in range(world_size))
+            record["max_error"][name] = float((result - expected).abs().max())
+    del expected
     for round_ in range(repeats):
         shift = round_ % len(names)
         for name in list(names[shift:]) + list(names[:shift]):

@@ -15,8 +15,10 @@ on CUDA, else the figure measured on an H100 (``H100_KERNEL_BW``), or
 (``Cluster.probe``: bandwidth between nodes, gloo's round trip) and the
 loopback inside the nodes (each collective kind on the same buffer, every
 node at once, timed round-robin with the patterns), runs
-``cluster_patterns.PATTERNS`` (flat fp32, two-level fp32, two-level int8),
-and prints the model's time for each beside the measured one, the error,
+``cluster_patterns.PATTERNS`` (flat fp32, two-level fp32, two-level bf16,
+e4m3 and int8 across nodes; ``--patterns library``: the library's own
+``DistributedGradReducer``, flat, ``local_size=2``, with each wire and
+deterministic, beside the flat all-reduce), and prints the model's time for each beside the measured one, the error,
 the bytes that crossed each node's link per step and the measured ratios.
 """
 from __future__ import annotations
@@ -72,7 +74,8 @@ ASSUMPTIONS = [
     "rank's link into the node's fabric, or one NIC (the node's egress shared by its NICs)",
     "a flat ring leaves each node once: its node egress is 2(N-1)/N of the buffer, spread "
     "over the node's NICs; a flat all-to-all sends (N-L)/N of each rank's buffer off the node",
-    "wires: bf16 2 bytes/element; int8 and fp8 e4m3 1 byte + one fp32 scale per 256 elements; "
+    f"wires: bf16 2 bytes/element; int8 and fp8 e4m3 1 byte + one fp32 scale per "
+    f"{step_model.WIRE_BLOCK} elements (the library's WIRE_BLOCK); "
     "the all-gather back across nodes in the wire format, inside the node in fp32",
     "kernel passes cost their bytes moved (read + written) at the flatten / unflatten "
     "bandwidth; quantize costs as a flatten of the same bytes",
@@ -106,6 +109,32 @@ def measure_kernels(numel: int, repeats: int, device: torch.device) -> Dict[str,
 # ------------------------------------------------------------ the cluster check
 
 CHECK_PATTERNS = tuple(cluster_patterns.PATTERNS)
+#: the model's strategy for each library pattern (the deterministic all-to-all has none)
+LIBRARY_MODEL = {"library_flat": "fused_fp32", "library_two_level": "two_level_fp32",
+                 "library_two_level_bfloat16": "two_level_bfloat16",
+                 "library_two_level_float8_e4m3fn": "two_level_float8_e4m3fn",
+                 "library_two_level_int8": "two_level_int8"}
+#: every name ``--patterns`` takes; "library" stands for all the library's
+KNOWN_PATTERNS = CHECK_PATTERNS + tuple(cluster_patterns.LIBRARY_PATTERNS)
+
+
+def parse_patterns(text: str) -> tuple:
+    """``--patterns``' comma-separated names (``library``: every library pattern),
+    with ``fused_fp32``, the reference of the ratios, always first.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown name.
+    """
+    names = ["fused_fp32"]
+    for name in filter(None, (part.strip() for part in text.split(","))):
+        expanded = cluster_patterns.LIBRARY_PATTERNS if name == "library" else [name]
+        for one in expanded:
+            if one not in KNOWN_PATTERNS:
+                raise argparse.ArgumentTypeError(f"unknown pattern {one!r}: expected 'library' or one of "
+                                 f"{', '.join(KNOWN_PATTERNS)}")
+            if one not in names:
+                names.append(one)
+    return tuple(names)
 
 
 def simulated_links(probe: dict, intra_seconds: Dict[str, float], intra_numel: int,
@@ -129,52 +158,74 @@ def simulated_links(probe: dict, intra_seconds: Dict[str, float], intra_numel: i
         unflatten_bw=kernels["unflatten"], sources=sources, intra_kind_bw=intra)
 
 
+def _reference(name: str) -> Dict[str, str]:
+    """The rows ``name``'s ratios are taken against: time against the flat
+    all-reduce (the library's own for a library pattern), bytes against the
+    fp32 two-level layout."""
+    if name.startswith("library_"):
+        return {"time": "library_flat", "bytes": "library_two_level"}
+    return {"time": "fused_fp32", "bytes": "two_level_fp32"}
+
+
 def check_cluster(numel: int, repeats: int, rate: str, kernels: Dict[str, float],
-                  timeout: float = 600.0) -> dict:
-    """Measure the patterns on a 2 x 2 simulated cluster and the model's time for each.
+                  timeout: float = 600.0, patterns: Sequence[str] = CHECK_PATTERNS) -> dict:
+    """Measure ``patterns`` (``fused_fp32`` among them) on a 2 x 2 simulated cluster
+    and the model's communication time for each (none for
+    ``library_deterministic``; a library pattern's measured time is its whole
+    call, kernel passes included).
 
     Raises:
         fusedreduce.bench.cluster.ClusterUnavailable: no root, no ``ip``/``tc``.
+        ValueError: ``patterns`` without ``fused_fp32``.
     """
+    if "fused_fp32" not in patterns:
+        raise ValueError(f"patterns must include 'fused_fp32', got {tuple(patterns)}")
     local = 2
     numel = cluster_patterns.padded_numel(numel, 2 * local)
     with cluster.Cluster(nodes=2, ranks_per_node=local, rate=rate) as sim:
         probe = sim.probe()
         measured = sim.run(cluster_patterns.run_patterns, local, numel,
-                           CHECK_PATTERNS + ("loopback",), repeats, timeout=timeout)[0]
+                           tuple(patterns) + ("loopback",), repeats, timeout=timeout)[0]
     intra = {phase.split()[0]: statistics.median(step[phase]
                                                  for step in measured["steps"]["loopback"])
              for phase in measured["steps"]["loopback"][0]}
     links = simulated_links(probe, intra, numel, kernels)
     rows = []
-    for name in CHECK_PATTERNS:
-        predicted = step_model.predict(name, measured["numel"], 2, links)
+    for name in patterns:
+        model = LIBRARY_MODEL.get(name, None if name.startswith("library_") else name)
+        predicted = (step_model.predict(model, measured["numel"], 2, links)
+                     if model else None)
+        expected = predicted and predicted["comm_ms"]
         comm = cluster_patterns.comm_seconds(measured["steps"][name])
         median = statistics.median(comm) * 1e3
         rows.append({"strategy": name, "numel": measured["numel"],
-                     "predicted_ms": predicted["comm_ms"], "measured_ms": median,
+                     "predicted_ms": expected, "measured_ms": median,
                      "measured_ms_min": min(comm) * 1e3,
-                     "error": predicted["comm_ms"] / median - 1,
-                     "predicted_egress_bytes": predicted["node_egress_bytes"],
+                     "error": None if expected is None else expected / median - 1,
+                     "predicted_egress_bytes": predicted and predicted["node_egress_bytes"],
                      "measured_egress_bytes": statistics.median(measured["tx_bytes"][name]),
                      "max_error": measured["max_error"][name],
                      "measured_phases_ms": {phase: statistics.median(
                          step[phase] for step in measured["steps"][name]) * 1e3
                          for phase in measured["steps"][name][0]},
-                     "predicted_phases_ms": predicted["phases_ms"]})
+                     "predicted_phases_ms": predicted and predicted["phases_ms"]})
     by_name = {row["strategy"]: row for row in rows}
-    flat = by_name["fused_fp32"]
-    ratios = {f"{name} speed-up over fused_fp32": flat["measured_ms"] / row["measured_ms"]
-              for name, row in by_name.items() if name != "fused_fp32"}
-    ratios.update({f"{name} egress bytes / fused_fp32's": row["measured_egress_bytes"]
-                   / flat["measured_egress_bytes"] for name, row in by_name.items()
-                   if name != "fused_fp32"})
-    ratios["two_level_int8 egress bytes / two_level_fp32's"] = (
-        by_name["two_level_int8"]["measured_egress_bytes"]
-        / by_name["two_level_fp32"]["measured_egress_bytes"])
+    ratios = {}
+    for name, row in by_name.items():
+        reference = _reference(name)
+        flat = by_name.get(reference["time"])
+        if flat is not None and flat is not row:
+            ratios[f"{name} speed-up over {flat['strategy']}"] = (flat["measured_ms"]
+                                                                 / row["measured_ms"])
+    for name, row in by_name.items():
+        fp32 = by_name.get(_reference(name)["bytes"])
+        if fp32 is not None and fp32 is not row:
+            ratios[f"{name} egress bytes / {fp32['strategy']}'s"] = (
+                row["measured_egress_bytes"] / fp32["measured_egress_bytes"])
+    errors = [abs(row["error"]) for row in rows if row["error"] is not None]
     return {"probe": probe, "intra_seconds": intra, "links": _links_record(links),
             "repeats": repeats, "rows": rows, "ratios": ratios,
-            "max_abs_error": max(abs(row["error"]) for row in rows)}
+            "max_abs_error": max(errors)}
 
 
 def _links_record(links: step_model.Links) -> dict:
@@ -246,6 +297,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--check-size", type=common.parse_sizes, metavar="N",
                         help="elements of the check's buffer (default 25.6M, --quick 2M)")
     parser.add_argument("--rate", default="1gbit", help="the check's link rate (default 1gbit)")
+    parser.add_argument("--patterns", type=parse_patterns, default=CHECK_PATTERNS,
+                        metavar="NAMES",
+                        help="the check's patterns, comma-separated: "
+                             f"{', '.join(KNOWN_PATTERNS)}, or 'library' for every "
+                             "library_* one (the library's DistributedGradReducer); "
+                             "fused_fp32 always runs (default: the non-library ones)")
     parser.add_argument("--repeats", type=int, help="timed repeats (default 5, --quick 3)")
     parser.add_argument("--quick", action="store_true", help="small measurements")
     parser.add_argument("--json", metavar="PATH", help="write every figure here")
@@ -286,7 +343,8 @@ def main(args: argparse.Namespace) -> int:
     if args.check_cluster:
         numel = (args.check_size or [QUICK_CHECK_SIZE if args.quick else CHECK_SIZE])[0]
         try:
-            check = check_cluster(numel, repeats, args.rate, kernels)
+            check = check_cluster(numel, repeats, args.rate, kernels,
+                                  patterns=args.patterns)
         except cluster.ClusterUnavailable as exc:
             raise SystemExit(f"model --check-cluster: {exc}") from None
         print("\n## the model against the simulated cluster (2 nodes x 2 gloo ranks)")

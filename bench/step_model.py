@@ -15,8 +15,9 @@ egress bytes shared by its NICs). A kernel pass costs the bytes it moves
 nothing overlaps (an upper bound for a pipelined implementation), and step
 time is the reduction's passes and communication plus a given compute time.
 
-Everything here is arithmetic on numbers (no torch): ``docs/benchmarks/model.md``
-derives each formula; ``model_bench`` measures and prints.
+Everything here is arithmetic on numbers (torch is imported only for the
+library's ``WIRE_BLOCK``): ``docs/benchmarks/model.md`` derives each formula;
+``model_bench`` measures and prints.
 """
 from __future__ import annotations
 
@@ -24,14 +25,15 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Sequence, Tuple
 
+from fusedreduce.kernels import WIRE_BLOCK
+
 #: bytes of one fp32 gradient element
 FP32 = 4
-#: elements per fp32 scale of a blockwise wire format (the contract's WIRE_BLOCK)
-WIRE_BLOCK = 256
 #: DDP's default bucket_cap_mb (25 MiB)
 DDP_BUCKET_BYTES = 25 * 2 ** 20
 
-#: bytes on the wire per gradient element: the codes, plus one fp32 scale per block
+#: bytes on the wire per gradient element: the codes, plus one fp32 scale per
+#: block of the library's ``WIRE_BLOCK`` (128) elements
 WIRE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float8_e4m3fn": 1.0 + FP32 / WIRE_BLOCK,
               "int8": 1.0 + FP32 / WIRE_BLOCK}
 
