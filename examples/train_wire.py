@@ -188,16 +188,24 @@ def plot(results: list, args) -> None:
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
-    figure, axis = pyplot.subplots(figsize=(7, 4.2))
+    figure, (axis, gap) = pyplot.subplots(1, 2, figsize=(11, 4.2))
+    reference = {r["seed"]: dict(r["curve"]) for r in results if r["wire"] == "fp32"}
     for index, wire in enumerate(args.wire):
         for n, r in enumerate(r for r in results if r["wire"] == wire):
             its, losses = zip(*r["curve"])
-            axis.plot(its, losses, color=f"C{index}", alpha=0.85, linewidth=1.2,
-                      label=wire if n == 0 else None)
+            label = wire if n == 0 else None
+            axis.plot(its, losses, color=f"C{index}", alpha=0.85, linewidth=1.2, label=label)
+            gap.plot(its, [100 * (loss / reference[r["seed"]][it] - 1)
+                           for it, loss in zip(its, losses)],
+                     color=f"C{index}", alpha=0.85, linewidth=1.2, label=label)
     axis.set_xlabel("iteration")
     axis.set_ylabel("validation loss")
     axis.set_title(f"4 ranks, local_size {args.local_size}: the cross-node wire's format")
     axis.legend()
+    gap.axhline(0.0, color="black", linewidth=0.6)
+    gap.set_xlabel("iteration")
+    gap.set_ylabel("validation loss against the fp32 wire's, same seed (%)")
+    gap.set_title("each seed against its fp32 run")
     figure.tight_layout()
     figure.savefig(args.plot, dpi=110)
     print(f"wrote {args.plot}", file=sys.stderr)
@@ -255,7 +263,7 @@ def main(argv=None) -> None:
             results = cluster.run(run, args, timeout=6 * 3600)[0]
     else:
         where = f"{args.world_size} local gloo ranks, local_size {args.local_size}"
-        results = run_on_local_ranks(run, args.world_size, args)[0]
+        results = run_on_local_ranks(run, args.world_size, args, timeout=6 * 3600)[0]
     report(results, args, where)
 
 
