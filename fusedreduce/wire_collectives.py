@@ -94,6 +94,9 @@ class WireSum(AllReduce):
     """
 
     gather_wire = True
+    #: whether the summed chunks travel back to every rank (False: each rank
+    #: keeps its own chunk of the sum, a reduce-scatter; ``owned_chunk``)
+    gathers_back = True
 
     def __init__(self, plan: BucketPlan, group, world_size: int, backend: str,
                  levels: Sequence[Level], error_feedback: bool) -> None:
@@ -167,6 +170,8 @@ class WireSum(AllReduce):
             kernels.dequantize_sum(*received, mine, backend=self.backend)
             chunks.append((k, region, mine))
             region = mine
+        if not self.gathers_back:
+            return
         for k, whole, mine in reversed(chunks):
             self._gather(bucket, k, whole, mine)
 
@@ -255,6 +260,17 @@ class WireSum(AllReduce):
             residual = self.residuals[bucket.index] = torch.zeros(
                 numel, dtype=torch.float32, device=bucket.device)
         return residual
+
+
+def owned_chunk(levels: Sequence[Level], size: int) -> Tuple[int, int]:
+    """``(start, end)`` of the chunk of a ``size``-element buffer that this
+    rank holds the sum of after ``levels``' all-to-alls: each level keeps
+    its rank's chunk of the region the level before kept."""
+    start = 0
+    for level in levels:
+        size //= level.ranks
+        start += level.me * size
+    return start, start + size
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
