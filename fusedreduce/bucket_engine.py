@@ -86,9 +86,6 @@ class BucketEngine:
         self.world_size = require_process_group(group)
         self.node = check_node_options(local_size, wire_dtype, deterministic, error_feedback,
                                        world_size=self.world_size, reduce_dtype=reduce_dtype)
-        if shards and not self.node.flat:
-            raise ValueError("local_size, wire_dtype and deterministic are not supported with "
-                             "shard=True yet (docs/guides/across-nodes.md)")
         self.mean = bool(mean)
         self.degree = self.world_size if degree is None else degree
         self.reduce_dtype = reduce_dtype
@@ -124,7 +121,7 @@ class BucketEngine:
         # the one-rank world is decided here: a collective that does not
         # communicate (nothing to verify, broadcast or count over the ranks)
         self.collective = all_reduce_collective(self.plan, group, self.world_size, backend,
-                                                self.node)
+                                                None if shards else self.node)
         self.verified = not self.collective.communicates
         # DistributedOptimizer's rule (DDP's): a parameter no rank gave a
         # gradient in a pass keeps none, so the optimizer skips it

@@ -226,15 +226,23 @@ class Exchange(AllReduce):
 
 def sharded_collective(plan: BucketPlan, group, world_size: int, rank: int, backend: str, *,
                        gradient_collective: Optional[str], adasum_local_size: Optional[int],
-                       shard_gradients: bool, scales: Sequence[tuple]):
+                       shard_gradients: bool, scales: Sequence[tuple], node=None):
     """The sharded reducer's collective, from the options and the group:
-    AdaSum's halving; on gloo the all-reduce that keeps the part, or on 2
-    ranks the exchange for buckets of few large tensors; the reduce-scatter
-    elsewhere (``gradient_collective`` overrides the choice)."""
+    AdaSum's halving; ``node`` (``node_collectives.NodeOptions``) other than
+    the flat reduction: its reduce-scatter (``node_scatter``); on gloo the
+    all-reduce that keeps the part, or on 2 ranks the exchange for buckets
+    of few large tensors; the reduce-scatter elsewhere
+    (``gradient_collective`` overrides the choice)."""
     if world_size == 1:
         # AdaSum's kept buffers are flattened whole, as its halving would
         kept_whole = adasum_local_size is not None and not shard_gradients
         return (OneRankSum if kept_whole else OneRank)(plan, backend)
+    if node is not None and not node.flat:
+        from .node_scatter import node_sharded_collective  # its collectives build on these
+        chosen = node_sharded_collective(plan, group, world_size, backend, node,
+                                         gradient_collective)
+        if chosen is not None:
+            return chosen
     if adasum_local_size is not None:
         return AdaSumHalving(plan, group, adasum_local_size, backend)
     exchange_from = None

@@ -138,15 +138,15 @@ def node_collective(plan: BucketPlan, group, world_size: int, backend: str,
     is the flat all-reduce (one node holding the whole group, full
     precision)."""
     if options.exchanges:
-        return WireSum(plan, group, world_size, backend, _levels(group, world_size, options),
-                       options.error_feedback)
+        return WireSum(plan, group, world_size, backend,
+                       node_levels(group, world_size, options), options.error_feedback)
     groups = node_groups(group, options.local_size)
     if groups.nodes == 1:
         return None
     return TwoLevel(plan, group, world_size, backend, groups)
 
 
-def _levels(group, world_size: int, options: NodeOptions) -> List[Level]:
+def node_levels(group, world_size: int, options: NodeOptions) -> List[Level]:
     """The all-to-all sum's levels: the node's (fp32), then across nodes
     (the wire format); one of them where the other would hold one rank."""
     wire = options.wire_dtype or torch.float32

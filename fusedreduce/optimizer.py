@@ -414,7 +414,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (docs/guides/sharded.md, "Memory per rank"). With
         ``shard_gradients=True`` none is kept: 0 between steps, the
         buckets started so far during backward, and the all-gather's
-        buffers while ``overlap_param_gather`` leaves them in flight.
+        buffers while ``overlap_param_gather`` leaves them in flight. With
+        ``wire_dtype`` or ``deterministic`` (sharded or not), the
+        collective's kept codes, received chunks, block scales and error
+        feedback's residuals are counted too.
 
         Examples:
             >>> opt = DistributedOptimizer(torch.optim.AdamW(model.parameters()),  # doctest: +SKIP

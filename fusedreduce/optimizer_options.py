@@ -30,7 +30,8 @@ from .param_swap import params_of
 from .process_group import require_process_group, value_checksums, verify_same_on_all_ranks
 from .reducer import DistributedGradReducer
 from .replicated_step import ReplicatedStep
-from .sharded_optimizer import check_collectives, check_master_dtype, check_shardable
+from .sharded_optimizer import (check_collectives, check_master_dtype, check_node_collectives,
+                                check_shardable)
 from .sharded_step import ShardedStep
 
 
@@ -151,9 +152,9 @@ def check_options(
     # AdaSum's local_size is its own (checked below)
     node = check_node_options(1 if adasum else local_size, wire_dtype, deterministic,
                               error_feedback, world_size=world_size, reduce_dtype=reduce_dtype)
-    if shard and not node.flat:
-        raise ValueError("local_size, wire_dtype and deterministic are not supported with "
-                         "shard=True yet (docs/guides/across-nodes.md)")
+    if shard:
+        check_node_collectives(node, gradient_collective, parameter_gather,
+                               world_size=world_size)
     buffer_sync = buffer_sync_of(buffers, params_of(optimizer), group)
     if adasum:
         # checked here too, before the optimizer's state is taken over

@@ -29,7 +29,10 @@ from .process_group import require_process_group
 
 
 
-def _reduce_scatter(part: torch.Tensor, buffer: torch.Tensor, group):
+def start_reduce_scatter(part: torch.Tensor, buffer: torch.Tensor, group):
+    """Start the reduce-scatter of ``buffer`` over ``group`` into this rank's
+    ``part`` (in place where ``part`` is its slot of ``buffer``); returns the
+    collective's handle."""
     # the *_single names replace the *_tensor ones (which warn) where they exist
     collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return collective(part, buffer, group=group, async_op=True)
@@ -231,7 +234,7 @@ def start_bucket_reduce_scatter(plan: BucketPlan, bucket: Bucket, tensors: Seque
         plan.flatten(bucket, tensors, out=part, scale=prescale, backend=backend)
         return PendingBucket(bucket, part, None)
     plan.flatten(bucket, tensors, out=buffer, scale=prescale, backend=backend)
-    work = _reduce_scatter(part, buffer, group) if bucket.size else None
+    work = start_reduce_scatter(part, buffer, group) if bucket.size else None
     return PendingBucket(bucket, part, work)
 
 

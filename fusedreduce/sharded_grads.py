@@ -79,12 +79,15 @@ class ShardedGradReducer(ReducerSurface):
         collective = sharded_collective(
             engine.plan, group, engine.world_size, self.rank, backend,
             gradient_collective=gradient_collective, adasum_local_size=adasum_local_size,
-            shard_gradients=shard_gradients, scales=engine.scales)
+            shard_gradients=shard_gradients, scales=engine.scales, node=engine.node)
         engine.combine_by(collective)
         # AdaSum stops its tree after the halving: each rank owns the slice it
         # holds then (unequal, chunk-aligned), and the parameters come back
         # through the tree's reverse swaps
         self.tree_shares = getattr(collective, "tree_shares", None)  # AdaSum's halving's
+        # the node-aware reduce-scatters leave parts out of rank order: the
+        # parameters come back over the same levels
+        self.gather_levels = getattr(collective, "gather_levels", None)
         self.owned = collective.owned_by(self.rank)
         self._lifetime = (ReleasedBuffers if shard_gradients else KeptBuffers)(
             self.plan, self.owned, collective)
@@ -135,7 +138,8 @@ class ShardedGradReducer(ReducerSurface):
         # the flat buffers (whole), the parts (slots of them, or with
         # shard_gradients tensors of their own) and the zeros that stand in
         # for frozen parameters' gradients
-        return [*self._lifetime.held(), *self._zeros.values()]
+        return [*self._lifetime.held(), *self._engine.collective.held(),
+                *self._zeros.values()]
 
     def register_hooks(self, passes_per_sync: int = 1, *,
                        gradient_as_bucket_view: bool = False) -> "ShardedGradReducer":

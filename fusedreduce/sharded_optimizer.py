@@ -104,3 +104,34 @@ def check_collectives(gradient_collective: Optional[str], parameter_gather: Opti
         if adasum:
             raise ValueError(f"{name}={value!r} does not combine with reduce_method='adasum': "
                              f"AdaSum's tree reduces the gradients and gathers the parameters")
+
+
+def check_node_collectives(node, gradient_collective: Optional[str],
+                           parameter_gather: Optional[str], *, world_size: int) -> None:
+    """Refuse a collective choice the node-aware sharded step cannot take
+    (``node``: ``node_collectives.NodeOptions``).
+
+    Raises:
+        ValueError: ``gradient_collective`` "all_reduce" or "exchange" with
+            ``local_size`` > 1, ``wire_dtype`` or ``deterministic``;
+            "reduce_scatter" with ``wire_dtype`` or ``deterministic`` (their
+            sum is the all-to-all one); ``parameter_gather`` "broadcast" or
+            "broadcast_direct" with more than one node of ``local_size`` > 1
+            ranks (the parts are not in rank order there: they are gathered
+            back over the nodes' levels).
+    """
+    if node.flat:
+        return
+    if gradient_collective in ("all_reduce", "exchange"):
+        raise ValueError(f"gradient_collective={gradient_collective!r} does not combine with "
+                         f"local_size > 1, wire_dtype or deterministic: leave it None, or "
+                         f"'reduce_scatter' for the backend's reduce-scatter on each level")
+    if gradient_collective == "reduce_scatter" and node.exchanges:
+        raise ValueError("gradient_collective='reduce_scatter' does not combine with wire_dtype "
+                         "or deterministic: their sum is the all-to-all one (leave it None)")
+    if parameter_gather in ("broadcast", "broadcast_direct") \
+            and 1 < node.local_size < world_size:
+        raise ValueError(f"parameter_gather={parameter_gather!r} does not combine with "
+                         f"local_size={node.local_size} over {world_size // node.local_size} "
+                         f"nodes: the parts are gathered back over the nodes' levels (leave "
+                         f"it None, or 'all_gather')")

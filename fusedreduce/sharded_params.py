@@ -42,6 +42,7 @@ from .buckets import Bucket, BucketPlan
 from .buffer_lifetime import ALIVE, KeptBuffer, ReleasedBuffer, reinterpret
 from .clipping import norm_dtype_of, norm_over_ranks
 from .param_shard import ParamShard, param_shard
+from .node_scatter import start_level_gathers
 from .param_swap import swapped
 from .precision import exact_common_dtype
 from .sharded import (DIRECT_MEAN_NUMEL, broadcast_from, broadcast_slots, part_ranges,
@@ -298,6 +299,7 @@ class _Gathering:
     owned: List[Tuple[int, int]]  # per bucket, the elements this rank sends
     tree_shares: Optional[List[TreeShare]]
     adasum_local_size: Optional[int]
+    levels: Optional[list]  # the node-aware levels the parts come back over
 
 
 class _BufferGather:
@@ -359,6 +361,17 @@ class _AllGather(_BufferGather):
         return PendingBucket(self.bucket, self.held.tensor, work)
 
 
+class _LevelGathers(_BufferGather):
+    """The node-aware sharded step's parts, out of rank order: gathered
+    across nodes, then inside the node (``node_scatter``)."""
+
+    def start(self) -> Optional[PendingBucket]:
+        if not self.bucket.size:
+            return None
+        work = start_level_gathers(self.held.tensor, self.gathering.levels)
+        return PendingBucket(self.bucket, self.held.tensor, work)
+
+
 class _SlotBroadcasts(_BufferGather):
     def start(self) -> Optional[PendingBucket]:
         if not self.bucket.size:
@@ -407,12 +420,14 @@ def _gather_ways(params: ShardedParameters, parameter_gather: Optional[str]
     targets = [p.detach() for p in reducer.plan_tensors()]
     gathering = _Gathering(params.plan, targets, params.group, params.world_size,
                            reducer.backend, list(reducer.owned), reducer.tree_shares,
-                           reducer.adasum_local_size)
+                           reducer.adasum_local_size, reducer.gather_levels)
     direct_mean_numel = None  # the mean tensor size gathered straight into the parameters
     if params.world_size == 1:
         way = _OneRank
     elif reducer.tree_shares is not None:
         way = _TreeSwaps
+    elif reducer.gather_levels is not None:
+        way = _LevelGathers
     else:
         if parameter_gather is None:
             # gloo's all-gather copies through a temporary of the whole buffer and

@@ -50,7 +50,8 @@ class ShardedStep(ShardedCheckpoint):
         options = self.options
         args = dict(options.reducer_args)
         mean = args.pop("mean", False)
-        local_size = args.pop("local_size", None)
+        # AdaSum's local_size is its tree's; the others' go to the reducer's node options
+        local_size = args.pop("local_size") if options.reduce_method == "adasum" else None
         args["split_norm"] = False  # the sharded norm reads each rank's part already
         reducer = ShardedGradReducer(params_of(opt), mean=mean, adasum_local_size=local_size,
                                      shard_gradients=options.shard_gradients,

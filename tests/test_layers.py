@@ -70,6 +70,7 @@ LAYERS = {
     "grad_collectives": "collectives and pipelines",
     "node_collectives": "collectives and pipelines",
     "wire_collectives": "collectives and pipelines",
+    "node_scatter": "collectives and pipelines",
     # running the buckets during backward
     "overlap": "engine",
     "bucket_engine": "engine",

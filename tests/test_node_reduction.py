@@ -214,7 +214,6 @@ def _bad_arguments(rank, world_size):
         "deterministic not a bool": lambda: DistributedGradReducer(params,
                                                                    deterministic="yes"),
         "optimizer local_size not dividing": lambda: DistributedOptimizer(sgd(), local_size=3),
-        "shard with local_size": lambda: DistributedOptimizer(sgd(), local_size=2, shard=True),
         "wire fp16": lambda: DistributedGradReducer(params, wire_dtype=torch.float16),
         "wire a string": lambda: DistributedGradReducer(params, wire_dtype="int8"),
         "feedback without compression": lambda: DistributedGradReducer(
@@ -224,8 +223,6 @@ def _bad_arguments(rank, world_size):
             params, wire_dtype=torch.int8, reduce_dtype=torch.bfloat16),
         "deterministic fp64": lambda: DistributedGradReducer(_params(torch.float64),
                                                              deterministic=True),
-        "shard with wire": lambda: DistributedOptimizer(sgd(), wire_dtype=torch.int8,
-                                                        shard=True),
         "adasum with deterministic": lambda: DistributedOptimizer(
             sgd(), reduce_method="adasum", deterministic=True),
     })
@@ -238,14 +235,12 @@ def test_bad_node_and_wire_options_are_refused_before_any_collective():
         "local_size a bool": ("ValueError", "local_size must be a positive int dividing"),
         "deterministic not a bool": ("TypeError", "deterministic must be True or False"),
         "optimizer local_size not dividing": ("ValueError", "local_size must be a positive int"),
-        "shard with local_size": ("ValueError", "not supported with shard=True yet"),
         "wire fp16": ("ValueError", "wire_dtype must be one of"),
         "wire a string": ("TypeError", "wire_dtype must be None or a torch.dtype"),
         "feedback without compression": ("ValueError", "error_feedback=True keeps"),
         "feedback not a bool": ("TypeError", "error_feedback must be True or False"),
         "wire with bf16 reduce_dtype": ("ValueError", "reduce_dtype must be torch.float32"),
         "deterministic fp64": ("ValueError", "wire_dtype and deterministic sum float32"),
-        "shard with wire": ("ValueError", "not supported with shard=True yet"),
         "adasum with deterministic": ("ValueError", "do not combine with reduce_method"),
     })
 
