@@ -40,7 +40,11 @@ def _step(model, opt, rank, step):
 
 def _make(model, options):
     gather_in_fp32 = options.pop("_gather_in_fp32", False)
-    opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
+    # SGD where the clip is checked: AdamW's step hardly depends on a
+    # gradient's scale
+    make = torch.optim.SGD if options.pop("_sgd", False) else torch.optim.AdamW
+    opt = DistributedOptimizer(make(model.parameters(), lr=0.01 if make is torch.optim.AdamW
+                                    else 0.5),
                                find_unused_parameters=True, param_pack_thd=600, **options)
     if gather_in_fp32:  # the unsharded wire sum's all-gather back in fp32
         opt.reducer._engine.collective.gather_wire = False
@@ -99,13 +103,31 @@ RUNS = {
     "two-level int8, fp32 gather": dict(INT8, local_size=2, _gather_in_fp32=True),
     "sharded int8": dict(INT8, local_size=2, shard=True),
     "sharded int8, ZeRO-2": dict(INT8, local_size=2, shard=True, shard_gradients=True),
+    "two-level int8, clipped, fp32 gather": dict(INT8, local_size=2, max_grad_norm=0.05,
+                                                 _gather_in_fp32=True, _sgd=True),
+    "sharded int8, clipped": dict(INT8, local_size=2, shard=True, max_grad_norm=0.05,
+                                  _sgd=True),
+    "sharded int8, SGD": dict(INT8, local_size=2, shard=True, _sgd=True),
     "sharded one node": dict(local_size=4, shard=True),
     "sharded flat": dict(shard=True),
 }
 
 
+def _nonfinite(rank, options):
+    """A NaN in rank 1's gradients only: every rank's reducer must see it."""
+    model = _model()
+    opt = _make(model, dict(options))
+    x, y = _batch(rank, 0)
+    if rank == 1:
+        x[2, 3] = float("nan")
+    nn.functional.mse_loss(model[:3](x), y).backward()
+    return bool(opt.reducer.found_nonfinite)
+
+
 def _four_ranks(rank, world_size):
     results = {name: _run(rank, options) for name, options in RUNS.items()}
+    for name in ("sharded int8", "sharded deterministic", "sharded reduce-scatter, ZeRO-2"):
+        results[f"nonfinite {name}"] = _nonfinite(rank, RUNS[name])
     results["resumed deterministic"] = _resumed(rank, dict(DET, local_size=2, shard=True))
     results["resumed int8"] = _resumed(rank, dict(INT8, local_size=2, shard=True))
     return results
@@ -173,6 +195,28 @@ def test_the_backends_reduce_scatter_per_level_sums_within_rounding(four_ranks, 
         # divides by sqrt(v), so a few ulps of the gradient move the
         # parameters by a few ulps of lr (0.01) per step
         assert torch.allclose(a, b, rtol=0, atol=64 * eps * (1 + b.abs().max().item())), sharded
+
+
+def test_the_sharded_clip_takes_the_whole_gradients_norm(four_ranks):
+    got = four_ranks[0]
+    sharded, unsharded = got["sharded int8, clipped"], got["two-level int8, clipped, fp32 gather"]
+    moved = [(a - b).abs().max().item()
+             for a, b in zip(sharded["params"], got["sharded int8, SGD"]["params"])]
+    assert max(moved) > 1e-4  # the clip changed the run
+    eps = torch.finfo(torch.float32).eps
+    for a, b in zip(sharded["params"], unsharded["params"]):
+        # the same gradients; the norm is summed in another order (each
+        # rank's owned squares, then over the ranks), so the clip
+        # coefficient may differ by a few ulps: each of the three SGD
+        # steps moves a parameter by at most lr * 0.05 (the clipped norm),
+        # off by a few ulps of that, and rounds to the parameter's ulp
+        assert torch.allclose(a, b, rtol=0, atol=8 * eps * (1 + b.abs().max().item()))
+
+
+def test_a_nonfinite_gradient_on_one_rank_is_seen_on_every_rank(four_ranks):
+    for rank, got in enumerate(four_ranks):
+        for name in ("sharded int8", "sharded deterministic", "sharded reduce-scatter, ZeRO-2"):
+            assert got[f"nonfinite {name}"], (name, rank)
 
 
 def test_each_rank_owns_the_chunk_its_levels_leave_it(four_ranks):
