@@ -5,8 +5,9 @@ world, this rank's node, and the ranks of its local index on every node) and
 a flat fp32 gradient buffer, and returns a step: a call that reduces the
 buffer (the sum over every rank) and returns the seconds of each of its
 collectives, each timed from a barrier, and the sum. ``PATTERNS`` (plain
-``torch.distributed`` calls) and ``LIBRARY_PATTERNS`` (the library's reducer)
-are the tables the runner reads.
+``torch.distributed`` calls), ``LIBRARY_PATTERNS`` (the library's reducer) and
+``SHARDED_PATTERNS`` (its sharded optimizer's step) are the tables the runner
+reads.
 
 - ``fused_fp32``: one all-reduce of the buffer over the world.
 - ``two_level_fp32``: reduce-scatter inside the node, all-reduce of this
@@ -23,6 +24,10 @@ are the tables the runner reads.
 - ``library_*``: ``DistributedGradReducer`` called on the buffer cut into
   gradients, with ``local_size``, ``wire_dtype`` or ``deterministic``: one
   phase, the whole call, kernel passes included.
+- ``library_sharded*``: ``DistributedOptimizer(shard=True)`` on parameters
+  shaped like those gradients, with ``local_size`` and ``wire_dtype``: one
+  phase, backward and ``step()`` (the reduce-scatter, SGD on the part and the
+  parameters' all-gather).
 
 ``run_patterns`` runs on every rank of a cluster (``Cluster.run``): it counts
 the bytes each node's link sent during each step (``tx_bytes`` of the node's
@@ -39,7 +44,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from fusedreduce import DistributedGradReducer
+from fusedreduce import DistributedGradReducer, DistributedOptimizer
 from fusedreduce.kernels import WIRE_BLOCK, dequantize_sum, quantize_flatten, wire_scale_count
 
 Step = Callable[[], Tuple[Dict[str, float], torch.Tensor]]
@@ -203,6 +208,34 @@ def library(groups: Groups, grads: torch.Tensor, **options) -> Step:
     return step
 
 
+def library_sharded(groups: Groups, grads: torch.Tensor, **options) -> Step:
+    """The library's ``DistributedOptimizer(SGD(lr=1), shard=True,
+    reduce_method="sum", **options)`` on ``LIBRARY_TENSORS`` parameters
+    shaped like the buffer's pieces: one phase, backward (whose hooks flatten
+    and reduce-scatter the buckets) and ``step()`` (the part's write-back,
+    SGD on it, the parameters' all-gather). The loss is ``-sum(p * g)`` with
+    the parameters zeroed before each step, so after it the parameters hold
+    the sum of the ranks' gradients: the step's result, checked as the
+    reducer's is."""
+    pieces = tuple(torch.tensor_split(grads, LIBRARY_TENSORS))
+    params = [torch.nn.Parameter(torch.zeros_like(piece)) for piece in pieces]
+    optimizer = DistributedOptimizer(torch.optim.SGD(params, lr=1.0), shard=True,
+                                     reduce_method="sum", **options)
+
+    def step():
+        times: Dict[str, float] = {}
+        with torch.no_grad():
+            torch._foreach_zero_(params)
+
+        def train_step():
+            sum((p * -g).sum() for p, g in zip(params, pieces)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        _timed(times, "sharded step", train_step)
+        return times, torch.cat([p.detach() for p in params])
+    return step
+
+
 def loopback(groups: Groups, grads: torch.Tensor) -> Step:
     """Not a reduction: each collective kind inside the node on the buffer, every
     node at once, as the patterns run them (the model's loopback figures)."""
@@ -240,6 +273,16 @@ LIBRARY_PATTERNS: Dict[str, Callable[[Groups, torch.Tensor], Step]] = {
                                                          wire_dtype=torch.float8_e4m3fn),
     "library_two_level_int8": functools.partial(library, local_size=2, wire_dtype=torch.int8),
     "library_deterministic": functools.partial(library, local_size=2, deterministic=True),
+}
+#: the library's sharded step (ZeRO-1) on the same buffer, two ranks per node where
+#: node-aware
+SHARDED_PATTERNS: Dict[str, Callable[[Groups, torch.Tensor], Step]] = {
+    "library_sharded": library_sharded,
+    "library_sharded_two_level": functools.partial(library_sharded, local_size=2),
+    "library_sharded_two_level_bfloat16": functools.partial(library_sharded, local_size=2,
+                                                            wire_dtype=torch.bfloat16),
+    "library_sharded_two_level_int8": functools.partial(library_sharded, local_size=2,
+                                                        wire_dtype=torch.int8),
 }
 #: what the runner times beside the patterns: their steps return no sum
 PROBES: Dict[str, Callable[[Groups, torch.Tensor], Step]] = {"loopback": loopback}
@@ -281,7 +324,7 @@ def run_patterns(rank: int, world_size: int, local_size: int, numel: int,
     groups = make_groups(rank, world_size, local_size)
     numel = padded_numel(numel, world_size)
     grads = rank_gradients(rank, numel)
-    builders = {**PATTERNS, **LIBRARY_PATTERNS, **PROBES}
+    builders = {**PATTERNS, **LIBRARY_PATTERNS, **SHARDED_PATTERNS, **PROBES}
     steps = {name: builders[name](groups, grads) for name in names}
     record: dict = {"numel": numel, "steps": {name: [] for name in names},
                     "tx_bytes": {name: [] for name in names}, "max_error": {}}

@@ -115,11 +115,17 @@ LIBRARY_MODEL = {"library_flat": "fused_fp32", "library_two_level": "two_level_f
                  "library_two_level_float8_e4m3fn": "two_level_float8_e4m3fn",
                  "library_two_level_int8": "two_level_int8"}
 #: every name ``--patterns`` takes; "library" stands for all the library's
-KNOWN_PATTERNS = CHECK_PATTERNS + tuple(cluster_patterns.LIBRARY_PATTERNS)
+#: reducer's, "sharded" for all its sharded step's
+KNOWN_PATTERNS = CHECK_PATTERNS + tuple(cluster_patterns.LIBRARY_PATTERNS) \
+    + tuple(cluster_patterns.SHARDED_PATTERNS)
+#: what ``--patterns`` expands a group's name to
+PATTERN_GROUPS = {"library": tuple(cluster_patterns.LIBRARY_PATTERNS),
+                  "sharded": tuple(cluster_patterns.SHARDED_PATTERNS)}
 
 
 def parse_patterns(text: str) -> tuple:
-    """``--patterns``' comma-separated names (``library``: every library pattern),
+    """``--patterns``' comma-separated names (``library``: every library pattern,
+    ``sharded``: every sharded one),
     with ``fused_fp32``, the reference of the ratios, always first.
 
     Raises:
@@ -127,10 +133,10 @@ def parse_patterns(text: str) -> tuple:
     """
     names = ["fused_fp32"]
     for name in filter(None, (part.strip() for part in text.split(","))):
-        expanded = cluster_patterns.LIBRARY_PATTERNS if name == "library" else [name]
+        expanded = PATTERN_GROUPS.get(name, [name])
         for one in expanded:
             if one not in KNOWN_PATTERNS:
-                raise argparse.ArgumentTypeError(f"unknown pattern {one!r}: expected 'library' or one of "
+                raise argparse.ArgumentTypeError(f"unknown pattern {one!r}: expected 'library', 'sharded' or one of "
                                  f"{', '.join(KNOWN_PATTERNS)}")
             if one not in names:
                 names.append(one)
@@ -162,6 +168,8 @@ def _reference(name: str) -> Dict[str, str]:
     """The rows ``name``'s ratios are taken against: time against the flat
     all-reduce (the library's own for a library pattern), bytes against the
     fp32 two-level layout."""
+    if name.startswith("library_sharded"):
+        return {"time": "library_sharded", "bytes": "library_sharded"}
     if name.startswith("library_"):
         return {"time": "library_flat", "bytes": "library_two_level"}
     return {"time": "fused_fp32", "bytes": "two_level_fp32"}
@@ -301,7 +309,9 @@ def add_parser(subparsers) -> None:
                         metavar="NAMES",
                         help="the check's patterns, comma-separated: "
                              f"{', '.join(KNOWN_PATTERNS)}, or 'library' for every "
-                             "library_* one (the library's DistributedGradReducer); "
+                             "library_* one (the library's DistributedGradReducer), "
+                             "'sharded' for every library_sharded* one (its "
+                             "DistributedOptimizer(shard=True) step); "
                              "fused_fp32 always runs (default: the non-library ones)")
     parser.add_argument("--repeats", type=int, help="timed repeats (default 5, --quick 3)")
     parser.add_argument("--quick", action="store_true", help="small measurements")

@@ -15,6 +15,7 @@ import pytest
 
 from fusedreduce.bench import cli, cluster, cluster_patterns, model_bench, step_model
 from fusedreduce.bench.step_model import Links, bus_factor, predict, ring_steps
+from fusedreduce.local_ranks import run_on_local_ranks
 
 REASON = cluster.unavailable_reason()
 needs_root = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -213,13 +214,14 @@ def library_check():
         pytest.skip(REASON)
     kernels = {"flatten": 1e10, "unflatten": 1e10}
     return model_bench.check_cluster(1_000_000, 1, "1gbit", kernels,
-                                     patterns=model_bench.parse_patterns("library"))
+                                     patterns=model_bench.parse_patterns("library,sharded"))
 
 
 @needs_root
 def test_the_librarys_reducer_sums_on_the_cluster(library_check):
     rows = {row["strategy"]: row for row in library_check["rows"]}
-    assert set(rows) == {"fused_fp32", *cluster_patterns.LIBRARY_PATTERNS}
+    assert set(rows) == {"fused_fp32", *cluster_patterns.LIBRARY_PATTERNS,
+                         *cluster_patterns.SHARDED_PATTERNS}
     # the same bounds as the patterns' (test_the_patterns_compute_the_sum)
     for name in ("library_flat", "library_two_level", "library_deterministic"):
         assert rows[name]["max_error"] < 1e-5, rows[name]
@@ -249,9 +251,40 @@ def test_the_librarys_wire_bytes_across_nodes(library_check):
         2 / 3, rel=0.05)
 
 
+@needs_root
+def test_the_sharded_steps_cross_node_bytes(library_check):
+    rows = {row["strategy"]: row for row in library_check["rows"]}
+    fp32 = rows["library_sharded_two_level"]["measured_egress_bytes"]
+    # the gradients' reduce-scatter and the parameters' all-gather cross in
+    # equal fp32 halves; a wire format shrinks the gradients' half only:
+    # bf16 (1 + 0.5) / 2, int8 (1 + 0.258) / 2 of the fp32 two-level bytes
+    assert rows["library_sharded_two_level_bfloat16"]["measured_egress_bytes"] / fp32 \
+        == pytest.approx(0.75, abs=0.03)
+    assert rows["library_sharded_two_level_int8"]["measured_egress_bytes"] / fp32 \
+        == pytest.approx(0.629, abs=0.03)
+
+
+def _sharded_patterns(rank, world_size):
+    return cluster_patterns.run_patterns(rank, world_size, 2, 40_000,
+                                         tuple(cluster_patterns.SHARDED_PATTERNS), 1,
+                                         interface=None)
+
+
+def test_the_sharded_patterns_leave_the_sum_in_the_parameters():
+    record = run_on_local_ranks(_sharded_patterns, 4)[0]
+    errors = record["max_error"]
+    assert errors["library_sharded"] < 1e-5 and errors["library_sharded_two_level"] < 1e-5
+    # the sharded step's sum is never re-quantized: each node's fp32 sum
+    # (|.| < 12: two values below 6) is rounded once, half a step of
+    # absmax/127 for int8, half an ulp (2^-9 relative) for bf16, two nodes
+    assert 0 < errors["library_sharded_two_level_int8"] < 2 * 12 / 254
+    assert 0 < errors["library_sharded_two_level_bfloat16"] < 2 * 12 * 2 ** -9
+
+
 def test_patterns_option_names_the_library_and_refuses_unknown_names():
     names = model_bench.parse_patterns("library,two_level_int8")
     assert names[0] == "fused_fp32" and "two_level_int8" in names
     assert set(cluster_patterns.LIBRARY_PATTERNS) <= set(names)
+    assert set(cluster_patterns.SHARDED_PATTERNS) <= set(model_bench.parse_patterns("sharded"))
     with pytest.raises(argparse.ArgumentTypeError, match="unknown pattern 'two_level_int4'"):
         model_bench.parse_patterns("two_level_int4")
