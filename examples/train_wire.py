@@ -3,6 +3,7 @@
     python examples/train_wire.py                       # 4 local gloo ranks, 2 "nodes" of 2
     python examples/train_wire.py --cluster 1gbit       # the same over a simulated 2-node cluster (root)
     python examples/train_wire.py --quick               # a short run, to see it work
+    python examples/train_wire.py --shard               # the sharded optimizer (ZeRO-1)
 
 Every run trains the same decoder (``train_gpt.py``'s: tied embeddings,
 AdamW, warm-up and cosine decay) on the same data from the same seed, on 4
@@ -20,7 +21,9 @@ feedback) and each seed, rank 0 records the validation loss every
 against the fp32 wire's of the same seed, and the iteration at which the
 validation loss first reached the target (the fp32 wire's final loss times
 ``1 + --target-margin``). ``--json`` writes every curve, ``--plot`` draws
-them (matplotlib: the ``examples`` extra).
+them (matplotlib: the ``examples`` extra). ``--shard`` trains with
+``shard=True``: the optimizer state sharded over the 4 ranks, the gradients
+reduce-scattered and the parameters all-gathered on the two levels.
 """
 from __future__ import annotations
 
@@ -108,7 +111,7 @@ def train(wire: str, seed: int, args, train_data, valid_data, vocabulary: int) -
                            {"params": no_decay, "weight_decay": 0.0}],
                           lr=args.lr, betas=(0.9, 0.95)),
         local_size=args.local_size, wire_dtype=wire_dtype, error_feedback=feedback,
-        max_grad_norm=args.grad_clip)
+        max_grad_norm=args.grad_clip, shard=args.shard)
     data_generator = torch.Generator().manual_seed(seed * 1000 + rank)
     curve, started = [], time.perf_counter()
     for iteration in range(args.iterations):
@@ -232,6 +235,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--grad-clip", type=float, default=1.0)
     parser.add_argument("--target-margin", type=float, default=0.01)
     parser.add_argument("--quick", action="store_true", help="few iterations, one seed")
+    parser.add_argument("--shard", action="store_true",
+                        help="the sharded optimizer (shard=True): state sharded over the ranks")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--plot", metavar="PNG")
     args = parser.parse_args(argv)
@@ -264,7 +269,7 @@ def main(argv=None) -> None:
     else:
         where = f"{args.world_size} local gloo ranks, local_size {args.local_size}"
         results = run_on_local_ranks(run, args.world_size, args, timeout=6 * 3600)[0]
-    report(results, args, where)
+    report(results, args, where + (", shard=True" if args.shard else ""))
 
 
 if __name__ == "__main__":
