@@ -93,9 +93,13 @@ class TwoLevelScatter(_LevelOwnership, AllReduce):
         if self.blocking:
             later = [lambda k=k: scatter(k).wait() for k in range(1, len(regions))]
             return PendingBucket(bucket, buffer, Phases([scatter(0)], [*later, spares]), spare)
-        # NCCL's waits only order the streams: every level is issued now
-        return PendingBucket(bucket, buffer,
-                             Phases([scatter(k) for k in range(len(regions))], [spares]), spare)
+        # every level is issued now; each level's group has a stream of its
+        # own, so a level's wait (which only orders the current stream after
+        # it) must come before the next level reads what it wrote
+        for k in range(len(regions) - 1):
+            scatter(k).wait()
+        return PendingBucket(bucket, buffer, Phases([scatter(len(regions) - 1)], [spares]),
+                             spare)
 
 
 def level_regions(levels: Sequence[Level], region: torch.Tensor

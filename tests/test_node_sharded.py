@@ -40,6 +40,7 @@ def _step(model, opt, rank, step):
 
 def _make(model, options):
     gather_in_fp32 = options.pop("_gather_in_fp32", False)
+    nccl_order = options.pop("_nccl_order", False)
     # SGD where the clip is checked: AdamW's step hardly depends on a
     # gradient's scale
     make = torch.optim.SGD if options.pop("_sgd", False) else torch.optim.AdamW
@@ -48,6 +49,10 @@ def _make(model, options):
                                find_unused_parameters=True, param_pack_thd=600, **options)
     if gather_in_fp32:  # the unsharded wire sum's all-gather back in fp32
         opt.reducer._engine.collective.gather_wire = False
+    if nccl_order:
+        # NCCL's branch (every phase issued when the bucket starts) on gloo,
+        # whose blocking waits run it just as well: no GPU here
+        opt.reducer._engine.collective.blocking = False
     return opt
 
 
@@ -108,6 +113,12 @@ RUNS = {
     "sharded int8, clipped": dict(INT8, local_size=2, shard=True, max_grad_norm=0.05,
                                   _sgd=True),
     "sharded int8, SGD": dict(INT8, local_size=2, shard=True, _sgd=True),
+    "sharded reduce-scatter, NCCL's order": dict(local_size=2, shard=True, _nccl_order=True,
+                                                 gradient_collective="reduce_scatter"),
+    "sharded int8, NCCL's order": dict(INT8, local_size=2, shard=True, _nccl_order=True),
+    "two-level, NCCL's order": dict(local_size=2, _nccl_order=True),
+    "two-level int8, NCCL's order": dict(INT8, local_size=2, _nccl_order=True),
+    "two-level int8": dict(INT8, local_size=2),
     "sharded one node": dict(local_size=4, shard=True),
     "sharded flat": dict(shard=True),
 }
@@ -195,6 +206,23 @@ def test_the_backends_reduce_scatter_per_level_sums_within_rounding(four_ranks, 
         # divides by sqrt(v), so a few ulps of the gradient move the
         # parameters by a few ulps of lr (0.01) per step
         assert torch.allclose(a, b, rtol=0, atol=64 * eps * (1 + b.abs().max().item())), sharded
+
+
+@pytest.mark.parametrize("nccl, gloo", [
+    ("sharded int8, NCCL's order", "sharded int8"),
+    ("two-level int8, NCCL's order", "two-level int8"),
+    ("sharded reduce-scatter, NCCL's order", "sharded reduce-scatter"),
+    ("two-level, NCCL's order", "sharded reduce-scatter")])
+def test_the_nccl_branch_gives_the_gloo_branchs_results(four_ranks, nccl, gloo):
+    got = four_ranks[0]
+    if "int8" in nccl:  # the same all-to-all sum, only issued earlier: the same bits
+        _assert_same(got[nccl]["params"], got[gloo]["params"], nccl)
+        return
+    eps = torch.finfo(torch.float32).eps
+    for a, b in zip(got[nccl]["params"], got[gloo]["params"]):
+        # reduce-scatters where gloo's branch all-reduces: gloo's order of
+        # the sum may differ, within rounding as above
+        assert torch.allclose(a, b, rtol=0, atol=64 * eps * (1 + b.abs().max().item())), nccl
 
 
 def test_the_sharded_clip_takes_the_whole_gradients_norm(four_ranks):
