@@ -188,7 +188,7 @@ def _model(name: str, size: int) -> nn.Module:
     return resnet50_for_size(size) if name == "resnet50" else decoder_for_size(size)
 
 
-def _batch(name: str, model: nn.Module, dtype: torch.dtype, rank: int, config: dict):
+def rank_batch(name: str, model: nn.Module, dtype: torch.dtype, rank: int, config: dict):
     """(inputs, labels) of this rank: a different batch per rank, the same for every method."""
     gen = torch.Generator().manual_seed(rank)
     if name == "resnet50":
@@ -203,7 +203,8 @@ def _batch(name: str, model: nn.Module, dtype: torch.dtype, rank: int, config: d
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _loss(net: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def batch_loss(net: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of ``net`` on a ``rank_batch``, in fp32."""
     logits = net(inputs).float()  # the loss in fp32 whatever the parameters' dtype
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
@@ -439,11 +440,11 @@ def rank_measure(rank: int, world_size: int, case: dict, config: dict) -> dict:
         try:
             model, net, optimizer = build(method, name, case["size"], dtype,
                                           config.get("bucket_mb"))
-            inputs, labels = _batch(name, model, dtype, rank, config)
+            inputs, labels = rank_batch(name, model, dtype, rank, config)
 
             def step(net=net, optimizer=optimizer, inputs=inputs, labels=labels):
                 optimizer.zero_grad()
-                _loss(net, inputs, labels).backward()
+                batch_loss(net, inputs, labels).backward()
                 optimizer.step()
 
             # the first step: DDP's one-bucket iteration, FSDP2's lazy init, the state made

@@ -99,11 +99,11 @@ def rank_times(rank: int, world_size: int, cases: List[dict], repeats: int) -> L
         dtype = common.DTYPES[case["dtype"]]
         model, net, optimizer = sharded_bench.build(sharded_bench.SHARDED, case["model"],
                                                     case["size"], dtype)
-        inputs, labels = sharded_bench._batch(case["model"], model, dtype, rank,
-                                              sharded_bench.QUICK_SHAPES)
+        inputs, labels = sharded_bench.rank_batch(case["model"], model, dtype, rank,
+                                                  sharded_bench.QUICK_SHAPES)
         for _ in range(2):
             optimizer.zero_grad()
-            sharded_bench._loss(net, inputs, labels).backward()
+            sharded_bench.batch_loss(net, inputs, labels).backward()
             optimizer.step()
         optimizer.finish_param_gather()
         whole = optimizer.state_dict()
