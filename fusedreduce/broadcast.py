@@ -57,14 +57,17 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *,
     """
     tensors = tensor_list(tensors, "tensors")
     refuse_one_shot_in_capture(tensors, "broadcast_tensors")
-    check_rank(src, "src", require_process_group(group))
+    world_size = require_process_group(group)
+    check_rank(src, "src", world_size)
     src_global = global_rank(group, src)
     device = comm_device(group)
     floating = [t for t in tensors if t.dtype in kernels.SUPPORTED_DTYPES]
     others = [t for t in tensors if t.dtype not in kernels.SUPPORTED_DTYPES]
     staged = [t if t.device == device else t.to(device) for t in floating]
     plan = BucketPlan(staged, bucket_cap_mb=bucket_cap_mb)
-    if verify and dist.get_world_size(group) > 1:
+    if world_size == 1:
+        return  # every tensor is rank src's already: nothing to send or copy
+    if verify:
         labels = list(names) if names is not None else [f"tensors[{i}]"
                                                          for i in range(len(tensors))]
         # src is compared too: ranks naming different sources would each

@@ -15,8 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 from harness import (ONE_BYTE_MB, TIMEOUT, assert_raised_before_any_collective,
-                     outcomes_and_collectives, run_ranks)
-from fusedreduce import broadcast_optimizer_state, parameter_broadcast
+                     outcomes_and_collectives, record_collectives, run_ranks)
+from fusedreduce import (DistributedOptimizer, broadcast_optimizer_state, broadcast_tensors,
+                         parameter_broadcast)
 
 
 _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
@@ -377,3 +378,27 @@ def test_optimizer_state_from_sources_that_differ_by_rank_is_a_value_error_on_ev
         message, unchanged = seen
         assert "different src ranks (by rank: [0, 1])" in message, message
         assert unchanged, f"rank {rank}: the state changed before the error"
+
+
+def _alone(rank, world_size):
+    events = []
+    record_collectives(events)
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    broadcast_tensors([p.data for p in model.parameters()], src=0)
+    bad = None
+    try:
+        broadcast_tensors([p.data for p in model.parameters()], src=1)
+    except ValueError as exc:
+        bad = str(exc)
+    return events, bad, all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_one_rank_world_broadcasts_nothing_and_still_checks_src():
+    [(events, bad, unchanged)] = run_ranks(_alone, 1)
+    # the optimizer's initial broadcast and a direct call: each rank is the source
+    assert "broadcast" not in events, events
+    assert unchanged
+    assert bad is not None and "src" in bad
