@@ -400,7 +400,7 @@ class ReducerSurface:
             >>> reducer.buffer_bytes   # one fp32 bucket of 10,000 elements  # doctest: +SKIP
             40000
         """
-        return storage_bytes(self._held_buffers())
+        return storage_bytes(self.held_tensors())
 
     def mark_reduced(self) -> None:
         """Declare ``.grad`` reduced (it was, by another reducer)."""

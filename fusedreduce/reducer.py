@@ -332,8 +332,16 @@ class DistributedGradReducer(ReducerSurface):
         self._engine.overlap.detach()
         self._write_back = self._write_back.without_views()
 
-    def _held_buffers(self) -> List[torch.Tensor]:
-        """What this reducer keeps between calls for its own use."""
+    def held_tensors(self) -> List[torch.Tensor]:
+        """The tensors whose memory this reducer keeps between calls for its
+        own use (its flat buffers, the collective's codes and residuals):
+        what ``buffer_bytes`` counts, each storage once.
+
+        Examples:
+            >>> reducer = DistributedGradReducer(model.parameters())  # doctest: +SKIP
+            >>> sum(t.numel() for t in reducer.held_tensors())        # doctest: +SKIP
+            0     # nothing before the first reduction
+        """
         return self._write_back.held()
 
     @property

@@ -117,7 +117,7 @@ class ReplicatedStep(ReplicatedCheckpoint):
 
     @property
     def buffer_bytes(self) -> int:
-        return storage_bytes(self.reducer._held_buffers())
+        return storage_bytes(self.reducer.held_tensors())
 
     def steps_here(self, param: torch.Tensor) -> bool:
         """Whether this rank steps ``param``: every one."""

@@ -134,10 +134,11 @@ class ShardedGradReducer(ReducerSurface):
         """``buffers`` and ``parts``, by role (``buckets.FlatBuffers``)."""
         return self._lifetime.flat_buffers()
 
-    def _held_buffers(self) -> List[torch.Tensor]:
-        # the flat buffers (whole), the parts (slots of them, or with
-        # shard_gradients tensors of their own) and the zeros that stand in
-        # for frozen parameters' gradients
+    def held_tensors(self) -> List[torch.Tensor]:
+        """The tensors whose memory this reducer keeps: the flat buffers
+        (whole), the parts (slots of them, or with ``shard_gradients``
+        tensors of their own), the collective's codes and residuals, and the
+        zeros that stand in for frozen parameters' gradients."""
         return [*self._lifetime.held(), *self._engine.collective.held(),
                 *self._zeros.values()]
 

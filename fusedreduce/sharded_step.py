@@ -163,7 +163,7 @@ class ShardedStep(ShardedCheckpoint):
 
     @property
     def buffer_bytes(self) -> int:
-        held = self.reducer._held_buffers()
+        held = self.reducer.held_tensors()
         if self.sharded is not None:
             held += self.sharded.held_buffers()
         return storage_bytes(held)
