@@ -142,10 +142,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             blocks, as ``hooks.adasum_hook``'s ``local_size``. With "mean" or
             "sum": the node-aware reduction (``DistributedGradReducer``'s
             ``local_size``: inside the node, this rank's part across nodes,
-            gathered inside the node; docs/guides/across-nodes.md). 1
-            (default): the flat reduction, today's bits.
-        wire_dtype: ``DistributedGradReducer``'s (with "mean"/"sum", without
-            ``shard``): the compressed wire format of the cross-node sum.
+            gathered inside the node; docs/guides/across-nodes.md). With
+            ``shard=True``: reduce-scattered inside the node, then across
+            nodes; the state stays sharded over the whole group, and rank
+            ``r`` owns part ``(r % local_size) * nodes + r // local_size``
+            of each bucket (``layout``). 1 (default): the flat reduction,
+            today's bits.
+        wire_dtype: ``DistributedGradReducer``'s (with "mean"/"sum"): the
+            compressed wire format of the cross-node sum (with ``shard``, of
+            the gradients' reduce-scatter; the parameters' all-gather stays
+            in their dtype).
         deterministic: ``DistributedGradReducer``'s: the all-to-all sum in
             fp32, the same bits whatever the bucket cap and topology.
         error_feedback: ``DistributedGradReducer``'s: the quantization error
@@ -192,7 +198,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             nor cast goes by one exchange of the ranks' halves, the others
             are all-reduced; gloo's default does so for buckets of few large
             tensors only). None (default): chosen from the process group's
-            backend. For tests
+            backend (with ``local_size`` > 1, ``wire_dtype`` or
+            ``deterministic``: the all-to-all sum on gloo, ``"reduce_scatter"``
+            per level on NCCL). For tests
             and benchmarks (NCCL's path on gloo ranks, say): either leaves
             the ranks bitwise alike (the two may differ from each other by
             the rounding of another summation order); a world of one rank
@@ -256,10 +264,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Raises:
         ValueError: ``reduce_method`` is not "sum", "mean" or "adasum"; a bad
             ``bcast_period``, ``param_pack_thd`` or ``backward_passes_per_step``;
-            ``local_size`` not dividing the world size, or other than 1 with
-            ``shard=True`` and "mean"/"sum" (not supported yet);
-            ``wire_dtype`` or ``deterministic`` with ``shard=True`` or AdaSum,
-            and ``DistributedGradReducer``'s errors for them; a 16-bit ``reduce_dtype`` with AdaSum; ``shard=True``
+            ``local_size`` not dividing the world size;
+            ``wire_dtype`` or ``deterministic`` with AdaSum, and
+            ``DistributedGradReducer``'s errors for them; with ``shard=True``
+            and ``local_size`` > 1, ``wire_dtype`` or ``deterministic``:
+            ``gradient_collective`` "all_reduce" or "exchange",
+            "reduce_scatter" with ``wire_dtype`` or ``deterministic``, or
+            ``parameter_gather`` "broadcast"/"broadcast_direct" over more
+            than one node; a 16-bit ``reduce_dtype`` with AdaSum; ``shard=True``
             with an optimizer not known to be elementwise (LBFGS, ...) unless
             ``assume_elementwise``, or with ``gradient_as_bucket_view``;
             ``overlap_param_gather``, ``shard_gradients``,
