@@ -157,8 +157,10 @@ class ShardLayout:
         world_size: the number of ranks the buckets are shared among.
         parts: per bucket, the ``(first, last)`` elements of the bucket this
             rank owns (``bucket[first:last]``; part ``rank`` of each bucket,
-            or with AdaSum the slice its tree's halving leaves the rank,
-            unequal and chunk-aligned).
+            with ``local_size`` > 1 over several nodes part ``(rank %
+            local_size) * nodes + rank // local_size``, or with AdaSum the
+            slice its tree's halving leaves the rank, unequal and
+            chunk-aligned).
         ranges: the parameter elements this rank owns, in plan order; a
             parameter appears at most once (its elements are contiguous in
             one bucket), and not at all when it owns none of them.
