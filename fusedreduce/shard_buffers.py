@@ -21,13 +21,14 @@ The two lifetimes have the same calls (``start``, ``finished_parts``,
 """
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .allreduce import PendingBucket, wait_for
 from .buckets import BucketPlan, FlatBuffers
-from .buffer_lifetime import ALIVE, materialise, release
+from .buffer_lifetime import ALIVE, ReleasedBuffer
 
 
 class _ShardBuffers:
@@ -92,6 +93,12 @@ class ReleasedBuffers(_ShardBuffers):
         count = len(plan.buckets)
         self.part_in_place = [collective.asynchronous and index >= count - ALIVE
                               for index in range(count)]
+        # each bucket's buffer, and its part where the part has memory of its own
+        self._held = [ReleasedBuffer(functools.partial(plan.new_buffer, bucket))
+                      for bucket in plan.buckets]
+        self._held_parts = [ReleasedBuffer(functools.partial(
+            torch.empty, hi - lo, dtype=bucket.dtype, device=bucket.device))
+            for bucket, (lo, hi) in zip(plan.buckets, owned)]
         # each buffer's owned slot, what a part of its own is copied from when
         # the collective left it there; the buckets started in this backward
         # whose buffers still have memory, oldest first
@@ -102,16 +109,14 @@ class ReleasedBuffers(_ShardBuffers):
         """Bucket ``index``'s flat buffer, its memory allocated again if it was
         released, and this rank's part of it in ``parts`` if the part is in
         place."""
-        buffer = self.buffers[index]
-        if buffer is None:
-            buffer = self.buffers[index] = self.plan.new_buffer(self.plan.buckets[index])
+        made = self.buffers[index] is not None
+        buffer = self.buffers[index] = self._held[index].take()
+        if not made:
             owned = buffer[slice(*self.owned[index])]
             if self.part_in_place[index]:
                 self.parts[index] = owned
             else:
                 self.owned_slots[index] = owned
-        else:
-            materialise(buffer)
         return buffer
 
     def part_for(self, index: int) -> torch.Tensor:
@@ -120,14 +125,7 @@ class ReleasedBuffers(_ShardBuffers):
         if self.part_in_place[index]:
             self.buffer_for(index)
             return self.parts[index]
-        part = self.parts[index]
-        if part is None:
-            lo, hi = self.owned[index]
-            bucket = self.plan.buckets[index]
-            part = self.parts[index] = torch.empty(hi - lo, dtype=bucket.dtype,
-                                                   device=bucket.device)
-        else:
-            materialise(part)
+        part = self.parts[index] = self._held_parts[index].take()
         return part
 
     def start(self, bucket, tensors: Sequence[torch.Tensor], prescale: float) -> PendingBucket:
@@ -147,9 +145,8 @@ class ReleasedBuffers(_ShardBuffers):
         return pending
 
     def release_buffer(self, index: int) -> None:
-        buffer = self.buffers[index]
-        if buffer is not None:
-            release(buffer)
+        if self.buffers[index] is not None:
+            self._held[index].done()
 
     def pass_ended(self) -> None:
         """A backward's buckets are written back (or it failed): the buffers
@@ -163,7 +160,7 @@ class ReleasedBuffers(_ShardBuffers):
         does after writing the part into ``.grad``)."""
         self.release_buffer(index)
         if not self.part_in_place[index] and self.parts[index] is not None:
-            release(self.parts[index])
+            self._held_parts[index].done()
 
     def retire(self, pending: PendingBucket) -> None:
         """Wait for ``pending``'s collective, copy this rank's part out of the
