@@ -279,6 +279,8 @@ LIBRARY_PATTERNS: Dict[str, Callable[[Groups, torch.Tensor], Step]] = {
 SHARDED_PATTERNS: Dict[str, Callable[[Groups, torch.Tensor], Step]] = {
     "library_sharded": library_sharded,
     "library_sharded_two_level": functools.partial(library_sharded, local_size=2),
+    "library_sharded_two_level_reduce_scatter": functools.partial(
+        library_sharded, local_size=2, gradient_collective="reduce_scatter"),
     "library_sharded_two_level_bfloat16": functools.partial(library_sharded, local_size=2,
                                                             wire_dtype=torch.bfloat16),
     "library_sharded_two_level_int8": functools.partial(library_sharded, local_size=2,

@@ -72,11 +72,12 @@ def _run(rank, options, steps=3):
             "buffer bytes": opt.buffer_bytes}
 
 
-def _resumed(rank, options):
-    """Two steps, a whole checkpoint, a fresh model and optimizer loaded from
-    it, the third step."""
+def _resumed(rank, options, saved_with=None):
+    """Two steps (with ``saved_with``'s options, default ``options``), a whole
+    checkpoint, a fresh model and optimizer with ``options`` loaded from it,
+    the third step."""
     model = _model()
-    opt = _make(model, dict(options))
+    opt = _make(model, dict(saved_with or options))
     for step in range(2):
         _step(model, opt, rank, step)
     saved, weights = opt.state_dict(), [p.detach().clone() for p in model.parameters()]
@@ -141,6 +142,9 @@ def _four_ranks(rank, world_size):
         results[f"nonfinite {name}"] = _nonfinite(rank, RUNS[name])
     results["resumed deterministic"] = _resumed(rank, dict(DET, local_size=2, shard=True))
     results["resumed int8"] = _resumed(rank, dict(INT8, local_size=2, shard=True))
+    # saved by the flat sharded step (part `rank`), loaded on two levels
+    results["resumed on another layout"] = _resumed(rank, dict(DET, local_size=2, shard=True),
+                                                    saved_with=dict(DET, shard=True))
     return results
 
 
@@ -273,6 +277,8 @@ def test_a_whole_checkpoint_resumes_the_run_bitwise(four_ranks):
     got = four_ranks[0]
     _assert_same(got["resumed deterministic"], got["sharded deterministic"]["params"],
                  "deterministic")
+    _assert_same(got["resumed on another layout"], got["sharded deterministic"]["params"],
+                 "another layout")
     # error feedback's residual is not part of the optimizer's state: the
     # resumed int8 run restarts it at zero, so only the deterministic one is
     # bitwise; the int8 one stays within the format's error of it
