@@ -56,6 +56,33 @@ class Level:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class LevelBuffers:
+    """What level ``k`` of one bucket works on at every call, made at the
+    bucket's first call and kept (``WireSum.level_buffers``): views that
+    depend only on the bucket, the level and the buffer.
+
+    ``whole`` is the region the level splits, ``mine`` this rank's chunk of
+    it (the next level's region); ``codes``/``scales`` what its all-to-all
+    sends (``whole`` itself for fp32 codes), ``received`` the ``(ranks,
+    chunk)`` codes and scales that land (and where the all-gather lands);
+    ``own``/``own_scales`` this rank's chunk of ``codes`` (what the
+    all-gather sends); ``sends``, ``lands``, ``own_sends`` and ``rows`` the
+    same as the collectives and the gather's dequantize take them."""
+
+    whole: torch.Tensor
+    mine: torch.Tensor
+    codes: torch.Tensor
+    scales: Optional[torch.Tensor]
+    received: Tuple[torch.Tensor, Optional[torch.Tensor]]
+    own: torch.Tensor
+    own_scales: Optional[torch.Tensor]
+    sends: Tuple[torch.Tensor, ...]
+    lands: Tuple[torch.Tensor, ...]
+    own_sends: Tuple[torch.Tensor, ...]
+    rows: Tuple[torch.Tensor, Optional[torch.Tensor]]
+
+
 class Phases:
     """A bucket's collectives in flight (``firsts``) and the phases after
     them (``later``, called in order), run by ``wait``: a
@@ -107,10 +134,48 @@ class WireSum(AllReduce):
         self.blocking = dist.get_backend(group) == dist.Backend.GLOO
         self.residuals: Dict[int, torch.Tensor] = {}
         self._kept: Dict[Tuple, torch.Tensor] = {}
+        # per bucket: the address of the buffer its level buffers view, and them
+        self._views: Dict[int, Tuple[int, List[LevelBuffers]]] = {}
 
     def held(self) -> List[torch.Tensor]:
         """The codes, received chunks, scales and residuals kept."""
         return [*self._kept.values(), *self.residuals.values()]
+
+    def level_buffers(self, bucket: Bucket, flat: torch.Tensor) -> List[LevelBuffers]:
+        """Every level's buffers for ``bucket`` whose buffer (or region) is
+        ``flat``, outermost first: made at the first call, and again only
+        where ``flat`` is at another address (another buffer, or one whose
+        memory was given back and taken again)."""
+        kept = self._views.get(bucket.index)
+        if kept is not None and kept[0] == flat.data_ptr():
+            return kept[1]
+        made, region = [], flat[:bucket.size]
+        for k, (whole, mine) in enumerate(level_regions(self.levels, region)):
+            made.append(self._level_buffers(bucket, k, whole, mine))
+        self._views[bucket.index] = (flat.data_ptr(), made)
+        return made
+
+    def _level_buffers(self, bucket: Bucket, k: int, whole: torch.Tensor,
+                       mine: torch.Tensor) -> LevelBuffers:
+        level, numel = self.levels[k], whole.numel()
+        if level.dtype == torch.float32:
+            codes, scales = whole, None
+        else:
+            codes, scales = self._codes(bucket, k, numel)
+        got, got_scales = self._received(bucket, k, numel)
+        width = mine.numel()
+        own = codes[level.me * width:(level.me + 1) * width]
+        own_scales = None if scales is None else scales[
+            level.me * width // kernels.WIRE_BLOCK:(level.me + 1) * width // kernels.WIRE_BLOCK]
+        return LevelBuffers(
+            whole, mine, codes, scales, (got, got_scales), own, own_scales,
+            sends=_flat_parts(codes, scales), lands=_flat_parts(got, got_scales),
+            own_sends=_flat_parts(own, own_scales),
+            rows=(got.view(1, -1), None if got_scales is None else got_scales.view(1, -1)))
+
+    def _level(self, bucket: Bucket, k: int) -> LevelBuffers:
+        """Level ``k``'s buffers of ``bucket``, made by the bucket's start."""
+        return self._views[bucket.index][1][k]
 
     # ------------------------------------------------------------ the start
     def start(self, bucket: Bucket, tensors: Sequence[torch.Tensor], buffer: torch.Tensor,
@@ -122,10 +187,11 @@ class WireSum(AllReduce):
                                    mark_spare=mark_spare)
             return self.communicate(bucket, buffer, spare)
         # the codes straight from the gradients, in the flatten pass
-        codes, scales = self._codes(bucket, 0, bucket.size)
+        first = self.level_buffers(bucket, buffer)[0]
         flag = kernels.quantize_flatten(
-            [tensors[i] for i in bucket.tensor_indices], codes, scales, scale=prescale,
-            offsets=bucket.offsets, residual=self._residual(bucket, 0, bucket.size),
+            [tensors[i] for i in bucket.tensor_indices], first.codes, first.scales,
+            scale=prescale, offsets=bucket.offsets,
+            residual=self._residual(bucket, 0, bucket.size),
             check_finite=count_nonfinite, backend=self.backend)
         spare = None
         if buffer.numel() > bucket.size:
@@ -135,12 +201,13 @@ class WireSum(AllReduce):
                 spare.copy_(flag)
             if mark_spare is not None:
                 buffer[bucket.size + mark_spare] = 1
-        return self._exchange(bucket, buffer, codes, scales, spare)
+        return self._exchange(bucket, buffer, first.codes, first.scales, spare)
 
     def communicate(self, bucket: Bucket, buffer: torch.Tensor,
                     spare: Optional[torch.Tensor]) -> PendingBucket:
         """Start the sum of ``bucket``'s already filled fp32 ``buffer``."""
-        codes, scales = self._encode(bucket, 0, buffer[:bucket.size])
+        first = self.level_buffers(bucket, buffer)[0]
+        codes, scales = self._encode(bucket, 0, first.whole)
         return self._exchange(bucket, buffer, codes, scales, spare)
 
     def _exchange(self, bucket: Bucket, buffer: torch.Tensor, codes: torch.Tensor,
@@ -148,7 +215,7 @@ class WireSum(AllReduce):
         """The first level's all-to-all started; the rest in ``wait`` on gloo
         (whose waits block the host), issued now elsewhere."""
         received, works = self._all_to_all(bucket, 0, codes, scales)
-        region = buffer[:bucket.size]
+        region = self.level_buffers(bucket, buffer)[0].whole
         phases = Phases(works, [lambda: self._levels(bucket, region, received),
                                 spares_sum(bucket, buffer, self.group)])
         if not self.blocking:
@@ -159,21 +226,17 @@ class WireSum(AllReduce):
     def _levels(self, bucket: Bucket, region: torch.Tensor, received) -> None:
         """Every level's dequantize-and-sum, outermost first, each into this
         rank's chunk of the last; then the all-gathers back, innermost first."""
-        chunks: List[Tuple[int, torch.Tensor, torch.Tensor]] = []
-        for k, level in enumerate(self.levels):
+        views = self.level_buffers(bucket, region)
+        for k, level in enumerate(views):
             if k:
-                codes, scales = self._encode(bucket, k, region)
+                codes, scales = self._encode(bucket, k, level.whole)
                 received, works = self._all_to_all(bucket, k, codes, scales)
                 Phases(works, ()).wait()
-            width = region.numel() // level.ranks
-            mine = region[level.me * width:(level.me + 1) * width]
-            kernels.dequantize_sum(*received, mine, backend=self.backend)
-            chunks.append((k, region, mine))
-            region = mine
+            kernels.dequantize_sum(*received, level.mine, backend=self.backend)
         if not self.gathers_back:
             return
-        for k, whole, mine in reversed(chunks):
-            self._gather(bucket, k, whole, mine)
+        for k in reversed(range(len(views))):
+            self._gather(bucket, k, views[k].whole, views[k].mine)
 
     def _gather(self, bucket: Bucket, k: int, whole: torch.Tensor, mine: torch.Tensor) -> None:
         """Every rank's chunk of level ``k`` into ``whole``."""
@@ -181,47 +244,34 @@ class WireSum(AllReduce):
         if level.dtype == torch.float32 or not self.gather_wire:
             start_all_gather(whole, mine, level.group).wait()
             return
-        codes, scales = self._codes(bucket, k, whole.numel())
-        width = mine.numel()
-        own = codes[level.me * width:(level.me + 1) * width]
-        own_scales = scales[level.me * width // kernels.WIRE_BLOCK:
-                            (level.me + 1) * width // kernels.WIRE_BLOCK] \
-            if scales is not None else None
+        kept = self._level(bucket, k)
         # this rank's chunk re-quantized like every other rank's: the same codes everywhere
-        kernels.quantize_flatten([mine], own, own_scales, backend=self.backend)
-        gathered, gathered_scales = self._received(bucket, k, whole.numel())
-        works = [start_all_gather(_bytes(gathered), _bytes(own), level.group)]
-        if scales is not None:
-            works.append(start_all_gather(gathered_scales.view(-1), own_scales, level.group))
-        Phases(works, ()).wait()
-        kernels.dequantize_sum(gathered.view(1, -1),
-                               None if scales is None else gathered_scales.view(1, -1),
-                               whole, backend=self.backend)
+        kernels.quantize_flatten([mine], kept.own, kept.own_scales, backend=self.backend)
+        Phases([start_all_gather(got, sent, level.group)
+                for got, sent in zip(kept.lands, kept.own_sends)], ()).wait()
+        kernels.dequantize_sum(*kept.rows, whole, backend=self.backend)
 
     # ------------------------------------------------- codes and exchanges
     def _encode(self, bucket: Bucket, k: int, values: torch.Tensor):
         """Level ``k``'s codes of ``values`` (fp32 codes: ``values`` themselves)."""
         if self.levels[k].dtype == torch.float32:
             return values, None
-        codes, scales = self._codes(bucket, k, values.numel())
-        kernels.quantize_flatten([values], codes, scales,
+        kept = self._level(bucket, k)
+        kernels.quantize_flatten([values], kept.codes, kept.scales,
                                  residual=self._residual(bucket, k, values.numel()),
                                  backend=self.backend)
-        return codes, scales
+        return kept.codes, kept.scales
 
     def _all_to_all(self, bucket: Bucket, k: int, codes: torch.Tensor,
                     scales: Optional[torch.Tensor]):
         """Level ``k``'s all-to-all of ``codes`` (and their block scales)
         started: ``((received codes, received scales), works)``, each
         received ``(ranks, chunk)``."""
-        group = self.levels[k].group
-        got, got_scales = self._received(bucket, k, codes.numel())
-        works = [dist.all_to_all_single(_bytes(got), _bytes(codes), group=group,
-                                        async_op=True)]
-        if scales is not None:
-            works.append(dist.all_to_all_single(got_scales.view(-1), scales, group=group,
-                                                async_op=True))
-        return (got, got_scales if scales is not None else None), works
+        kept = self._level(bucket, k)
+        sends = kept.sends if codes is kept.codes else _flat_parts(codes, scales)
+        works = [dist.all_to_all_single(got, sent, group=self.levels[k].group, async_op=True)
+                 for got, sent in zip(kept.lands, sends)]
+        return kept.received, works
 
     def _codes(self, bucket: Bucket, k: int, numel: int):
         """Level ``k``'s kept codes (and block scales) for ``numel`` values."""
@@ -273,7 +323,23 @@ def owned_chunk(levels: Sequence[Level], size: int) -> Tuple[int, int]:
     return start, start + size
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as flat bytes: gloo exchanges float8 only as bytes, and the
-    all-to-all splits a flat buffer into equal chunks whatever the dtype."""
-    return t.reshape(-1).view(torch.uint8)
+def level_regions(levels: Sequence[Level], region: torch.Tensor
+                  ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Per level, outermost first: ``(whole, mine)``, the region the level
+    splits and this rank's chunk of it (the next level's region)."""
+    regions = []
+    for level in levels:
+        width = region.numel() // level.ranks
+        mine = region[level.me * width:(level.me + 1) * width]
+        regions.append((region, mine))
+        region = mine
+    return regions
+
+
+def _flat_parts(codes: torch.Tensor, scales: Optional[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """``codes`` as flat bytes (gloo exchanges float8 only as bytes, and a
+    collective splits a flat buffer into equal chunks whatever the dtype),
+    and ``scales`` flat, where there are any: what one collective each sends
+    or receives."""
+    flat = (codes.reshape(-1).view(torch.uint8),)
+    return flat if scales is None else (*flat, scales.reshape(-1))

@@ -82,7 +82,44 @@ def _wire_ranks(rank, world_size):
                         4 * size + 2 * size + 2 * 4 * size // kernels.WIRE_BLOCK + 4 * size)
     results["nan"] = (bool(checker.found_nonfinite), bool(out[2][5].isnan()),
                       int(out[2].isnan().sum()), bool(out[0].isnan().any()))
+    results["kept views"] = _kept_views(rank)
+    results["hooks and calls"] = _hooks_and_calls(rank)
     return results
+
+
+def _kept_views(rank):
+    """Whether a bucket's level buffers are made once and kept from call to
+    call, as views of its buffer, and made again for a buffer elsewhere."""
+    reducer = DistributedGradReducer(_params(), wire_dtype=torch.int8, local_size=2)
+    collective, bucket = reducer._engine.collective, reducer.plan.buckets[0]
+    buffer = reducer._write_back.buffers_for_calls()[0]
+    reducer(_grads(rank))
+    first = collective.level_buffers(bucket, buffer)
+    reducer(_grads(rank, 1))
+    kept = collective.level_buffers(bucket, buffer) is first
+    other = buffer.clone()
+    moved = collective.level_buffers(bucket, other)
+    return (kept, first[0].whole.data_ptr() == buffer.data_ptr(),
+            moved[0].whole.data_ptr() == other.data_ptr())
+
+
+def _hooks_and_calls(rank):
+    """Backward with bucket views and the call path, by turns: two buffers
+    per bucket (the views' and the calls'), the same inputs, so the same
+    bits each time."""
+    params = _params()
+    reducer = DistributedGradReducer(params, wire_dtype=torch.int8, local_size=2)
+    reducer.register_hooks(gradient_as_bucket_view=True)
+    same = []
+    for step in range(2):
+        grads = _grads(rank, step)
+        sum((p * g).sum() for p, g in zip(params, grads)).backward()
+        hooked = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        called = reducer(grads)
+        same.append(all(torch.equal(a, b) for a, b in zip(hooked, called)))
+    return same
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +214,16 @@ def test_a_nan_on_one_rank_is_found_on_every_rank_and_poisons_its_block_only(wir
     for found, element_nan, nans, other_tensor in (r["nan"] for r in wire_ranks):
         assert found and element_nan and not other_tensor
         assert 0 < nans <= kernels.WIRE_BLOCK  # its block's elements of that tensor
+
+
+def test_a_buckets_level_buffers_are_made_once_and_follow_a_buffer_elsewhere(wire_ranks):
+    for results in wire_ranks:
+        assert results["kept views"] == (True, True, True)
+
+
+def test_backward_with_bucket_views_and_calls_by_turns_give_the_same_bits(wire_ranks):
+    for results in wire_ranks:
+        assert results["hooks and calls"] == [True, True]
 
 
 # ---------------------------------------------------------------- the optimizer
