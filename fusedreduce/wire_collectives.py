@@ -67,8 +67,11 @@ class LevelBuffers:
     sends (``whole`` itself for fp32 codes), ``received`` the ``(ranks,
     chunk)`` codes and scales that land (and where the all-gather lands);
     ``own``/``own_scales`` this rank's chunk of ``codes`` (what the
-    all-gather sends); ``sends``, ``lands``, ``own_sends`` and ``rows`` the
-    same as the collectives and the gather's dequantize take them."""
+    all-gather sends). For the blockwise formats, the codes and scales are
+    views of one byte buffer, each rank's chunk of codes followed by its
+    scales: ``send``, ``land`` and ``own_send`` are those bytes, flat, as
+    the collectives take them (one per level and direction), ``rows`` the
+    received codes and scales as the gather's dequantize takes them."""
 
     whole: torch.Tensor
     mine: torch.Tensor
@@ -77,9 +80,9 @@ class LevelBuffers:
     received: Tuple[torch.Tensor, Optional[torch.Tensor]]
     own: torch.Tensor
     own_scales: Optional[torch.Tensor]
-    sends: Tuple[torch.Tensor, ...]
-    lands: Tuple[torch.Tensor, ...]
-    own_sends: Tuple[torch.Tensor, ...]
+    send: torch.Tensor
+    land: torch.Tensor
+    own_send: torch.Tensor
     rows: Tuple[torch.Tensor, Optional[torch.Tensor]]
 
 
@@ -163,15 +166,19 @@ class WireSum(AllReduce):
         else:
             codes, scales = self._codes(bucket, k, numel)
         got, got_scales = self._received(bucket, k, numel)
-        width = mine.numel()
-        own = codes[level.me * width:(level.me + 1) * width]
-        own_scales = None if scales is None else scales[
-            level.me * width // kernels.WIRE_BLOCK:(level.me + 1) * width // kernels.WIRE_BLOCK]
-        return LevelBuffers(
-            whole, mine, codes, scales, (got, got_scales), own, own_scales,
-            sends=_flat_parts(codes, scales), lands=_flat_parts(got, got_scales),
-            own_sends=_flat_parts(own, own_scales),
-            rows=(got.view(1, -1), None if got_scales is None else got_scales.view(1, -1)))
+        if scales is None:
+            sent, landed = codes, got
+            width = mine.numel()
+            own, own_scales = codes[level.me * width:(level.me + 1) * width], None
+            own_sent, rows = own, (got.view(1, -1), None)
+        else:  # chunk by chunk: each rank's codes, then their scales
+            sent = self._wire_buffer(bucket, k, numel, "codes")
+            landed = self._wire_buffer(bucket, k, numel, "received")
+            own, own_scales, own_sent = codes[level.me], scales[level.me], sent[level.me]
+            rows = (got.unsqueeze(0), got_scales.unsqueeze(0))
+        return LevelBuffers(whole, mine, codes, scales, (got, got_scales), own, own_scales,
+                            send=_bytes(sent), land=_bytes(landed),
+                            own_send=_bytes(own_sent), rows=rows)
 
     def _level(self, bucket: Bucket, k: int) -> LevelBuffers:
         """Level ``k``'s buffers of ``bucket``, made by the bucket's start."""
@@ -247,8 +254,7 @@ class WireSum(AllReduce):
         kept = self._level(bucket, k)
         # this rank's chunk re-quantized like every other rank's: the same codes everywhere
         kernels.quantize_flatten([mine], kept.own, kept.own_scales, backend=self.backend)
-        Phases([start_all_gather(got, sent, level.group)
-                for got, sent in zip(kept.lands, kept.own_sends)], ()).wait()
+        start_all_gather(kept.land, kept.own_send, level.group).wait()
         kernels.dequantize_sum(*kept.rows, whole, backend=self.backend)
 
     # ------------------------------------------------- codes and exchanges
@@ -264,33 +270,49 @@ class WireSum(AllReduce):
 
     def _all_to_all(self, bucket: Bucket, k: int, codes: torch.Tensor,
                     scales: Optional[torch.Tensor]):
-        """Level ``k``'s all-to-all of ``codes`` (and their block scales)
-        started: ``((received codes, received scales), works)``, each
-        received ``(ranks, chunk)``."""
+        """Level ``k``'s all-to-all of ``codes`` and their block scales, one
+        collective, started: ``((received codes, received scales), works)``,
+        each received ``(ranks, chunk)``. ``codes``: the level's kept ones
+        (``_encode``), or codes of a format without scales."""
         kept = self._level(bucket, k)
-        sends = kept.sends if codes is kept.codes else _flat_parts(codes, scales)
-        works = [dist.all_to_all_single(got, sent, group=self.levels[k].group, async_op=True)
-                 for got, sent in zip(kept.lands, sends)]
-        return kept.received, works
+        sent = kept.send if codes is kept.codes else _bytes(codes)
+        return kept.received, [dist.all_to_all_single(kept.land, sent,
+                                                      group=self.levels[k].group, async_op=True)]
 
     def _codes(self, bucket: Bucket, k: int, numel: int):
-        """Level ``k``'s kept codes (and block scales) for ``numel`` values."""
-        dtype = self.levels[k].dtype
-        return (self._keep((bucket.index, k, "codes"), (numel,), dtype),
-                self._scales((bucket.index, k, "scales"), numel, dtype, (-1,)))
+        """Level ``k``'s kept codes (and block scales) for ``numel`` values:
+        1-D, or for the blockwise formats ``(ranks, chunk)`` codes and their
+        scales, views of one byte buffer (``_wire_buffer``)."""
+        return self._buffer(bucket, k, numel, "codes")
 
     def _received(self, bucket: Bucket, k: int, numel: int):
         """Level ``k``'s kept buffers for the chunks it receives, ``(ranks,
         chunk)`` codes and scales (also where its all-gather lands)."""
-        level = self.levels[k]
-        shape = (level.ranks, numel // level.ranks)
-        return (self._keep((bucket.index, k, "received"), shape, level.dtype),
-                self._scales((bucket.index, k, "received scales"), numel, level.dtype,
-                             (level.ranks, -1)))
+        codes, scales = self._buffer(bucket, k, numel, "received")
+        return codes.view(self.levels[k].ranks, -1), scales
 
-    def _scales(self, key, numel: int, dtype: torch.dtype, shape) -> Optional[torch.Tensor]:
-        count = kernels.wire_scale_count(numel, dtype)
-        return self._keep(key, (count,), torch.float32).view(shape) if count else None
+    def _buffer(self, bucket: Bucket, k: int, numel: int, name: str):
+        """The codes and block scales of ``_wire_buffer``, as views."""
+        level, buffer = self.levels[k], self._wire_buffer(bucket, k, numel, name)
+        if buffer.dim() == 1:
+            return buffer, None
+        code_bytes = numel // level.ranks * level.dtype.itemsize
+        return (buffer[:, :code_bytes].view(level.dtype),
+                buffer[:, code_bytes:].view(torch.float32))
+
+    def _wire_buffer(self, bucket: Bucket, k: int, numel: int, name: str) -> torch.Tensor:
+        """A kept buffer for level ``k``'s codes of ``numel`` values: 1-D
+        codes for the formats without scales; for the blockwise ones each
+        rank's chunk of codes followed by its block scales, one ``(ranks,
+        bytes)`` buffer, so that one collective carries both (each one costs
+        a latency on a network)."""
+        level = self.levels[k]
+        chunk = numel // level.ranks
+        count = kernels.wire_scale_count(chunk, level.dtype)
+        if not count:
+            return self._keep((bucket.index, k, name), (numel,), level.dtype)
+        return self._keep((bucket.index, k, name),
+                          (level.ranks, chunk * level.dtype.itemsize + 4 * count), torch.uint8)
 
     def _keep(self, key, shape, dtype: torch.dtype) -> torch.Tensor:
         """A buffer kept from step to step (a fresh one costs page faults,
@@ -336,10 +358,7 @@ def level_regions(levels: Sequence[Level], region: torch.Tensor
     return regions
 
 
-def _flat_parts(codes: torch.Tensor, scales: Optional[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
-    """``codes`` as flat bytes (gloo exchanges float8 only as bytes, and a
-    collective splits a flat buffer into equal chunks whatever the dtype),
-    and ``scales`` flat, where there are any: what one collective each sends
-    or receives."""
-    flat = (codes.reshape(-1).view(torch.uint8),)
-    return flat if scales is None else (*flat, scales.reshape(-1))
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) as flat bytes: gloo exchanges float8 only as bytes,
+    and a collective splits a flat buffer into equal chunks whatever the dtype."""
+    return t.reshape(-1).view(torch.uint8)

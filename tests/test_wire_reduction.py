@@ -13,7 +13,7 @@ functions never assert: they return what they saw.
 import pytest
 import torch
 
-from harness import run_ranks
+from harness import record_collectives, run_ranks
 from fusedreduce import DistributedGradReducer, kernels
 from test_node_reduction import train
 
@@ -84,7 +84,25 @@ def _wire_ranks(rank, world_size):
                       int(out[2].isnan().sum()), bool(out[0].isnan().any()))
     results["kept views"] = _kept_views(rank)
     results["hooks and calls"] = _hooks_and_calls(rank)
+    results["collectives per call"] = _collectives_per_call(rank)  # last: it patches dist
     return results
+
+
+def _collectives_per_call(rank):
+    """The collectives a steady-state call of an int8 reducer issues, flat
+    and on two levels (``all_gather*``: whichever torch offers)."""
+    reducers = {"flat": DistributedGradReducer(_params(), wire_dtype=torch.int8),
+                "two-level": DistributedGradReducer(_params(), wire_dtype=torch.int8,
+                                                    local_size=2)}
+    for reducer in reducers.values():
+        reducer(_grads(rank))
+    events, seen = [], {}
+    record_collectives(events)
+    for name, reducer in reducers.items():
+        events.clear()
+        reducer(_grads(rank, 1))
+        seen[name] = sorted("all_gather" if e.startswith("all_gather") else e for e in events)
+    return seen
 
 
 def _kept_views(rank):
@@ -224,6 +242,15 @@ def test_a_buckets_level_buffers_are_made_once_and_follow_a_buffer_elsewhere(wir
 def test_backward_with_bucket_views_and_calls_by_turns_give_the_same_bits(wire_ranks):
     for results in wire_ranks:
         assert results["hooks and calls"] == [True, True]
+
+
+def test_each_level_is_one_all_to_all_and_one_all_gather_scales_and_codes_together(
+        wire_ranks):
+    # int8's block scales travel in the codes' collectives (each costs a latency)
+    for results in wire_ranks:
+        assert results["collectives per call"] == {
+            "flat": ["all_gather", "all_to_all_single"],
+            "two-level": ["all_gather"] * 2 + ["all_to_all_single"] * 2}
 
 
 # ---------------------------------------------------------------- the optimizer
