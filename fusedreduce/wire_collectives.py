@@ -2,7 +2,9 @@
 
 Never reduce in low precision inside the collective: each level of
 ``WireSum`` exchanges codes (``all_to_all_single``: chunk ``i`` of every rank
-goes to the level's rank ``i``), and each rank dequantizes and sums the
+goes to the level's rank ``i``; a blockwise format's chunk carries its block
+scales after its codes, so each level is one collective per direction, each
+of which costs a latency on a network), and each rank dequantizes and sums the
 chunks it received in fp32, in one fixed pairwise order
 (``kernels.dequantize_sum``), into its own chunk of the bucket's buffer. The
 sum is a pure function of the inputs: the same bits whatever the transport,
