@@ -38,23 +38,11 @@ import torch.distributed as dist
 from . import kernels
 from ._checks import tensor_list
 from .buckets import Bucket, BucketPlan
+from .node_groups import check_local_size
 from .precision import communication_dtype
 from .process_group import (consecutive_block, global_ranks, refuse_one_shot_in_capture,
                             require_process_group, verify_same_on_all_ranks)
 from .sharded import start_all_gather
-
-
-def check_local_size(local_size, world_size: int) -> int:
-    """``local_size`` if it is a positive int dividing ``world_size``.
-
-    Raises:
-        ValueError: anything else.
-    """
-    if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
-            or world_size % local_size:
-        raise ValueError(f"local_size must be a positive int dividing the world size "
-                         f"({world_size}), got {local_size!r}")
-    return local_size
 
 
 def adasum_allreduce(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup] = None,

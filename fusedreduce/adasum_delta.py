@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .adasum import adasum_allreduce, check_local_size
+from .adasum import adasum_allreduce
+from .node_groups import check_local_size
 from .param_swap import instance_of_both, params_of
 from .process_group import require_process_group
 

@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .adasum import check_adasum_reduce_dtype, check_local_size
+from .adasum import check_adasum_reduce_dtype
+from .node_groups import check_local_size
 from .grad_collectives import AdaSumTree
 from .reducer import DistributedGradReducer
 

@@ -30,13 +30,14 @@ import torch.distributed as dist
 
 from . import kernels
 from ._checks import check_int, check_loss_scale, check_prescale
-from .adasum import adasum_allreduce_plan, adasum_flat_unchecked, check_local_size
+from .adasum import adasum_allreduce_plan, adasum_flat_unchecked
 from .allreduce import cast_back, start_cast_all_reduce
 from .buckets import BucketPlan, TensorSpec
 from .clipping import (NormSplit, check_clipping, check_split_norm, clip_buffers, clip_shared,
                        norm_dtype_of, norm_split_for, raise_if_nonfinite, share_norm)
 from .kernels import refuse_in_capture
 from .node_collectives import check_node_options
+from .node_groups import check_local_size
 from .node_hook import NodeWays, reduce_by_node
 from .precision import communication_dtype, split_scale
 from .process_group import global_ranks, require_process_group

@@ -35,7 +35,7 @@ from . import kernels
 from .allreduce import PendingBucket
 from .buckets import Bucket, BucketPlan
 from .grad_collectives import AllReduce
-from .node_groups import NodeGroups, check_node_local_size, node_groups
+from .node_groups import NodeGroups, check_local_size, node_groups
 from .sharded import start_all_gather
 from .wire_collectives import Level, Phases, WireSum, spares_sum
 
@@ -100,7 +100,7 @@ def check_node_options(local_size, wire_dtype, deterministic, error_feedback, *,
     for name, value in (("deterministic", deterministic), ("error_feedback", error_feedback)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
-    check_node_local_size(local_size, world_size)
+    check_local_size(local_size, world_size)
     if wire_dtype is not None and not isinstance(wire_dtype, torch.dtype):
         raise TypeError(f"wire_dtype must be None or a torch.dtype, got {wire_dtype!r}")
     if wire_dtype is not None and wire_dtype not in kernels.WIRE_DTYPES:

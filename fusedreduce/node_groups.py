@@ -57,11 +57,20 @@ class NodeGroups:
     cross: Optional[dist.ProcessGroup]
 
 
-def check_node_local_size(local_size, world_size: int) -> int:
-    """``local_size`` if it is a positive int dividing ``world_size``.
+def check_local_size(local_size, world_size: int) -> int:
+    """``local_size`` if it is a positive int dividing ``world_size``: the
+    ranks per node of the node-aware sums, AdaSum's blocks averaged first.
+
+    A non-int (a bool included) is a ValueError like a bad int, as
+    ``_checks.check_int``'s: one message says what ``local_size`` must be.
 
     Raises:
-        ValueError: anything else (``local_size`` named).
+        ValueError: anything else, naming ``local_size``, the group's size and
+            where torchrun gives the value.
+
+    Examples:
+        >>> check_local_size(2, 8)
+        2
     """
     if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
             or world_size % local_size:
@@ -87,7 +96,7 @@ def node_groups(group, local_size: int) -> NodeGroups:
         RuntimeError: (on every rank) the ranks passed different ``local_size``.
     """
     world_size = dist.get_world_size(group)
-    check_node_local_size(local_size, world_size)
+    check_local_size(local_size, world_size)
     ranks = tuple(dist.get_process_group_ranks(group) if group is not None
                   else range(world_size))
     known = _nodes.setdefault(dist.group.WORLD, {})

@@ -20,12 +20,13 @@ import torch.distributed as dist
 
 from . import kernels
 from ._checks import check_bool, check_int
-from .adasum import check_adasum_reduce_dtype, check_local_size
+from .adasum import check_adasum_reduce_dtype
 from .adasum_reducer import AdaSumReducer
 from .broadcast import PackedBroadcast
 from .checkpoint_group import check_timeout
 from .clipping import check_clipping, check_split_norm
 from .node_collectives import check_node_options
+from .node_groups import check_local_size
 from .param_swap import params_of
 from .process_group import require_process_group, value_checksums, verify_same_on_all_ranks
 from .reducer import DistributedGradReducer

@@ -2,7 +2,9 @@
 
 Never reduce in low precision inside the collective: each level of
 ``WireSum`` exchanges codes (``all_to_all_single``: chunk ``i`` of every rank
-goes to the level's rank ``i``), and each rank dequantizes and sums the
+goes to the level's rank ``i``; a blockwise format's chunk carries its block
+scales after its codes, so each level is one collective per direction, each
+of which costs a latency on a network), and each rank dequantizes and sums the
 chunks it received in fp32, in one fixed pairwise order
 (``kernels.dequantize_sum``), into its own chunk of the bucket's buffer. The
 sum is a pure function of the inputs: the same bits whatever the transport,
@@ -56,6 +58,36 @@ class Level:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class LevelBuffers:
+    """What level ``k`` of one bucket works on at every call, made at the
+    bucket's first call and kept (``WireSum.level_buffers``): views that
+    depend only on the bucket, the level and the buffer.
+
+    ``whole`` is the region the level splits, ``mine`` this rank's chunk of
+    it (the next level's region); ``codes``/``scales`` what its all-to-all
+    sends (``whole`` itself for fp32 codes), ``received`` the ``(ranks,
+    chunk)`` codes and scales that land (and where the all-gather lands);
+    ``own``/``own_scales`` this rank's chunk of ``codes`` (what the
+    all-gather sends). For the blockwise formats, the codes and scales are
+    views of one byte buffer, each rank's chunk of codes followed by its
+    scales: ``send``, ``land`` and ``own_send`` are those bytes, flat, as
+    the collectives take them (one per level and direction), ``rows`` the
+    received codes and scales as the gather's dequantize takes them."""
+
+    whole: torch.Tensor
+    mine: torch.Tensor
+    codes: torch.Tensor
+    scales: Optional[torch.Tensor]
+    received: Tuple[torch.Tensor, Optional[torch.Tensor]]
+    own: torch.Tensor
+    own_scales: Optional[torch.Tensor]
+    send: torch.Tensor
+    land: torch.Tensor
+    own_send: torch.Tensor
+    rows: Tuple[torch.Tensor, Optional[torch.Tensor]]
+
+
 class Phases:
     """A bucket's collectives in flight (``firsts``) and the phases after
     them (``later``, called in order), run by ``wait``: a
@@ -107,10 +139,52 @@ class WireSum(AllReduce):
         self.blocking = dist.get_backend(group) == dist.Backend.GLOO
         self.residuals: Dict[int, torch.Tensor] = {}
         self._kept: Dict[Tuple, torch.Tensor] = {}
+        # per bucket: the address of the buffer its level buffers view, and them
+        self._views: Dict[int, Tuple[int, List[LevelBuffers]]] = {}
 
     def held(self) -> List[torch.Tensor]:
         """The codes, received chunks, scales and residuals kept."""
         return [*self._kept.values(), *self.residuals.values()]
+
+    def level_buffers(self, bucket: Bucket, flat: torch.Tensor) -> List[LevelBuffers]:
+        """Every level's buffers for ``bucket`` whose buffer (or region) is
+        ``flat``, outermost first: made at the first call, and again only
+        where ``flat`` is at another address (another buffer, or one whose
+        memory was given back and taken again)."""
+        kept = self._views.get(bucket.index)
+        if kept is not None and kept[0] == flat.data_ptr():
+            return kept[1]
+        made, region = [], flat[:bucket.size]
+        for k, (whole, mine) in enumerate(level_regions(self.levels, region)):
+            made.append(self._level_buffers(bucket, k, whole, mine))
+        self._views[bucket.index] = (flat.data_ptr(), made)
+        return made
+
+    def _level_buffers(self, bucket: Bucket, k: int, whole: torch.Tensor,
+                       mine: torch.Tensor) -> LevelBuffers:
+        level, numel = self.levels[k], whole.numel()
+        if level.dtype == torch.float32:
+            codes, scales = whole, None
+        else:
+            codes, scales = self._codes(bucket, k, numel)
+        got, got_scales = self._received(bucket, k, numel)
+        if scales is None:
+            sent, landed = codes, got
+            width = mine.numel()
+            own, own_scales = codes[level.me * width:(level.me + 1) * width], None
+            own_sent, rows = own, (got.view(1, -1), None)
+        else:  # chunk by chunk: each rank's codes, then their scales
+            sent = self._wire_buffer(bucket, k, numel, "codes")
+            landed = self._wire_buffer(bucket, k, numel, "received")
+            own, own_scales, own_sent = codes[level.me], scales[level.me], sent[level.me]
+            rows = (got.unsqueeze(0), got_scales.unsqueeze(0))
+        return LevelBuffers(whole, mine, codes, scales, (got, got_scales), own, own_scales,
+                            send=_bytes(sent), land=_bytes(landed),
+                            own_send=_bytes(own_sent), rows=rows)
+
+    def _level(self, bucket: Bucket, k: int) -> LevelBuffers:
+        """Level ``k``'s buffers of ``bucket``, made by the bucket's start."""
+        return self._views[bucket.index][1][k]
 
     # ------------------------------------------------------------ the start
     def start(self, bucket: Bucket, tensors: Sequence[torch.Tensor], buffer: torch.Tensor,
@@ -122,10 +196,11 @@ class WireSum(AllReduce):
                                    mark_spare=mark_spare)
             return self.communicate(bucket, buffer, spare)
         # the codes straight from the gradients, in the flatten pass
-        codes, scales = self._codes(bucket, 0, bucket.size)
+        first = self.level_buffers(bucket, buffer)[0]
         flag = kernels.quantize_flatten(
-            [tensors[i] for i in bucket.tensor_indices], codes, scales, scale=prescale,
-            offsets=bucket.offsets, residual=self._residual(bucket, 0, bucket.size),
+            [tensors[i] for i in bucket.tensor_indices], first.codes, first.scales,
+            scale=prescale, offsets=bucket.offsets,
+            residual=self._residual(bucket, 0, bucket.size),
             check_finite=count_nonfinite, backend=self.backend)
         spare = None
         if buffer.numel() > bucket.size:
@@ -135,12 +210,13 @@ class WireSum(AllReduce):
                 spare.copy_(flag)
             if mark_spare is not None:
                 buffer[bucket.size + mark_spare] = 1
-        return self._exchange(bucket, buffer, codes, scales, spare)
+        return self._exchange(bucket, buffer, first.codes, first.scales, spare)
 
     def communicate(self, bucket: Bucket, buffer: torch.Tensor,
                     spare: Optional[torch.Tensor]) -> PendingBucket:
         """Start the sum of ``bucket``'s already filled fp32 ``buffer``."""
-        codes, scales = self._encode(bucket, 0, buffer[:bucket.size])
+        first = self.level_buffers(bucket, buffer)[0]
+        codes, scales = self._encode(bucket, 0, first.whole)
         return self._exchange(bucket, buffer, codes, scales, spare)
 
     def _exchange(self, bucket: Bucket, buffer: torch.Tensor, codes: torch.Tensor,
@@ -148,7 +224,7 @@ class WireSum(AllReduce):
         """The first level's all-to-all started; the rest in ``wait`` on gloo
         (whose waits block the host), issued now elsewhere."""
         received, works = self._all_to_all(bucket, 0, codes, scales)
-        region = buffer[:bucket.size]
+        region = self.level_buffers(bucket, buffer)[0].whole
         phases = Phases(works, [lambda: self._levels(bucket, region, received),
                                 spares_sum(bucket, buffer, self.group)])
         if not self.blocking:
@@ -159,21 +235,17 @@ class WireSum(AllReduce):
     def _levels(self, bucket: Bucket, region: torch.Tensor, received) -> None:
         """Every level's dequantize-and-sum, outermost first, each into this
         rank's chunk of the last; then the all-gathers back, innermost first."""
-        chunks: List[Tuple[int, torch.Tensor, torch.Tensor]] = []
-        for k, level in enumerate(self.levels):
+        views = self.level_buffers(bucket, region)
+        for k, level in enumerate(views):
             if k:
-                codes, scales = self._encode(bucket, k, region)
+                codes, scales = self._encode(bucket, k, level.whole)
                 received, works = self._all_to_all(bucket, k, codes, scales)
                 Phases(works, ()).wait()
-            width = region.numel() // level.ranks
-            mine = region[level.me * width:(level.me + 1) * width]
-            kernels.dequantize_sum(*received, mine, backend=self.backend)
-            chunks.append((k, region, mine))
-            region = mine
+            kernels.dequantize_sum(*received, level.mine, backend=self.backend)
         if not self.gathers_back:
             return
-        for k, whole, mine in reversed(chunks):
-            self._gather(bucket, k, whole, mine)
+        for k in reversed(range(len(views))):
+            self._gather(bucket, k, views[k].whole, views[k].mine)
 
     def _gather(self, bucket: Bucket, k: int, whole: torch.Tensor, mine: torch.Tensor) -> None:
         """Every rank's chunk of level ``k`` into ``whole``."""
@@ -181,66 +253,68 @@ class WireSum(AllReduce):
         if level.dtype == torch.float32 or not self.gather_wire:
             start_all_gather(whole, mine, level.group).wait()
             return
-        codes, scales = self._codes(bucket, k, whole.numel())
-        width = mine.numel()
-        own = codes[level.me * width:(level.me + 1) * width]
-        own_scales = scales[level.me * width // kernels.WIRE_BLOCK:
-                            (level.me + 1) * width // kernels.WIRE_BLOCK] \
-            if scales is not None else None
+        kept = self._level(bucket, k)
         # this rank's chunk re-quantized like every other rank's: the same codes everywhere
-        kernels.quantize_flatten([mine], own, own_scales, backend=self.backend)
-        gathered, gathered_scales = self._received(bucket, k, whole.numel())
-        works = [start_all_gather(_bytes(gathered), _bytes(own), level.group)]
-        if scales is not None:
-            works.append(start_all_gather(gathered_scales.view(-1), own_scales, level.group))
-        Phases(works, ()).wait()
-        kernels.dequantize_sum(gathered.view(1, -1),
-                               None if scales is None else gathered_scales.view(1, -1),
-                               whole, backend=self.backend)
+        kernels.quantize_flatten([mine], kept.own, kept.own_scales, backend=self.backend)
+        start_all_gather(kept.land, kept.own_send, level.group).wait()
+        kernels.dequantize_sum(*kept.rows, whole, backend=self.backend)
 
     # ------------------------------------------------- codes and exchanges
     def _encode(self, bucket: Bucket, k: int, values: torch.Tensor):
         """Level ``k``'s codes of ``values`` (fp32 codes: ``values`` themselves)."""
         if self.levels[k].dtype == torch.float32:
             return values, None
-        codes, scales = self._codes(bucket, k, values.numel())
-        kernels.quantize_flatten([values], codes, scales,
+        kept = self._level(bucket, k)
+        kernels.quantize_flatten([values], kept.codes, kept.scales,
                                  residual=self._residual(bucket, k, values.numel()),
                                  backend=self.backend)
-        return codes, scales
+        return kept.codes, kept.scales
 
     def _all_to_all(self, bucket: Bucket, k: int, codes: torch.Tensor,
                     scales: Optional[torch.Tensor]):
-        """Level ``k``'s all-to-all of ``codes`` (and their block scales)
-        started: ``((received codes, received scales), works)``, each
-        received ``(ranks, chunk)``."""
-        group = self.levels[k].group
-        got, got_scales = self._received(bucket, k, codes.numel())
-        works = [dist.all_to_all_single(_bytes(got), _bytes(codes), group=group,
-                                        async_op=True)]
-        if scales is not None:
-            works.append(dist.all_to_all_single(got_scales.view(-1), scales, group=group,
-                                                async_op=True))
-        return (got, got_scales if scales is not None else None), works
+        """Level ``k``'s all-to-all of ``codes`` and their block scales, one
+        collective, started: ``((received codes, received scales), works)``,
+        each received ``(ranks, chunk)``. ``codes``: the level's kept ones
+        (``_encode``), or codes of a format without scales."""
+        kept = self._level(bucket, k)
+        sent = kept.send if codes is kept.codes else _bytes(codes)
+        return kept.received, [dist.all_to_all_single(kept.land, sent,
+                                                      group=self.levels[k].group, async_op=True)]
 
     def _codes(self, bucket: Bucket, k: int, numel: int):
-        """Level ``k``'s kept codes (and block scales) for ``numel`` values."""
-        dtype = self.levels[k].dtype
-        return (self._keep((bucket.index, k, "codes"), (numel,), dtype),
-                self._scales((bucket.index, k, "scales"), numel, dtype, (-1,)))
+        """Level ``k``'s kept codes (and block scales) for ``numel`` values:
+        1-D, or for the blockwise formats ``(ranks, chunk)`` codes and their
+        scales, views of one byte buffer (``_wire_buffer``)."""
+        return self._buffer(bucket, k, numel, "codes")
 
     def _received(self, bucket: Bucket, k: int, numel: int):
         """Level ``k``'s kept buffers for the chunks it receives, ``(ranks,
         chunk)`` codes and scales (also where its all-gather lands)."""
-        level = self.levels[k]
-        shape = (level.ranks, numel // level.ranks)
-        return (self._keep((bucket.index, k, "received"), shape, level.dtype),
-                self._scales((bucket.index, k, "received scales"), numel, level.dtype,
-                             (level.ranks, -1)))
+        codes, scales = self._buffer(bucket, k, numel, "received")
+        return codes.view(self.levels[k].ranks, -1), scales
 
-    def _scales(self, key, numel: int, dtype: torch.dtype, shape) -> Optional[torch.Tensor]:
-        count = kernels.wire_scale_count(numel, dtype)
-        return self._keep(key, (count,), torch.float32).view(shape) if count else None
+    def _buffer(self, bucket: Bucket, k: int, numel: int, name: str):
+        """The codes and block scales of ``_wire_buffer``, as views."""
+        level, buffer = self.levels[k], self._wire_buffer(bucket, k, numel, name)
+        if buffer.dim() == 1:
+            return buffer, None
+        code_bytes = numel // level.ranks * level.dtype.itemsize
+        return (buffer[:, :code_bytes].view(level.dtype),
+                buffer[:, code_bytes:].view(torch.float32))
+
+    def _wire_buffer(self, bucket: Bucket, k: int, numel: int, name: str) -> torch.Tensor:
+        """A kept buffer for level ``k``'s codes of ``numel`` values: 1-D
+        codes for the formats without scales; for the blockwise ones each
+        rank's chunk of codes followed by its block scales, one ``(ranks,
+        bytes)`` buffer, so that one collective carries both (each one costs
+        a latency on a network)."""
+        level = self.levels[k]
+        chunk = numel // level.ranks
+        count = kernels.wire_scale_count(chunk, level.dtype)
+        if not count:
+            return self._keep((bucket.index, k, name), (numel,), level.dtype)
+        return self._keep((bucket.index, k, name),
+                          (level.ranks, chunk * level.dtype.itemsize + 4 * count), torch.uint8)
 
     def _keep(self, key, shape, dtype: torch.dtype) -> torch.Tensor:
         """A buffer kept from step to step (a fresh one costs page faults,
@@ -273,7 +347,20 @@ def owned_chunk(levels: Sequence[Level], size: int) -> Tuple[int, int]:
     return start, start + size
 
 
+def level_regions(levels: Sequence[Level], region: torch.Tensor
+                  ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Per level, outermost first: ``(whole, mine)``, the region the level
+    splits and this rank's chunk of it (the next level's region)."""
+    regions = []
+    for level in levels:
+        width = region.numel() // level.ranks
+        mine = region[level.me * width:(level.me + 1) * width]
+        regions.append((region, mine))
+        region = mine
+    return regions
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as flat bytes: gloo exchanges float8 only as bytes, and the
-    all-to-all splits a flat buffer into equal chunks whatever the dtype."""
+    """``t`` (contiguous) as flat bytes: gloo exchanges float8 only as bytes,
+    and a collective splits a flat buffer into equal chunks whatever the dtype."""
     return t.reshape(-1).view(torch.uint8)

@@ -88,19 +88,34 @@ def _check_scales(block_scales, name: str, dtype: torch.dtype, shape, device) ->
     if not isinstance(block_scales, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(block_scales).__name__}")
     if block_scales.dtype != torch.float32 or block_scales.device != device \
-            or tuple(block_scales.shape) != tuple(shape) or not block_scales.is_contiguous():
+            or tuple(block_scales.shape) != tuple(shape) or not _rows_contiguous(block_scales):
         raise ValueError(f"{name} must be a contiguous float32 tensor of shape {tuple(shape)} "
-                         f"on {device}, got {block_scales.dtype} of shape "
-                         f"{tuple(block_scales.shape)} on {block_scales.device}")
+                         f"(rows may stand apart) on {device}, got {block_scales.dtype} of "
+                         f"shape {tuple(block_scales.shape)} on {block_scales.device}")
 
 
-def _check_codes(codes, name: str, dim: int) -> None:
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Whether ``t`` is contiguous but for room between its rows (views of
+    one buffer that holds codes and scales chunk by chunk): the last
+    dimension contiguous, and each other one's stride at least what the
+    dimensions inside it span, so that the elements are in order and apart."""
+    span = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+        if size > 1 and stride < span:
+            return False
+        if size > 1:
+            span = stride * size
+    return t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1
+
+
+def _check_codes(codes, name: str, dims: Sequence[int]) -> None:
     if not isinstance(codes, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(codes).__name__}")
     _check_wire_dtype(codes.dtype, f"{name}.dtype")
-    if codes.layout != torch.strided or codes.dim() != dim or not codes.is_contiguous():
-        raise ValueError(f"{name} must be a {dim}-D contiguous tensor, got shape "
-                         f"{tuple(codes.shape)} with strides {codes.stride()}")
+    if codes.layout != torch.strided or codes.dim() not in dims or not _rows_contiguous(codes):
+        wanted = " or ".join(f"{d}-D" for d in dims)
+        raise ValueError(f"{name} must be a {wanted} contiguous tensor (rows may stand apart), "
+                         f"got shape {tuple(codes.shape)} with strides {codes.stride()}")
 
 
 def _check_apart(named) -> None:
@@ -108,8 +123,25 @@ def _check_apart(named) -> None:
     present = [(n, t) for n, t in named if t is not None]
     for i, (name, t) in enumerate(present):
         for other_name, other in present[i + 1:]:
-            if share_bytes(t, other):
+            if _share(t, other):
                 raise ValueError(f"{name} and {other_name} share memory; pass separate buffers")
+
+
+def _share(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``share_bytes``, in O(1) for the codes and scales of the chunked
+    layout: two ``(C, ·)`` views with one row stride in bytes whose first
+    rows start less than a stride apart can only meet in neighbouring rows,
+    so rows 0 and 1 of each tell (row ``i`` of one against row ``i - 1``,
+    ``i`` or ``i + 1`` of the other is the same pair shifted); anything else
+    is compared by ``share_bytes``."""
+    if a.dim() == b.dim() == 2 and a.shape[0] == b.shape[0] > 1 and a.numel() and b.numel():
+        stride = a.stride(0) * a.element_size()
+        if stride == b.stride(0) * b.element_size() and \
+                abs(a.data_ptr() - b.data_ptr()) < stride and \
+                _rows_contiguous(a) and _rows_contiguous(b):
+            return share_bytes(a[0], b[0]) or share_bytes(a[0], b[1]) or \
+                share_bytes(a[1], b[0])
+    return share_bytes(a, b)
 
 
 def quantize_flatten(
@@ -140,12 +172,18 @@ def quantize_flatten(
 
     Args:
         tensors: floating tensors (fp16, bf16, fp32, fp64) on one device.
-        codes: the 1-D contiguous buffer to fill, of a dtype in
-            ``WIRE_DTYPES``; its size is the packed size, or with ``offsets``
-            at least the end of the last segment. Blockwise: a multiple of
-            ``block``.
-        block_scales: fp32 of ``wire_scale_count(codes.numel(), codes.dtype,
-            block)`` elements for int8/e4m3; None for float32/bfloat16.
+        codes: the buffer to fill, of a dtype in ``WIRE_DTYPES``: 1-D
+            contiguous, or ``(C, n)`` chunks, each row contiguous but the
+            rows possibly apart (views of one ``(C, bytes)`` buffer that
+            holds each chunk's codes and then its scales: what one
+            ``all_to_all_single`` sends), flat element ``e`` at ``codes[e //
+            n, e % n]``. Its size is the packed size, or with ``offsets`` at
+            least the end of the last segment. Blockwise: each row a multiple
+            of ``block``.
+        block_scales: for int8/e4m3, fp32 of ``wire_scale_count(n,
+            codes.dtype, block)`` elements per row of ``codes`` (``n`` its
+            last dimension), of the same dimensions as ``codes``, each row
+            contiguous; None for float32/bfloat16.
         scale: a finite factor, or a one-element fp32/fp64 tensor on the
             device, as in ``flatten_cast_scale``.
         offsets: where each tensor starts in ``codes``; default packed.
@@ -175,6 +213,14 @@ def quantize_flatten(
         >>> quantize_flatten(grads, codes, scales, block=8)
         >>> codes.tolist(), round(scales.item() * 127, 6)
         ([32, -64, 16, 127, 127, 127, 127, 127], 4.0)
+
+        Two chunks, each its 8 codes then its scale's 4 bytes, in one buffer:
+
+        >>> packed = torch.empty(2, 12, dtype=torch.uint8)
+        >>> codes, scales = packed[:, :8].view(torch.int8), packed[:, 8:].view(torch.float32)
+        >>> quantize_flatten([torch.arange(16.0)], codes, scales, block=8)
+        >>> codes[1].tolist(), round(scales[1].item() * 127, 6)
+        ([68, 76, 85, 93, 102, 110, 119, 127], 15.0)
     """
     scale = _checks.scale_argument(scale)
     block = _check_block(block)
@@ -182,7 +228,7 @@ def quantize_flatten(
     launch = _prepared.lookup_launch(op, backend, codes, tensors, offsets)
     if launch is None:
         tensors = _checks.check_tensors(tensors, "tensors")
-        _check_codes(codes, "codes", 1)
+        _check_codes(codes, "codes", (1, 2))
         starts, size = _checks.segment_starts(tensors, offsets, "tensors")
         if tensors and codes.device != tensors[0].device:
             raise ValueError(f"codes is on {codes.device} but the tensors are on "
@@ -190,8 +236,8 @@ def quantize_flatten(
         if (offsets is None and codes.numel() != size) or codes.numel() < size:
             need = f"{size}" if offsets is None else f"at least {size}"
             raise ValueError(f"codes has {codes.numel()} elements but the tensors need {need}")
-        count = wire_scale_count(codes.numel(), codes.dtype, block)
-        _check_scales(block_scales, "block_scales", codes.dtype, (count,), codes.device)
+        _check_scales(block_scales, "block_scales", codes.dtype,
+                      _scales_shape(codes, block, checked=False), codes.device)
         if residual is not None:
             _check_vector(residual, "residual", torch.float32, codes.numel(), codes.device)
         _checks.check_disjoint(codes, "codes", tensors, "tensors")
@@ -200,8 +246,8 @@ def quantize_flatten(
                                          codes, block)
         _prepared.keep_launch(op, backend, chosen.name, codes, tensors, offsets, starts, launch)
     else:
-        _check_scales(block_scales, "block_scales", codes.dtype,
-                      (codes.numel() // block,), codes.device)
+        _check_scales(block_scales, "block_scales", codes.dtype, _scales_shape(codes, block),
+                      codes.device)
         if residual is not None:
             _check_vector(residual, "residual", torch.float32, codes.numel(), codes.device)
     if block_scales is not None and block_scales.numel() == 0:
@@ -209,6 +255,14 @@ def quantize_flatten(
     _check_extras_apart(launch, tensors, codes, block_scales, residual)
     _checks.check_scale_device(scale, codes.device)
     return launch(tensors, codes, block_scales, residual, scale, bool(check_finite))
+
+
+def _scales_shape(codes: torch.Tensor, block: int, checked: bool = True) -> tuple:
+    """The block scales' shape for ``codes``: a row of scales per row of codes
+    (``checked=False``: first check that a row is whole blocks)."""
+    per_row = codes.shape[-1] // block if checked else \
+        wire_scale_count(codes.shape[-1], codes.dtype, block)
+    return (*codes.shape[:-1], per_row)
 
 
 def _span(t: Optional[torch.Tensor]):
@@ -236,7 +290,10 @@ def dequantize_sum(codes: torch.Tensor, block_scales: Optional[torch.Tensor],
     """``out`` = the sum over ``r`` of ``codes[r]`` dequantized, in one fixed order.
 
     ``codes`` holds ``R`` ranks' chunks of ``n`` codes (as
-    ``all_to_all_single`` leaves them), ``block_scales`` their block scales.
+    ``all_to_all_single`` leaves them), ``block_scales`` their block scales;
+    or ``(R, C, n)``: ``C`` chunks per rank, each summed over the ranks into
+    its own ``n`` elements of ``out`` (``(1, C, n)``: ``C`` chunks
+    dequantized side by side, as an all-gather leaves them).
     Each row is dequantized (``fp32(code) * scale``, in ``out``'s dtype) and
     the rows are added bottom-up pairwise, ``((d0 + d1) + (d2 + d3)) + ...``,
     an odd last row carried up a level unchanged: the tree that splits at the
@@ -245,10 +302,14 @@ def dequantize_sum(codes: torch.Tensor, block_scales: Optional[torch.Tensor],
     function of the codes alone: deterministic on every rank and transport.
 
     Args:
-        codes: ``(R, n)`` contiguous codes of a dtype in ``WIRE_DTYPES``, ``R >= 1``.
-        block_scales: ``(R, n // block)`` fp32 for int8/e4m3; None otherwise.
-        out: ``(n,)`` contiguous float32 (or float64: dequantized and summed
-            in fp64) on the codes' device, written.
+        codes: ``(R, n)`` or ``(R, C, n)`` codes of a dtype in
+            ``WIRE_DTYPES``, ``R >= 1``; each row of ``n`` contiguous, rows
+            possibly apart (see ``quantize_flatten``).
+        block_scales: ``(R, n // block)`` or ``(R, C, n // block)`` fp32 for
+            int8/e4m3, each row contiguous; None otherwise.
+        out: ``(C * n,)`` (``C = 1`` for 2-D codes) contiguous float32 (or
+            float64: dequantized and summed in fp64) on the codes' device,
+            written.
         block: the elements per scale the codes were made with.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
 
@@ -267,20 +328,21 @@ def dequantize_sum(codes: torch.Tensor, block_scales: Optional[torch.Tensor],
         [9.0, 12.0]
     """
     block = _check_block(block)
-    _check_codes(codes, "codes", 2)
-    ranks, n = codes.shape
+    _check_codes(codes, "codes", (2, 3))
+    ranks, n = codes.shape[0], codes.shape[-1]
     if ranks == 0:
         raise ValueError("codes must hold at least one row (R >= 1)")
     if codes.dtype in WIRE_LEVELS and n % block:
         raise ValueError(f"a {codes.dtype} chunk holds whole blocks: n={n} is not a multiple "
                          f"of block={block}")
     _check_scales(block_scales, "block_scales", codes.dtype,
-                  (ranks, n // block if codes.dtype in WIRE_LEVELS else 0), codes.device)
+                  (*codes.shape[:-1], n // block if codes.dtype in WIRE_LEVELS else 0),
+                  codes.device)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     if out.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"out must be float32 or float64, got {out.dtype}")
-    _check_vector(out, "out", out.dtype, n, codes.device)
+    _check_vector(out, "out", out.dtype, codes[0].numel(), codes.device)
     if block_scales is not None and block_scales.numel() == 0:
         block_scales = None
     _check_apart([("out", out), ("codes", codes)])

@@ -273,30 +273,40 @@ def wire_variants():
     into fp32, and for 3 ranks into fp64."""
     for dtype, codes in WIRE_TYPES.items():
         level = {"int8": 127.0, "float8_e4m3fn": 448.0}.get(dtype, 1.0)
+        # all input kinds with every extra, chunked (codes and scales in one
+        # buffer per rank chunk); fp32 inputs with none, flat
         for kinds, extras in ((kernels.ALL_KINDS, True), (1 << 2, False)):
             yield (f"quantize {dtype} kinds={kinds} residual={int(extras)}", codes,
                    wire._quantize_kernel,
                    {"table": "*i64", "tiles": "*i64", "base": "*u8", "codes": f"*{codes}",
                     "scales": "*fp32", "residual": "*fp32" if extras else "*i64",
                     "flag": "*u8" if extras else "*i64", "n_segments": "i32", "numel": "i32",
+                    "row": "i32", "code_stride": "i32", "scale_stride": "i32",
                     "scale_high": "i32", "scale_low": "i32", "scale_ptr": "*i64",
                     "KINDS": "constexpr", "WIRE": "constexpr", "LEVEL": "constexpr",
                     "BLOCK": "constexpr", "GROUPS": "constexpr", "HAS_RESIDUAL": "constexpr",
-                    "CHECK_FINITE": "constexpr", "SCALE_TENSOR": "constexpr"},
+                    "CHUNKED": "constexpr", "CHECK_FINITE": "constexpr",
+                    "SCALE_TENSOR": "constexpr"},
                    {"KINDS": kinds, "WIRE": wire.WIRE_CODES[getattr(torch, dtype)],
                     "LEVEL": level, "BLOCK": 256, "GROUPS": wire.TILE // 256,
-                    "HAS_RESIDUAL": extras, "CHECK_FINITE": extras, "SCALE_TENSOR": False},
+                    "HAS_RESIDUAL": extras, "CHUNKED": extras, "CHECK_FINITE": extras,
+                    "SCALE_TENSOR": False},
                    wire.OPTIONS)
-        for ranks, out in ((5, "fp32"), (3, "fp64")):
+        # 5 ranks' rows into fp32, 3 into fp64; 1 rank's chunks side by side (a gather's)
+        for ranks, out, chunked in ((5, "fp32", False), (3, "fp64", False), (1, "fp32", True)):
             padded = 1 << (ranks - 1).bit_length()
-            yield (f"sum {dtype} R={ranks} out={out}", codes, wire._dequantize_sum_kernel,
+            yield (f"sum {dtype} R={ranks} out={out} chunked={int(chunked)}", codes,
+                   wire._dequantize_sum_kernel,
                    {"codes": f"*{codes}", "scales": "*fp32", "out": f"*{out}", "n": "i32",
-                    "n_blocks": "i32", "WIRE": "constexpr", "R": "constexpr",
+                    "n_blocks": "i32", "total": "i32", "total_blocks": "i32",
+                    "code_rank": "i32", "code_chunk": "i32", "scale_rank": "i32",
+                    "scale_chunk": "i32", "WIRE": "constexpr", "R": "constexpr",
                     "RANKS": "constexpr", "LEVELS": "constexpr", "BLOCK": "constexpr",
-                    "GROUPS": "constexpr"},
+                    "GROUPS": "constexpr", "CHUNKED": "constexpr"},
                    {"WIRE": wire.WIRE_CODES[getattr(torch, dtype)], "R": ranks,
                     "RANKS": padded, "LEVELS": padded.bit_length() - 1, "BLOCK": 256,
-                    "GROUPS": max(1, wire.TILE // (256 * padded))}, wire.OPTIONS)
+                    "GROUPS": max(1, wire.TILE // (256 * padded)), "CHUNKED": chunked},
+                   wire.OPTIONS)
 
 
 def main_adasum(capability: int, kernel: str = "adasum") -> None:

@@ -295,6 +295,8 @@ def test_delta_weight_sgd_with_momentum_matches_a_one_process_reference(ranks_on
 
 # ---------------------------------------------------------------- errors
 
+#: the one local_size check's message (node_groups.check_local_size), AdaSum's too
+LOCAL_SIZE_ERROR = "local_size must be a positive int dividing the group's size"
 EXPECTED_ERRORS = {
     "one more tensor on rank 0": ("RuntimeError", "tensor 8"),
     "another shape on the last rank": ("RuntimeError", "tensor 7"),
@@ -302,10 +304,10 @@ EXPECTED_ERRORS = {
     "sparse": ("TypeError", "tensors[1]"),
     "a single tensor": ("TypeError", "single tensor"),
     "integer": ("TypeError", "tensors[1]"),
-    "local_size 0": ("ValueError", "local_size"),
-    "local_size True": ("ValueError", "local_size"),
-    "local_size not dividing": ("ValueError", "local_size"),
-    "delta weight local_size not dividing": ("ValueError", "local_size"),
+    "local_size 0": ("ValueError", LOCAL_SIZE_ERROR),
+    "local_size True": ("ValueError", LOCAL_SIZE_ERROR),
+    "local_size not dividing": ("ValueError", LOCAL_SIZE_ERROR),
+    "delta weight local_size not dividing": ("ValueError", LOCAL_SIZE_ERROR),
     "local_size differing between ranks": ("RuntimeError", "local_size"),
 }
 

@@ -226,8 +226,9 @@ def test_the_words_of_run_time_floats_are_never_specialised_on():
 @pytest.mark.parametrize("capability", TARGETS)
 def test_every_wire_kernel_compiles_with_ieee_roundings_and_no_fp8_instructions(capability):
     report = compile_report("wire", capability)
-    # a quantize with residual and flag, and one without, per wire dtype; two sums each
-    assert len(report["variants"]) == 4 * 4
+    # a chunked quantize with residual and flag, and a flat one without, per
+    # wire dtype; three sums each (the last of chunks side by side)
+    assert len(report["variants"]) == 4 * 5
     for variant in report["variants"]:
         name = f"{variant['name']} sm_{capability}"
         assert variant["has_ptx"], f"{name}: no PTX"

@@ -20,7 +20,7 @@ from torch import nn
 from harness import (assert_raised_before_any_collective, outcomes, outcomes_and_collectives,
                      run_ranks)
 from fusedreduce import DistributedGradReducer, DistributedOptimizer
-from fusedreduce.node_groups import node_groups
+from fusedreduce.node_groups import check_local_size, node_groups
 
 SHAPES = [(33, 7), (5,), (129,), (2, 3, 4)]
 
@@ -226,6 +226,21 @@ def _bad_arguments(rank, world_size):
         "adasum with deterministic": lambda: DistributedOptimizer(
             sgd(), reduce_method="adasum", deterministic=True),
     })
+
+
+@pytest.mark.parametrize("local_size", [0, -2, 3, True, 2.0, "2", None])
+def test_one_local_size_check_names_the_group_size_and_torchrun(local_size):
+    # the node-aware sums and AdaSum share this check: one message, one kind
+    with pytest.raises(ValueError) as raised:
+        check_local_size(local_size, 4)
+    message = str(raised.value)
+    assert message.startswith("local_size must be a positive int dividing the group's size (4)")
+    assert "LOCAL_WORLD_SIZE" in message and message.endswith(f"got {local_size!r}")
+
+
+@pytest.mark.parametrize("local_size", [1, 2, 4])
+def test_a_local_size_dividing_the_group_is_returned(local_size):
+    assert check_local_size(local_size, 4) == local_size
 
 
 def test_bad_node_and_wire_options_are_refused_before_any_collective():

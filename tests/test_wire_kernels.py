@@ -29,7 +29,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 import wire_reference as ref
 from fusedreduce import kernels
@@ -117,6 +117,63 @@ def test_quantize_flatten_is_the_float64_reference_bit_for_bit(
     if residual is not None:
         _assert_bitwise(residual, want_residual, "residual")
     _check_error_bound(v, want_deq, want_scales, wire_dtype, block)
+
+
+def _packed(chunks, n, wire_dtype, block, spare, device):
+    """``(packed, codes, scales)``: one ``(chunks, bytes)`` buffer, each row a
+    chunk's ``n`` codes, then its block scales, then ``spare`` bytes that
+    nothing may write (0xAB), and the codes and scales as views of it."""
+    count = kernels.wire_scale_count(n, wire_dtype, block)
+    code_bytes = n * wire_dtype.itemsize
+    packed = torch.full((chunks, code_bytes + 4 * count + spare), 0xAB, dtype=torch.uint8,
+                        device=device)
+    codes = packed[:, :code_bytes].view(wire_dtype)
+    scales = packed[:, code_bytes:code_bytes + 4 * count].view(torch.float32) \
+        if count else None
+    return packed, codes, scales
+
+
+@settings(max_examples=30, deadline=None)
+@given(specs=specs, gaps=st.lists(st.sampled_from([0, 0, 1, 5]), min_size=4, max_size=4),
+       wire_dtype=st.sampled_from(kernels.WIRE_DTYPES), block=st.sampled_from([8, 16]),
+       chunks=st.integers(1, 4), spare=st.sampled_from([0, 4, 12]),
+       with_residual=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_chunked_codes_and_scales_in_one_buffer_are_the_reference_bit_for_bit(
+        backend, device, specs, gaps, wire_dtype, block, chunks, spare, with_residual, seed):
+    """Codes and scales written chunk by chunk into one buffer (what one
+    all_to_all_single sends): the flat layout's bits, tensors crossing chunk
+    bounds; summed as ranks' rows and dequantized side by side, the
+    reference's bits; no byte past a chunk's scales written."""
+    tensors = _tensors(specs, seed, 1.0, device)
+    offsets, numel = _layout(tensors, gaps, block * chunks)
+    assume(numel > 0)  # empty layouts: test_empty_and_all_gap_layouts
+    n = numel // chunks
+    packed, codes, scales = _packed(chunks, n, wire_dtype, block, spare, device)
+    _, _, residual = _buffers(wire_dtype, numel, block, device, with_residual, seed)
+    v = ref.flat_values([t.cpu() for t in tensors], offsets, numel, 0.5,
+                        None if residual is None else residual.cpu())
+    want_codes, want_scales, _, want_residual = ref.quantize(v, wire_dtype, block)
+    flag = kernels.quantize_flatten(tensors, codes, scales, scale=0.5, offsets=offsets,
+                                    residual=residual, block=block, check_finite=True,
+                                    backend=backend)
+    assert not bool(flag)
+    _assert_bitwise(codes.reshape(-1), want_codes, "codes")
+    if scales is not None:
+        _assert_bitwise(scales.reshape(-1), want_scales, "block scales")
+    if residual is not None:
+        _assert_bitwise(residual, want_residual, "residual")
+    assert bool((packed[:, packed.shape[1] - spare:] == 0xAB).all()), "a spare byte written"
+    rows = [ref.dequantize(want_codes[c * n:(c + 1) * n],
+                           None if want_scales is None
+                           else want_scales[c * n // block:(c + 1) * n // block],
+                           block, torch.float32) for c in range(chunks)]
+    out = torch.empty(n, device=device)
+    kernels.dequantize_sum(codes, scales, out, block=block, backend=backend)
+    _assert_bitwise(out, ref.pairwise_sum(rows, torch.float32), "the chunks summed")
+    side = torch.empty(numel, device=device)
+    kernels.dequantize_sum(codes.unsqueeze(0), None if scales is None else scales.unsqueeze(0),
+                           side, block=block, backend=backend)
+    _assert_bitwise(side, torch.cat(rows), "the chunks side by side")
 
 
 def _format_bound(magnitude, s, wire_dtype):
@@ -360,8 +417,18 @@ def _call_quantize(grads, codes, scales, residual, **options):
 BAD_QUANTIZE = [
     ("codes of a non-wire dtype", dict(codes=torch.zeros(16, dtype=torch.float16)), TypeError,
      "codes.dtype must be one of"),
-    ("2-D codes", dict(codes=torch.zeros(2, 8, dtype=torch.int8)), ValueError,
-     "codes must be a 1-D contiguous"),
+    ("3-D codes", dict(codes=torch.zeros(2, 1, 8, dtype=torch.int8)), ValueError,
+     "codes must be a 1-D or 2-D contiguous"),
+    ("chunks whose rows overlap", dict(codes=torch.zeros(12, dtype=torch.int8).as_strided(
+        (2, 8), (4, 1)), scales=torch.zeros(2, 1)), ValueError,
+     "codes must be a 1-D or 2-D contiguous"),
+    ("chunks with flat scales", dict(codes=torch.zeros(2, 8, dtype=torch.int8)), ValueError,
+     "block_scales must be a contiguous float32 tensor of shape (2, 1)"),
+    ("chunks of part blocks", dict(codes=torch.zeros(4, 4, dtype=torch.int8),
+                                   scales=torch.zeros(4, 1)), ValueError,
+     "numel=4 is not a multiple of block=8"),
+    ("chunk scales over the codes", dict(codes="packed", scales="packed_overlapping"),
+     ValueError, "codes and block_scales share memory"),
     ("codes of the wrong size", dict(codes=torch.zeros(24, dtype=torch.int8),
                                      scales=torch.zeros(3)), ValueError,
      "codes has 24 elements but the tensors need 16"),
@@ -404,8 +471,12 @@ def test_bad_quantize_arguments_are_refused_by_name_before_anything_is_written(
     if isinstance(residual, str):  # the gradients are views of the residual
         residual = torch.randn(16)
         grads = [residual[:8], residual[8:]]
-    if isinstance(residual, torch.Tensor) and isinstance(scales, str):
+    if isinstance(residual, torch.Tensor) and isinstance(scales, str) \
+            and scales == "residual_tail":
         scales, residual = residual[14:16], residual[:16]
+    if isinstance(codes, str):  # each chunk's scale laid over its last 4 codes
+        packed = torch.zeros(2, 12, dtype=torch.uint8)
+        codes, scales = packed[:, :8].view(torch.int8), packed[:, 4:8].view(torch.float32)
     if change.get("grads") == "tensor":
         grads = torch.randn(16)
     elif change.get("grads") == "int":
@@ -427,7 +498,12 @@ def test_bad_quantize_arguments_are_refused_by_name_before_anything_is_written(
 
 BAD_SUM = [
     ("1-D codes", dict(codes=torch.zeros(16, dtype=torch.int8)), ValueError,
-     "codes must be a 2-D contiguous"),
+     "codes must be a 2-D or 3-D contiguous"),
+    ("3-D codes and 2-D scales", dict(codes=torch.zeros(3, 1, 16, dtype=torch.int8)),
+     ValueError, "block_scales must be a contiguous float32 tensor of shape (3, 1, 2)"),
+    ("an out of one chunk for two", dict(codes=torch.zeros(3, 2, 16, dtype=torch.int8),
+                                         scales=torch.zeros(3, 2, 2)), ValueError,
+     "out must be a 1-D contiguous torch.float32 tensor of 32 elements"),
     ("no rows", dict(codes=torch.zeros(0, 16, dtype=torch.int8), scales=torch.zeros(0, 2)),
      ValueError, "at least one row"),
     ("scales of the wrong shape", dict(scales=torch.zeros(2, 2)), ValueError,

@@ -13,7 +13,7 @@ functions never assert: they return what they saw.
 import pytest
 import torch
 
-from harness import run_ranks
+from harness import record_collectives, run_ranks
 from fusedreduce import DistributedGradReducer, kernels
 from test_node_reduction import train
 
@@ -82,7 +82,62 @@ def _wire_ranks(rank, world_size):
                         4 * size + 2 * size + 2 * 4 * size // kernels.WIRE_BLOCK + 4 * size)
     results["nan"] = (bool(checker.found_nonfinite), bool(out[2][5].isnan()),
                       int(out[2].isnan().sum()), bool(out[0].isnan().any()))
+    results["kept views"] = _kept_views(rank)
+    results["hooks and calls"] = _hooks_and_calls(rank)
+    results["collectives per call"] = _collectives_per_call(rank)  # last: it patches dist
     return results
+
+
+def _collectives_per_call(rank):
+    """The collectives a steady-state call of an int8 reducer issues, flat
+    and on two levels (``all_gather*``: whichever torch offers)."""
+    reducers = {"flat": DistributedGradReducer(_params(), wire_dtype=torch.int8),
+                "two-level": DistributedGradReducer(_params(), wire_dtype=torch.int8,
+                                                    local_size=2)}
+    for reducer in reducers.values():
+        reducer(_grads(rank))
+    events, seen = [], {}
+    record_collectives(events)
+    for name, reducer in reducers.items():
+        events.clear()
+        reducer(_grads(rank, 1))
+        seen[name] = sorted("all_gather" if e.startswith("all_gather") else e for e in events)
+    return seen
+
+
+def _kept_views(rank):
+    """Whether a bucket's level buffers are made once and kept from call to
+    call, as views of its buffer, and made again for a buffer elsewhere."""
+    reducer = DistributedGradReducer(_params(), wire_dtype=torch.int8, local_size=2)
+    collective, bucket = reducer._engine.collective, reducer.plan.buckets[0]
+    buffer = reducer._write_back.buffers_for_calls()[0]
+    reducer(_grads(rank))
+    first = collective.level_buffers(bucket, buffer)
+    reducer(_grads(rank, 1))
+    kept = collective.level_buffers(bucket, buffer) is first
+    other = buffer.clone()
+    moved = collective.level_buffers(bucket, other)
+    return (kept, first[0].whole.data_ptr() == buffer.data_ptr(),
+            moved[0].whole.data_ptr() == other.data_ptr())
+
+
+def _hooks_and_calls(rank):
+    """Backward with bucket views and the call path, by turns: two buffers
+    per bucket (the views' and the calls'), the same inputs, so the same
+    bits each time."""
+    params = _params()
+    reducer = DistributedGradReducer(params, wire_dtype=torch.int8, local_size=2)
+    reducer.register_hooks(gradient_as_bucket_view=True)
+    same = []
+    for step in range(2):
+        grads = _grads(rank, step)
+        sum((p * g).sum() for p, g in zip(params, grads)).backward()
+        hooked = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        called = reducer(grads)
+        same.append(all(torch.equal(a, b) for a, b in zip(hooked, called)))
+    return same
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +232,25 @@ def test_a_nan_on_one_rank_is_found_on_every_rank_and_poisons_its_block_only(wir
     for found, element_nan, nans, other_tensor in (r["nan"] for r in wire_ranks):
         assert found and element_nan and not other_tensor
         assert 0 < nans <= kernels.WIRE_BLOCK  # its block's elements of that tensor
+
+
+def test_a_buckets_level_buffers_are_made_once_and_follow_a_buffer_elsewhere(wire_ranks):
+    for results in wire_ranks:
+        assert results["kept views"] == (True, True, True)
+
+
+def test_backward_with_bucket_views_and_calls_by_turns_give_the_same_bits(wire_ranks):
+    for results in wire_ranks:
+        assert results["hooks and calls"] == [True, True]
+
+
+def test_each_level_is_one_all_to_all_and_one_all_gather_scales_and_codes_together(
+        wire_ranks):
+    # int8's block scales travel in the codes' collectives (each costs a latency)
+    for results in wire_ranks:
+        assert results["collectives per call"] == {
+            "flat": ["all_gather", "all_to_all_single"],
+            "two-level": ["all_gather"] * 2 + ["all_to_all_single"] * 2}
 
 
 # ---------------------------------------------------------------- the optimizer

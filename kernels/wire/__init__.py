@@ -27,6 +27,10 @@ Semantics both backends implement, bit for bit:
 - the residual becomes ``v - dequantized`` (fp32), and 0 wherever that is not
   finite (a non-finite block, a bf16 code that rounded to inf): an error kept
   for the next step must never carry a NaN into every later step;
+- codes may be chunked, ``(C, n)`` views whose rows stand apart (each
+  chunk's codes followed by its scales in one buffer): flat element ``e`` is
+  ``codes[e // n, e % n]``, block ``k`` of the flat buffer is row ``k //
+  (n / block)`` of the scales; the values are the flat layout's, bit for bit;
 - ``dequantize_sum`` adds the ``R`` dequantized rows bottom-up pairwise,
   ``((d0 + d1) + (d2 + d3)) + ...``, an odd last row carried up a level
   unchanged, in fp32 (fp64 when ``out`` is fp64).

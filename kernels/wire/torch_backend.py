@@ -42,17 +42,20 @@ def prepare_quantize(tensors: Sequence[torch.Tensor], starts: Sequence[int],
     and a strided tensor cannot be sliced in memory order: those fill the
     whole buffer first."""
     numel = codes.numel()
+    row = codes.shape[-1] if codes.dim() == 2 else numel
     whole = codes.dtype == torch.float32 or numel <= PIECE \
         or not all(t.is_contiguous() for t in tensors)
     with torch.no_grad():
-        values = codes.detach() if codes.dtype == torch.float32 else \
+        values = codes.detach() if codes.dtype == torch.float32 and codes.dim() == 1 else \
             torch.empty(numel if whole else PIECE, dtype=torch.float32, device=codes.device)
+    # pieces never cross a chunk's bound: each one's codes and scales are contiguous
+    bounds = [(lo, min(lo + PIECE, chunk + row)) for chunk in range(0, numel, max(row, 1))
+              for lo in range(chunk, chunk + row, PIECE)]
     pieces = []  # (lo, hi, fill, picks): a piece's flatten and its (tensor, slice) picks
     if whole:
         fill = _flatten.prepare_flatten(tensors, starts, extents, values)
-        pieces = [(lo, min(lo + PIECE, numel), None, None) for lo in range(0, numel, PIECE)]
-    for lo in range(0, numel, PIECE) if not whole else ():
-        hi = min(lo + PIECE, numel)
+        pieces = [(lo, hi, None, None) for lo, hi in bounds]
+    for lo, hi in bounds if not whole else ():
         picks, local = [], []
         for i, (t, start) in enumerate(zip(tensors, starts)):
             first, end = max(start, lo) - start, min(start + t.numel(), hi) - start
@@ -79,8 +82,9 @@ def prepare_quantize(tensors: Sequence[torch.Tensor], starts: Sequence[int],
                                 for i, a, b in picks], v, scale, False)
                 if residual is not None:
                     v.add_(residual[lo:hi])
-                found.append(_encode(v, codes[lo:hi], None if block_scales is None
-                                     else block_scales[lo // block:hi // block],
+                found.append(_encode(v, _piece(codes, lo, hi, row),
+                                     None if block_scales is None else
+                                     _piece(block_scales, lo // block, hi // block, row // block),
                                      None if residual is None else residual[lo:hi],
                                      block, check_finite))
             if not check_finite:
@@ -91,6 +95,15 @@ def prepare_quantize(tensors: Sequence[torch.Tensor], starts: Sequence[int],
     # the flatten's launches read the tensors at each call: nothing to re-point
     launch.rebind, launch.binding, launch.bind = fill.rebind, fill.binding, fill.bind
     return launch
+
+
+def _piece(t: torch.Tensor, lo: int, hi: int, row: int) -> torch.Tensor:
+    """Flat elements ``[lo, hi)`` of ``t`` (1-D, or chunks of ``row``
+    elements: then within one chunk)."""
+    if t.dim() == 1:
+        return t[lo:hi]
+    chunk, at = divmod(lo, row)
+    return t[chunk, at:at + hi - lo]
 
 
 def _encode(v: torch.Tensor, codes: torch.Tensor, scales: Optional[torch.Tensor],
@@ -144,7 +157,14 @@ def _encode(v: torch.Tensor, codes: torch.Tensor, scales: Optional[torch.Tensor]
 def dequantize_sum(codes: torch.Tensor, block_scales: Optional[torch.Tensor],
                    out: torch.Tensor, block: int) -> None:
     """``out`` = the sum of the ``R`` rows of ``codes`` dequantized, in the
-    fixed bottom-up pairwise order, in ``out``'s dtype (fp32 or fp64)."""
+    fixed bottom-up pairwise order, in ``out``'s dtype (fp32 or fp64); each
+    chunk apart for ``(R, C, n)`` codes."""
+    if codes.dim() == 3:
+        n = codes.shape[2]
+        for c in range(codes.shape[1]):
+            dequantize_sum(codes[:, c], None if block_scales is None else block_scales[:, c],
+                           out[c * n:(c + 1) * n], block)
+        return
     ranks, n = codes.shape
     with torch.no_grad():
         for lo in range(0, n, PIECE):

@@ -119,14 +119,17 @@ def _segment_values(table, base, seg, n_segments, offs, v, scale, CODE: tl.const
 
 @triton.jit(do_not_specialize=["scale_high", "scale_low"])
 def _quantize_kernel(table, tiles, base, codes, scales, residual, flag, n_segments, numel,
+                     row, code_stride, scale_stride,
                      scale_high, scale_low, scale_ptr, KINDS: tl.constexpr, WIRE: tl.constexpr,
                      LEVEL: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, CHUNKED: tl.constexpr,
                      CHECK_FINITE: tl.constexpr, SCALE_TENSOR: tl.constexpr):
     tile = tl.program_id(0).to(tl.int64)
     blocks = tile * GROUPS + tl.arange(0, GROUPS)
     offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     live = offs < numel
+    # chunked codes: flat element e at row e // row, column e % row
+    at = (offs // row) * code_stride + offs % row if CHUNKED else offs
     scale = scale_of(scale_ptr, scale_high, scale_low, SCALE_TENSOR)
     v = tl.zeros((GROUPS, BLOCK), dtype=tl.float32)
     # a while loop: Triton 3.2's interpreter cannot take loaded bounds in range()
@@ -146,27 +149,30 @@ def _quantize_kernel(table, tiles, base, codes, scales, residual, flag, n_segmen
         if tl.max(tl.max(tl.where(finite, 0, 1), axis=1), axis=0) > 0:
             tl.store(flag, 1)  # every writer stores the same 1
     if WIRE == 0:
-        tl.store(codes + offs, v, mask=live)
+        tl.store(codes + at, v, mask=live)
         deq = v
     elif WIRE == 1:
         coded = round_to_bf16(v)
-        tl.store(codes + offs, coded, mask=live)
+        tl.store(codes + at, coded, mask=live)
         deq = upcast(coded, tl.float32)
     else:
         bad = tl.max(tl.where(finite, 0, 1), axis=1) > 0
         absmax = tl.max(tl.where(finite, tl.abs(v), 0.0), axis=1)
         s = tl.where(bad, float("nan"), tl.math.div_rn(absmax, tl.full(absmax.shape, LEVEL,
                                                                         tl.float32)))
-        tl.store(scales + blocks, s, mask=blocks * BLOCK < numel)
+        row_blocks = row // BLOCK
+        scale_at = (blocks // row_blocks) * scale_stride + blocks % row_blocks if CHUNKED \
+            else blocks
+        tl.store(scales + scale_at, s, mask=blocks * BLOCK < numel)
         # an all-zero block (s = 0) divides by 1: codes 0, not 0/0
         y = tl.math.div_rn(v, tl.where(s > 0, s, 1.0)[:, None])
         y = tl.minimum(tl.maximum(y, -LEVEL), LEVEL)
         if WIRE == 2:
             q = tl.where(bad[:, None], 0.0, (y + ROUNDER) - ROUNDER)
-            tl.store(codes + offs, q.to(tl.int8), mask=live)
+            tl.store(codes + at, q.to(tl.int8), mask=live)
         else:
             bits = tl.where(bad[:, None], 0, _encode_e4m3(y)).to(tl.uint8)
-            tl.store(codes + offs, bits, mask=live)
+            tl.store(codes + at, bits, mask=live)
             q = _decode_e4m3(bits)
         deq = q * s[:, None]
     if HAS_RESIDUAL:
@@ -175,10 +181,11 @@ def _quantize_kernel(table, tiles, base, codes, scales, residual, flag, n_segmen
         tl.store(residual + offs, tl.where(tl.abs(error) < float("inf"), error, 0.0), mask=live)
 
 
-@triton.jit(do_not_specialize=["n", "n_blocks"])
-def _dequantize_sum_kernel(codes, scales, out, n, n_blocks, WIRE: tl.constexpr,
+@triton.jit(do_not_specialize=["n", "n_blocks", "total", "total_blocks"])
+def _dequantize_sum_kernel(codes, scales, out, n, n_blocks, total, total_blocks, code_rank,
+                           code_chunk, scale_rank, scale_chunk, WIRE: tl.constexpr,
                            R: tl.constexpr, RANKS: tl.constexpr, LEVELS: tl.constexpr,
-                           BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+                           BLOCK: tl.constexpr, GROUPS: tl.constexpr, CHUNKED: tl.constexpr):
     """Every row's tile dequantized into a ``(RANKS, GROUPS, BLOCK)`` array
     (``RANKS``: ``R`` rounded up to a power of two, the rows past ``R`` -0.0,
     which adds nothing, not even to a -0.0), then ``LEVELS`` halvings, each
@@ -189,21 +196,26 @@ def _dequantize_sum_kernel(codes, scales, out, n, n_blocks, WIRE: tl.constexpr,
     offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     rows = tl.arange(0, RANKS)
     n = n.to(tl.int64)
-    present = (rows < R)[:, None, None] & (offs < n)[None, :, :]
-    c = tl.load(codes + (rows[:, None, None] * n + offs[None, :, :]), mask=present, other=0)
+    total = total.to(tl.int64)
+    # chunk c of C (each n elements, n_blocks scales) at c * code_chunk / scale_chunk
+    at = (offs // n) * code_chunk + offs % n if CHUNKED else offs
+    scale_at = (blocks // n_blocks) * scale_chunk + blocks % n_blocks if CHUNKED else blocks
+    present = (rows < R)[:, None, None] & (offs < total)[None, :, :]
+    c = tl.load(codes + (rows[:, None, None] * code_rank + at[None, :, :]), mask=present,
+                other=0)
     COMPUTE: tl.constexpr = out.dtype.element_ty
     if WIRE == 3:
         value = _decode_e4m3(c).to(COMPUTE)
     else:
         value = upcast(c, COMPUTE)
     if WIRE >= 2:
-        s = tl.load(scales + (rows[:, None] * n_blocks + blocks[None, :]),
-                    mask=(rows < R)[:, None] & (blocks < n_blocks)[None, :], other=0.0)
+        s = tl.load(scales + (rows[:, None] * scale_rank + scale_at[None, :]),
+                    mask=(rows < R)[:, None] & (blocks < total_blocks)[None, :], other=0.0)
         value = value * s.to(COMPUTE)[:, :, None]
     value = tl.where(present, value, -0.0)
     for level in tl.static_range(LEVELS):
         value = tl.sum(tl.reshape(value, (RANKS >> (level + 1), 2, GROUPS, BLOCK)), axis=1)
-    tl.store(out + offs, tl.reshape(value, (GROUPS, BLOCK)), mask=offs < n)
+    tl.store(out + offs, tl.reshape(value, (GROUPS, BLOCK)), mask=offs < total)
 
 
 def _groups(block: int, rows: int = 1) -> int:
@@ -235,6 +247,8 @@ def prepare_quantize(tensors: Sequence[torch.Tensor], starts: Sequence[int],
     wire = WIRE_CODES[codes.dtype]
     level = WIRE_LEVELS.get(codes.dtype, 1.0)
     kernel = CompiledLaunch(_quantize_kernel, (programs,), **OPTIONS)
+    chunked = codes.dim() == 2 and codes.shape[0] > 1
+    row = codes.shape[-1] if chunked else max(codes.numel(), 1)
 
     def launch(tensors, codes, block_scales, residual, scale, check_finite):
         if staged:
@@ -247,8 +261,9 @@ def prepare_quantize(tensors: Sequence[torch.Tensor], starts: Sequence[int],
                    layout.table if block_scales is None else block_scales,
                    layout.table if residual is None else residual,
                    layout.table if flag is None else flag, layout.n_segments, codes.numel(),
+                   row, codes.stride(0), 0 if block_scales is None else block_scales.stride(0),
                    high, low, scale_ptr, layout.kinds, wire, level, block, groups,
-                   residual is not None, flag is not None, scale_tensor)
+                   residual is not None, chunked, flag is not None, scale_tensor)
         return flag.view(torch.bool)[0] if flag is not None else None
     launch.kernel = kernel
     return rebindable(launch, layout)
@@ -257,14 +272,19 @@ def prepare_quantize(tensors: Sequence[torch.Tensor], starts: Sequence[int],
 def dequantize_sum(codes: torch.Tensor, block_scales: Optional[torch.Tensor],
                    out: torch.Tensor, block: int) -> None:
     """``out`` = the ``R`` rows of ``codes`` dequantized and summed in the fixed order."""
-    ranks, n = codes.shape
+    codes = codes if codes.dim() == 3 else codes.unsqueeze(1)
+    scales = None if block_scales is None else \
+        (block_scales if block_scales.dim() == 3 else block_scales.unsqueeze(1))
+    ranks, chunks, n = codes.shape
     padded = 1 << (ranks - 1).bit_length()
     groups = _groups(block, padded)
-    programs = -(-n // (groups * block))
+    programs = -(-(chunks * n) // (groups * block))
     if not programs:
         return
     wire = WIRE_CODES[codes.dtype]
     _dequantize_sum_kernel[(programs,)](
         codes.view(torch.uint8) if wire == 3 else codes,
-        out if block_scales is None else block_scales, out, n, max(n // block, 1), wire, ranks,
-        padded, padded.bit_length() - 1, block, groups, **OPTIONS)
+        out if scales is None else scales, out, n, max(n // block, 1), chunks * n,
+        max(chunks * n // block, 1), codes.stride(0), codes.stride(1),
+        0 if scales is None else scales.stride(0), 0 if scales is None else scales.stride(1),
+        wire, ranks, padded, padded.bit_length() - 1, block, groups, chunks > 1, **OPTIONS)
