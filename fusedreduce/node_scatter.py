@@ -41,7 +41,7 @@ from .buckets import Bucket, BucketPlan
 from .grad_collectives import AllReduce
 from .node_collectives import NodeOptions, node_levels
 from .sharded import start_all_gather, start_reduce_scatter
-from .wire_collectives import Level, Phases, WireSum, owned_chunk, spares_sum
+from .wire_collectives import Level, Phases, WireSum, level_regions, owned_chunk, spares_sum
 
 
 class _LevelOwnership:
@@ -100,19 +100,6 @@ class TwoLevelScatter(_LevelOwnership, AllReduce):
             scatter(k).wait()
         return PendingBucket(bucket, buffer, Phases([scatter(len(regions) - 1)], [spares]),
                              spare)
-
-
-def level_regions(levels: Sequence[Level], region: torch.Tensor
-                  ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """Per level, outermost first: ``(whole, mine)``, the region the level
-    splits and this rank's chunk of it (the next level's region)."""
-    regions = []
-    for level in levels:
-        width = region.numel() // level.ranks
-        mine = region[level.me * width:(level.me + 1) * width]
-        regions.append((region, mine))
-        region = mine
-    return regions
 
 
 def start_level_gathers(flat: torch.Tensor, levels: Sequence[Level]) -> Phases:
