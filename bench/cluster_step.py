@@ -55,6 +55,11 @@ class CharTransformer(nn.Module):
         return self.head(self.blocks(self.embedding(tokens), mask=mask, is_causal=True))
 
 
+def parameter_count(width: int = WIDTH, layers: int = LAYERS) -> int:
+    """The elements of ``CharTransformer(width, layers)``'s gradient."""
+    return sum(p.numel() for p in CharTransformer(width, layers).parameters())
+
+
 def training_step(groups, grads: torch.Tensor, kind: str = "library", width: int = WIDTH,
                   layers: int = LAYERS, **options) -> Callable[[], Tuple[Dict[str, float], None]]:
     """One rank's training step, with DDP (``kind="ddp"``) or the library's

@@ -38,7 +38,7 @@ import torch
 
 from fusedreduce.kernels import flatten_cast_scale, unflatten_cast_scale
 
-from . import cluster, cluster_patterns, common, step_model
+from . import cluster, cluster_patterns, cluster_step, common, step_model
 from .models import gradients
 from .timing import summary_ms, time_interleaved
 
@@ -212,7 +212,9 @@ def check_cluster(numel: int, repeats: int, rate: str, kernels: Dict[str, float]
         expected = predicted and predicted["comm_ms"]
         comm = cluster_patterns.comm_seconds(measured["steps"][name])
         median = statistics.median(comm) * 1e3
-        rows.append({"strategy": name, "numel": measured["numel"],
+        elements = (cluster_step.parameter_count() if name in cluster_step.STEP_PATTERNS
+                    else measured["numel"])
+        rows.append({"strategy": name, "numel": elements,
                      "predicted_ms": expected, "measured_ms": median,
                      "measured_ms_min": min(comm) * 1e3, "measured_ms_max": max(comm) * 1e3,
                      "error": None if expected is None else expected / median - 1,

@@ -91,6 +91,11 @@ def test_every_training_step_trains_the_same_model_on_every_rank():
     assert torch.allclose(weights[0][0], weights[0][1], atol=1e-6)
 
 
+def test_the_step_model_has_the_guides_7_3m_parameters():
+    # docs/guides/across-nodes.md: "7.3M parameters, a 29 MB fp32 gradient"
+    assert round(cluster_step.parameter_count() / 1e5) == 73
+
+
 def test_training_step_refuses_an_unknown_kind():
     with pytest.raises(ValueError, match="kind must be 'ddp' or 'library'"):
         cluster_step.training_step(None, None, kind="fsdp")
