@@ -23,11 +23,19 @@ reads.
   kernel passes between the collectives are not timed.
 - ``library_*``: ``DistributedGradReducer`` called on the buffer cut into
   gradients, with ``local_size``, ``wire_dtype`` or ``deterministic``: one
-  phase, the whole call, kernel passes included.
+  phase, the whole call, kernel passes included. ``*_gather_fp32``: the
+  wire's summed chunks gathered back in fp32 (``WireSum.gather_wire`` off
+  during the call) instead of in the wire format.
 - ``library_sharded*``: ``DistributedOptimizer(shard=True)`` on parameters
   shaped like those gradients, with ``local_size`` and ``wire_dtype``: one
   phase, backward and ``step()`` (the reduce-scatter, SGD on the part and the
   parameters' all-gather).
+- ``reduce_scatter_fp32``: the native reduce-scatter of the buffer over the
+  world, then its all-gather: what ``deterministic=True`` replaces.
+- ``step_*`` (``cluster_step``): a whole training step, DDP against the
+  library's optimizer; no sum to check.
+
+``GROUPS`` names the sets the command line takes (``--patterns gather``).
 
 ``run_patterns`` runs on every rank of a cluster (``Cluster.run``): it counts
 the bytes each node's link sent during each step (``tx_bytes`` of the node's
@@ -46,6 +54,9 @@ import torch.distributed as dist
 
 from fusedreduce import DistributedGradReducer, DistributedOptimizer
 from fusedreduce.kernels import WIRE_BLOCK, dequantize_sum, quantize_flatten, wire_scale_count
+from fusedreduce.wire_collectives import WireSum
+
+from .cluster_step import STEP_PATTERNS
 
 Step = Callable[[], Tuple[Dict[str, float], torch.Tensor]]
 
@@ -190,20 +201,33 @@ def two_level_wire(groups: Groups, grads: torch.Tensor, wire_dtype: torch.dtype,
 LIBRARY_TENSORS = 16
 
 
-def library(groups: Groups, grads: torch.Tensor, **options) -> Step:
+def library(groups: Groups, grads: torch.Tensor, gather_wire: bool = True,
+            **options) -> Step:
     """The library's ``DistributedGradReducer(mean=False, **options)`` called on
     the buffer cut into ``LIBRARY_TENSORS`` gradients: one phase, the whole
     call (its flatten / quantize and unflatten passes included), default
-    buckets (25 MiB)."""
+    buckets (25 MiB). ``gather_wire=False``: ``WireSum.gather_wire`` off during
+    the call (a class attribute, read when a bucket's chunks are gathered, which
+    on gloo is inside the call), so the summed chunks travel back in fp32."""
     pieces = tuple(torch.tensor_split(grads, LIBRARY_TENSORS))
     params = [torch.nn.Parameter(torch.zeros_like(piece)) for piece in pieces]
     reducer = DistributedGradReducer(params, mean=False, **options)
     results: List[Tuple[torch.Tensor, ...]] = []
 
+    def reduce() -> None:
+        results.append(reducer(pieces))
+
+    def reduce_gathering_fp32() -> None:
+        WireSum.gather_wire = False
+        try:
+            reduce()
+        finally:
+            WireSum.gather_wire = True
+
     def step():
         times: Dict[str, float] = {}
         results.clear()
-        _timed(times, "reducer", lambda: results.append(reducer(pieces)))
+        _timed(times, "reducer", reduce if gather_wire else reduce_gathering_fp32)
         return times, torch.cat(results[0])
     return step
 
@@ -233,6 +257,20 @@ def library_sharded(groups: Groups, grads: torch.Tensor, **options) -> Step:
             optimizer.zero_grad()
         _timed(times, "sharded step", train_step)
         return times, torch.cat([p.detach() for p in params])
+    return step
+
+
+def reduce_scatter_fp32(groups: Groups, grads: torch.Tensor) -> Step:
+    """The native flat reduce-scatter over the world, then the all-gather."""
+    part = torch.empty(grads.numel() // groups.world_size)
+    out = torch.empty_like(grads)
+
+    def step():
+        times: Dict[str, float] = {}
+        _timed(times, "reduce_scatter world",
+               lambda: dist.reduce_scatter_tensor(part, grads))
+        _timed(times, "all_gather world", lambda: dist.all_gather_into_tensor(out, part))
+        return times, out
     return step
 
 
@@ -286,6 +324,26 @@ SHARDED_PATTERNS: Dict[str, Callable[[Groups, torch.Tensor], Step]] = {
     "library_sharded_two_level_int8": functools.partial(library_sharded, local_size=2,
                                                         wire_dtype=torch.int8),
 }
+#: the wire's chunks gathered back in fp32 instead of in the wire format
+GATHER_FP32_PATTERNS: Dict[str, Callable[[Groups, torch.Tensor], Step]] = {
+    f"{name}_gather_fp32": functools.partial(LIBRARY_PATTERNS[name], gather_wire=False)
+    for name in ("library_two_level_bfloat16", "library_two_level_float8_e4m3fn",
+                 "library_two_level_int8")}
+#: deterministic=True flat, and the native collectives it stands against
+DETERMINISTIC_PATTERNS: Dict[str, Callable[[Groups, torch.Tensor], Step]] = {
+    "library_flat_deterministic": functools.partial(library, deterministic=True),
+    "reduce_scatter_fp32": reduce_scatter_fp32,
+}
+#: the sets ``--patterns`` names, each a comparison run side by side
+GROUPS: Dict[str, Tuple[str, ...]] = {
+    "library": tuple(LIBRARY_PATTERNS),
+    "gather": tuple(name for wire in GATHER_FP32_PATTERNS
+                    for name in (wire[:-len("_gather_fp32")], wire)),
+    "deterministic": ("library_flat", "library_flat_deterministic", "reduce_scatter_fp32",
+                      "library_two_level", "library_deterministic"),
+    "step": tuple(STEP_PATTERNS),
+    "sharded": tuple(SHARDED_PATTERNS),
+}
 #: what the runner times beside the patterns: their steps return no sum
 PROBES: Dict[str, Callable[[Groups, torch.Tensor], Step]] = {"loopback": loopback}
 
@@ -326,7 +384,8 @@ def run_patterns(rank: int, world_size: int, local_size: int, numel: int,
     groups = make_groups(rank, world_size, local_size)
     numel = padded_numel(numel, world_size)
     grads = rank_gradients(rank, numel)
-    builders = {**PATTERNS, **LIBRARY_PATTERNS, **SHARDED_PATTERNS, **PROBES}
+    builders = {**PATTERNS, **LIBRARY_PATTERNS, **GATHER_FP32_PATTERNS,
+                **DETERMINISTIC_PATTERNS, **STEP_PATTERNS, **SHARDED_PATTERNS, **PROBES}
     steps = {name: builders[name](groups, grads) for name in names}
     record: dict = {"numel": numel, "steps": {name: [] for name in names},
                     "tx_bytes": {name: [] for name in names}, "max_error": {}}

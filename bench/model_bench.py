@@ -18,8 +18,13 @@ node at once, timed round-robin with the patterns), runs
 ``cluster_patterns.PATTERNS`` (flat fp32, two-level fp32, two-level bf16,
 e4m3 and int8 across nodes; ``--patterns library``: the library's own
 ``DistributedGradReducer``, flat, ``local_size=2``, with each wire and
-deterministic, beside the flat all-reduce), and prints the model's time for each beside the measured one, the error,
-the bytes that crossed each node's link per step and the measured ratios.
+deterministic, beside the flat all-reduce; ``gather``: each wire's chunks
+gathered back in the wire format and in fp32; ``deterministic``:
+``deterministic=True`` flat and two-level against the default all-reduce,
+two-level fp32 and the native reduce-scatter + all-gather; ``step``: a whole
+training step, DDP against the library's optimizer), and prints the model's
+time for each beside the measured one (where the model has the strategy), the
+error, the bytes that crossed each node's link per step and the measured ratios.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ import torch
 
 from fusedreduce.kernels import flatten_cast_scale, unflatten_cast_scale
 
-from . import cluster, cluster_patterns, common, step_model
+from . import cluster, cluster_patterns, cluster_step, common, step_model
 from .models import gradients
 from .timing import summary_ms, time_interleaved
 
@@ -114,30 +119,27 @@ LIBRARY_MODEL = {"library_flat": "fused_fp32", "library_two_level": "two_level_f
                  "library_two_level_bfloat16": "two_level_bfloat16",
                  "library_two_level_float8_e4m3fn": "two_level_float8_e4m3fn",
                  "library_two_level_int8": "two_level_int8"}
-#: every name ``--patterns`` takes; "library" stands for all the library's
-#: reducer's, "sharded" for all its sharded step's
-KNOWN_PATTERNS = CHECK_PATTERNS + tuple(cluster_patterns.LIBRARY_PATTERNS) \
-    + tuple(cluster_patterns.SHARDED_PATTERNS)
-#: what ``--patterns`` expands a group's name to
-PATTERN_GROUPS = {"library": tuple(cluster_patterns.LIBRARY_PATTERNS),
-                  "sharded": tuple(cluster_patterns.SHARDED_PATTERNS)}
+#: every name ``--patterns`` takes; a group's name (``cluster_patterns.GROUPS``)
+#: stands for its patterns
+KNOWN_PATTERNS = CHECK_PATTERNS + tuple(dict.fromkeys(
+    name for group in cluster_patterns.GROUPS.values() for name in group))
 
 
 def parse_patterns(text: str) -> tuple:
-    """``--patterns``' comma-separated names (``library``: every library pattern,
-    ``sharded``: every sharded one),
-    with ``fused_fp32``, the reference of the ratios, always first.
+    """``--patterns``' comma-separated names (a group's name, e.g. ``library``:
+    its patterns), with ``fused_fp32``, the reference of the ratios, always first.
 
     Raises:
         argparse.ArgumentTypeError: an unknown name.
     """
     names = ["fused_fp32"]
     for name in filter(None, (part.strip() for part in text.split(","))):
-        expanded = PATTERN_GROUPS.get(name, [name])
+        expanded = cluster_patterns.GROUPS.get(name, [name])
         for one in expanded:
             if one not in KNOWN_PATTERNS:
-                raise argparse.ArgumentTypeError(f"unknown pattern {one!r}: expected 'library', 'sharded' or one of "
-                                 f"{', '.join(KNOWN_PATTERNS)}")
+                raise argparse.ArgumentTypeError(
+                    f"unknown pattern {one!r}: expected one of "
+                    f"{', '.join(cluster_patterns.GROUPS)} or {', '.join(KNOWN_PATTERNS)}")
             if one not in names:
                 names.append(one)
     return tuple(names)
@@ -167,7 +169,12 @@ def simulated_links(probe: dict, intra_seconds: Dict[str, float], intra_numel: i
 def _reference(name: str) -> Dict[str, str]:
     """The rows ``name``'s ratios are taken against: time against the flat
     all-reduce (the library's own for a library pattern), bytes against the
-    fp32 two-level layout."""
+    fp32 two-level layout; a wire gathered back in fp32 against the same wire
+    gathered in its format, a training step against DDP's."""
+    if name.endswith("_gather_fp32"):
+        return {"time": name[:-len("_gather_fp32")], "bytes": name[:-len("_gather_fp32")]}
+    if name.startswith("step_"):
+        return {"time": "step_ddp", "bytes": "step_ddp"}
     if name.startswith("library_sharded"):
         return {"time": "library_sharded", "bytes": "library_sharded"}
     if name.startswith("library_"):
@@ -178,9 +185,10 @@ def _reference(name: str) -> Dict[str, str]:
 def check_cluster(numel: int, repeats: int, rate: str, kernels: Dict[str, float],
                   timeout: float = 600.0, patterns: Sequence[str] = CHECK_PATTERNS) -> dict:
     """Measure ``patterns`` (``fused_fp32`` among them) on a 2 x 2 simulated cluster
-    and the model's communication time for each (none for
-    ``library_deterministic``; a library pattern's measured time is its whole
-    call, kernel passes included).
+    and the model's communication time for each (none where the model has no
+    such strategy: deterministic, gathered in fp32, the native reduce-scatter,
+    training steps; a library pattern's measured time is its whole call, kernel
+    passes included, a step pattern's its whole training step).
 
     Raises:
         fusedreduce.bench.cluster.ClusterUnavailable: no root, no ``ip``/``tc``.
@@ -200,19 +208,21 @@ def check_cluster(numel: int, repeats: int, rate: str, kernels: Dict[str, float]
     links = simulated_links(probe, intra, numel, kernels)
     rows = []
     for name in patterns:
-        model = LIBRARY_MODEL.get(name, None if name.startswith("library_") else name)
+        model = LIBRARY_MODEL.get(name, name if name in CHECK_PATTERNS else None)
         predicted = (step_model.predict(model, measured["numel"], 2, links)
                      if model else None)
         expected = predicted and predicted["comm_ms"]
         comm = cluster_patterns.comm_seconds(measured["steps"][name])
         median = statistics.median(comm) * 1e3
-        rows.append({"strategy": name, "numel": measured["numel"],
+        elements = (cluster_step.parameter_count() if name in cluster_step.STEP_PATTERNS
+                    else measured["numel"])
+        rows.append({"strategy": name, "numel": elements,
                      "predicted_ms": expected, "measured_ms": median,
-                     "measured_ms_min": min(comm) * 1e3,
+                     "measured_ms_min": min(comm) * 1e3, "measured_ms_max": max(comm) * 1e3,
                      "error": None if expected is None else expected / median - 1,
                      "predicted_egress_bytes": predicted and predicted["node_egress_bytes"],
                      "measured_egress_bytes": statistics.median(measured["tx_bytes"][name]),
-                     "max_error": measured["max_error"][name],
+                     "max_error": measured["max_error"].get(name),
                      "measured_phases_ms": {phase: statistics.median(
                          step[phase] for step in measured["steps"][name]) * 1e3
                          for phase in measured["steps"][name][0]},
@@ -265,7 +275,8 @@ def _table(rows: Sequence[dict], node_counts: Sequence[int]) -> str:
 def format_check(check: dict) -> str:
     columns = [("strategy", "strategy", ""), ("elements", "numel", ",d"),
                ("predicted ms", "predicted_ms", ".4g"), ("measured ms", "measured_ms", ".4g"),
-               ("min ms", "measured_ms_min", ".4g"), ("error", "error", "+.1%"),
+               ("min ms", "measured_ms_min", ".4g"), ("max ms", "measured_ms_max", ".4g"),
+               ("error", "error", "+.1%"),
                ("predicted MB/node", "predicted_egress_bytes", lambda v: f"{v / 1e6:.4g}"),
                ("measured MB/node", "measured_egress_bytes", lambda v: f"{v / 1e6:.4g}")]
     lines = [cluster.format_probe(check["probe"]),
@@ -308,11 +319,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--patterns", type=parse_patterns, default=CHECK_PATTERNS,
                         metavar="NAMES",
                         help="the check's patterns, comma-separated: "
-                             f"{', '.join(KNOWN_PATTERNS)}, or 'library' for every "
-                             "library_* one (the library's DistributedGradReducer), "
-                             "'sharded' for every library_sharded* one (its "
-                             "DistributedOptimizer(shard=True) step); "
-                             "fused_fp32 always runs (default: the non-library ones)")
+                             f"{', '.join(KNOWN_PATTERNS)}, or a group: 'library' (the "
+                             "library's DistributedGradReducer), 'gather' (each wire's "
+                             "way back, wire format against fp32), 'deterministic' "
+                             "(against the native collectives), 'step' (a training step, "
+                             "DDP against the library), 'sharded' (the sharded "
+                             "optimizer's step, flat and on two levels); fused_fp32 "
+                             "always runs (default: "
+                             "the non-library ones)")
     parser.add_argument("--repeats", type=int, help="timed repeats (default 5, --quick 3)")
     parser.add_argument("--quick", action="store_true", help="small measurements")
     parser.add_argument("--json", metavar="PATH", help="write every figure here")

@@ -117,8 +117,10 @@ class WireSum(AllReduce):
 
     Attributes:
         gather_wire: the all-gathers back in the wire format (default) or in
-            fp32; a knob for measuring both ways (fp32 sends 4 bytes per
-            element back instead of 1 or 2, and skips a re-quantization).
+            fp32; a class attribute for measuring both ways (set on the
+            class, it applies to every ``WireSum`` of the process; fp32
+            sends 4 bytes per element back instead of 1 or 2, and skips a
+            re-quantization).
         residuals: with ``error_feedback``, per bucket, the fp32
             quantization error of the compressing level, added to the next
             step's values (4 bytes per element of the chunk quantized:
