@@ -109,3 +109,21 @@ def backend(request):
 def device():
     """The torch.device the device-aware tests build their tensors on."""
     return device_mode.DEVICE()
+
+
+@pytest.fixture(scope="session")
+def library_cluster_check():
+    """The library's patterns (its reducer, its sharded step, each wire's way
+    back, the deterministic sums beside the native collectives) on one
+    simulated 2 x 2 cluster, one round of 1M elements: one cluster brought up
+    and probed for every test that reads them (root only: skipped, with the
+    reason, without it)."""
+    from fusedreduce.bench import cluster, model_bench
+
+    reason = cluster.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    kernels = {"flatten": 1e10, "unflatten": 1e10}
+    return model_bench.check_cluster(
+        1_000_000, 1, "1gbit", kernels,
+        patterns=model_bench.parse_patterns("library,sharded,gather,deterministic"))

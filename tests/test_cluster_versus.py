@@ -111,18 +111,9 @@ def test_patterns_option_names_the_new_groups():
     assert model_bench._reference("step_int8_ef")["time"] == "step_ddp"
 
 
-@pytest.fixture(scope="module")
-def cluster_record():
-    if REASON is not None:
-        pytest.skip(REASON)
-    kernels = {"flatten": 1e10, "unflatten": 1e10}
-    return model_bench.check_cluster(1_000_000, 1, "1gbit", kernels,
-                                     patterns=model_bench.parse_patterns("gather,deterministic"))
-
-
 @needs_root
-def test_gather_and_deterministic_patterns_on_the_cluster(cluster_record):
-    rows = {row["strategy"]: row for row in cluster_record["rows"]}
+def test_gather_and_deterministic_patterns_on_the_cluster(library_cluster_check):
+    rows = {row["strategy"]: row for row in library_cluster_check["rows"]}
     check_sums({name: row["max_error"] for name, row in rows.items()
                 if row["max_error"] is not None})
     sent = {name: row["measured_egress_bytes"] for name, row in rows.items()}

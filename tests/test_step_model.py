@@ -208,20 +208,12 @@ def test_the_patterns_compute_the_sum(cluster_check):
     assert rows["two_level_float8_e4m3fn"]["max_error"] < (12 + 24) * 2 ** -4
 
 
-@pytest.fixture(scope="module")
-def library_check():
-    if REASON is not None:
-        pytest.skip(REASON)
-    kernels = {"flatten": 1e10, "unflatten": 1e10}
-    return model_bench.check_cluster(1_000_000, 1, "1gbit", kernels,
-                                     patterns=model_bench.parse_patterns("library,sharded"))
-
-
 @needs_root
-def test_the_librarys_reducer_sums_on_the_cluster(library_check):
-    rows = {row["strategy"]: row for row in library_check["rows"]}
-    assert set(rows) == {"fused_fp32", *cluster_patterns.LIBRARY_PATTERNS,
-                         *cluster_patterns.SHARDED_PATTERNS}
+def test_the_librarys_reducer_sums_on_the_cluster(library_cluster_check):
+    rows = {row["strategy"]: row for row in library_cluster_check["rows"]}
+    assert set(rows) == {"fused_fp32", *(name for group in ("library", "sharded", "gather",
+                                                            "deterministic")
+                                         for name in cluster_patterns.GROUPS[group])}
     # the same bounds as the patterns' (test_the_patterns_compute_the_sum)
     for name in ("library_flat", "library_two_level", "library_deterministic"):
         assert rows[name]["max_error"] < 1e-5, rows[name]
@@ -231,8 +223,8 @@ def test_the_librarys_reducer_sums_on_the_cluster(library_check):
 
 
 @needs_root
-def test_the_librarys_wire_bytes_across_nodes(library_check):
-    rows = {row["strategy"]: row for row in library_check["rows"]}
+def test_the_librarys_wire_bytes_across_nodes(library_cluster_check):
+    rows = {row["strategy"]: row for row in library_cluster_check["rows"]}
     for name, row in rows.items():
         if row["predicted_egress_bytes"] is not None:
             ratio = row["measured_egress_bytes"] / row["predicted_egress_bytes"]
@@ -252,8 +244,8 @@ def test_the_librarys_wire_bytes_across_nodes(library_check):
 
 
 @needs_root
-def test_the_sharded_steps_cross_node_bytes(library_check):
-    rows = {row["strategy"]: row for row in library_check["rows"]}
+def test_the_sharded_steps_cross_node_bytes(library_cluster_check):
+    rows = {row["strategy"]: row for row in library_cluster_check["rows"]}
     fp32 = rows["library_sharded_two_level"]["measured_egress_bytes"]
     # the gradients' reduce-scatter and the parameters' all-gather cross in
     # equal fp32 halves; a wire format shrinks the gradients' half only:
