@@ -18,7 +18,7 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from . import kernels
+from . import feedback_state, kernels
 from .kernels import refuse_in_capture
 from ._checks import (check_bool, check_choice, check_distinct, check_int, check_loss_scale,
                       check_prescale, tensor_list)
@@ -401,6 +401,39 @@ class ReducerSurface:
             40000
         """
         return storage_bytes(self.held_tensors())
+
+    def error_feedback_state(self) -> Optional[dict]:
+        """This rank's error-feedback residuals, for a checkpoint that resumes a
+        compressed run exactly (``wire_dtype`` with ``error_feedback=True``),
+        or None where the reducer keeps none. Not collective: each rank saves
+        its own (the residuals differ by rank). The tensors are fresh fp32
+        copies on the host; a bucket not reduced yet is saved as zeros.
+        ``DistributedOptimizer.sharded_state_dict()`` includes it.
+
+        Examples:
+            >>> torch.save(reducer.error_feedback_state(), f"ef.{rank}.pt")  # doctest: +SKIP
+            >>> reducer.load_error_feedback_state(torch.load(f"ef.{rank}.pt"))  # doctest: +SKIP
+        """
+        engine = self._engine
+        return feedback_state.state_of(engine.collective, engine.plan, engine.group,
+                                       engine.world_size)
+
+    def load_error_feedback_state(self, state: dict) -> None:
+        """Continue from residuals this rank saved with
+        ``error_feedback_state()``, in the same layout (world size, rank,
+        ``local_size``, ``wire_dtype``, buckets). Not collective.
+
+        Raises:
+            TypeError: ``state`` is not a dict, or a residual is not a tensor.
+            ValueError: this reducer keeps no residuals, ``state`` is not an
+                error-feedback state, or it was saved in another layout (the
+                entry that differs is named) or has a residual of another
+                size. Nothing is changed when an error is raised.
+        """
+        engine = self._engine
+        residuals = feedback_state.check_state(state, engine.collective, engine.plan,
+                                               engine.group, engine.world_size, "state")
+        feedback_state.load_into(engine.collective, engine.plan, residuals)
 
     def mark_reduced(self) -> None:
         """Declare ``.grad`` reduced (it was, by another reducer)."""

@@ -155,7 +155,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         deterministic: ``DistributedGradReducer``'s: the all-to-all sum in
             fp32, the same bits whatever the bucket cap and topology.
         error_feedback: ``DistributedGradReducer``'s: the quantization error
-            of a compressing ``wire_dtype`` kept and added at the next step.
+            of a compressing ``wire_dtype`` kept and added at the next step
+            (saved by ``sharded_state_dict()``, per rank).
         shard: shard the optimizer state and master weights across the group
             (see above); AdaSum stops its tree after the halving, each rank
             steps the slice it holds there, and the tree's reverse swaps
@@ -888,7 +889,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "param_groups", "state"}``: ``param_groups`` as in
             ``state_dict()``, ``state`` this rank's elements of each
             parameter's state, packed into a few tensors (one per state key
-            and dtype; ``fusedreduce.sharded_checkpoint``).
+            and dtype; ``fusedreduce.sharded_checkpoint``); with
+            ``error_feedback``, also ``"error_feedback"``: this rank's
+            residuals (``DistributedGradReducer.error_feedback_state()``),
+            which ``load_sharded_state_dict`` puts back when the run has
+            the layout they were saved in, and otherwise warns that error
+            feedback starts at zero.
 
         Examples:
             >>> torch.save(opt.sharded_state_dict(), f"ckpt/optim.{dist.get_rank()}.pt")  # doctest: +SKIP

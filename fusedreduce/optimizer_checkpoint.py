@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 from typing import List, Optional, Sequence
 
 import torch
 
+from . import feedback_state
 from ._checks import check_instance, check_int
 from .checkpoint_group import checkpoint_group, meet_for, rank_in
 from .param_swap import params_of, swapped
@@ -111,8 +113,12 @@ def sharded_state_dict(opt, strategy, wrapped, steps: int) -> dict:
     world_size = strategy.reducer.world_size
     rank = strategy.options.rank
     pieces = strategy.checkpoint_pieces(opt, rank, world_size)
-    return sharded_state(rank, world_size, [p.shape for p in params],
-                         param_groups_only(opt, wrapped), pieces, steps=steps)
+    state = sharded_state(rank, world_size, [p.shape for p in params],
+                          param_groups_only(opt, wrapped), pieces, steps=steps)
+    feedback = strategy.reducer.error_feedback_state()
+    if feedback is not None:
+        state["error_feedback"] = feedback
+    return state
 
 
 def load_sharded_state_dict(opt, strategy, wrapped, shards: Sequence[ShardSource]) -> None:
@@ -122,8 +128,41 @@ def load_sharded_state_dict(opt, strategy, wrapped, shards: Sequence[ShardSource
     check_shapes(loaded, [p.shape for p in params_of(opt)],
                  [len(g["params"]) for g in opt.param_groups])
     by_index = pieces_by_index(loaded)
+    residuals = _saved_residuals(strategy, loaded)
     strategy.finish_param_gather()
     strategy.load_pieces(opt, wrapped, loaded, by_index)
+    if residuals is not None:
+        feedback_state.load_into(strategy.reducer._engine.collective, strategy.reducer.plan,
+                                 residuals)
+
+
+def _saved_residuals(strategy, loaded: Sequence[dict]):
+    """This rank's saved error-feedback residuals where the save has them in
+    this run's layout, checked; None otherwise (with a warning where the save
+    has residuals this run cannot take: its error feedback starts at zero)."""
+    reducer = strategy.reducer
+    engine = reducer._engine
+    if feedback_state.layout_of(engine.collective, engine.plan, engine.group,
+                                engine.world_size) is None:
+        return None  # no error feedback now: nothing to continue
+    rank = strategy.options.rank
+    own = [item for item in loaded
+           if item["world_size"] == engine.world_size and item["rank"] == rank]
+    saved = own[0].get("error_feedback") if own else None
+    if saved is None:
+        if any("error_feedback" in item for item in loaded):
+            warnings.warn(
+                f"the checkpoint has error-feedback residuals of {loaded[0]['world_size']} "
+                f"ranks, this run has {engine.world_size}: error feedback starts at zero "
+                f"(residuals load only into the layout they were saved in)", stacklevel=4)
+        return None
+    try:
+        return feedback_state.check_state(saved, engine.collective, engine.plan, engine.group,
+                                          engine.world_size,
+                                          f"the error_feedback of rank {rank}'s shard")
+    except ValueError as error:
+        warnings.warn(f"{error}; error feedback starts at zero", stacklevel=4)
+        return None
 
 
 def is_checkpoint_initialisation(opt, reducer) -> bool:

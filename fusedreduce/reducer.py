@@ -120,7 +120,7 @@ class DistributedGradReducer(ReducerSurface):
         error_feedback: with a compressing ``wire_dtype``: keep each
             bucket's quantization error (fp32, 4 bytes per element
             quantized) and add it to the next reduction's values, in the
-            same pass.
+            same pass; ``error_feedback_state()`` saves it for a resume.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.

@@ -71,6 +71,7 @@ LAYERS = {
     "node_collectives": "collectives and pipelines",
     "wire_collectives": "collectives and pipelines",
     "node_scatter": "collectives and pipelines",
+    "feedback_state": "collectives and pipelines",
     # running the buckets during backward
     "overlap": "engine",
     "bucket_engine": "engine",
