@@ -14,9 +14,11 @@ text is the documentation of Python's standard library as it ships (the
 docstrings of a fixed list of modules, read from their source: nothing is
 downloaded); its last tenth is the validation set, never trained on.
 
-For each wire (``fp32``: full precision; ``bf16``; ``e4m3`` and ``int8``,
-blockwise with an fp32 scale per block, each with and without error
-feedback) and each seed, rank 0 records the validation loss every
+For each wire (``fp32``: full precision, the fixed-order sum;
+``fp32-order``: full precision in gloo's own order, whose gap to ``fp32``
+is what a mere rounding difference does to a run; ``bf16``; ``e4m3`` and
+``int8``, blockwise with an fp32 scale per block, each with and without
+error feedback) and each seed, rank 0 records the validation loss every
 ``--eval-every`` iterations; the report gives the final validation loss
 against the fp32 wire's of the same seed, and the iteration at which the
 validation loss first reached the target (the fp32 wire's final loss times
@@ -49,6 +51,9 @@ from fusedreduce.local_ranks import run_on_local_ranks  # noqa: E402
 #: the wire formats compared: (name, wire_dtype, error_feedback)
 WIRES = {
     "fp32": (torch.float32, False),
+    # the default sum (no wire_dtype): fp32 too, in gloo's order, so its gap
+    # to "fp32" is what another rounding of the same sums does to a run
+    "fp32-order": (None, False),
     "bf16": (torch.bfloat16, False),
     "e4m3": (torch.float8_e4m3fn, False),
     "e4m3+ef": (torch.float8_e4m3fn, True),
@@ -170,12 +175,12 @@ def report(results: list, args, where: str) -> None:
     print(f"train_wire: {where}; {args.iterations} iterations x {args.batch} windows of "
           f"{args.context} per rank, seeds {args.seeds}; target = fp32 final x "
           f"(1 + {args.target_margin})")
-    print(f"{'wire':>8}  {'final val loss':>14}  {'vs fp32 (worst seed)':>20}  "
+    print(f"{'wire':>10}  {'final val loss':>14}  {'vs fp32 (worst seed)':>20}  "
           f"{'iteration at target':>20}  {'s/run':>6}  ranks equal")
     for row in summarise(results, args):
         worst = "-" if row["worst_relative"] is None else f"{row['worst_relative']:+.3%}"
         reached = ",".join("-" if r is None else str(r) for r in row["reached"]) or "-"
-        print(f"{row['wire']:>8}  {row['final']:14.4f}  {worst:>20}  {reached:>20}  "
+        print(f"{row['wire']:>10}  {row['final']:14.4f}  {worst:>20}  {reached:>20}  "
               f"{row['seconds']:6.1f}  {row['ranks_equal']}")
     if args.json:
         with open(args.json, "w") as handle:

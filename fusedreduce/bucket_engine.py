@@ -402,6 +402,13 @@ class ReducerSurface:
         """
         return storage_bytes(self.held_tensors())
 
+    @property
+    def keeps_error_feedback(self) -> bool:
+        """Whether this reducer keeps error-feedback residuals (a compressing
+        ``wire_dtype`` with ``error_feedback=True``, over more than one rank)."""
+        engine = self._engine
+        return feedback_state.residual_numels(engine.collective, engine.plan) is not None
+
     def error_feedback_state(self) -> Optional[dict]:
         """This rank's error-feedback residuals, for a checkpoint that resumes a
         compressed run exactly (``wire_dtype`` with ``error_feedback=True``),

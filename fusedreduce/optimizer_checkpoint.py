@@ -26,7 +26,6 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import feedback_state
 from ._checks import check_instance, check_int
 from .checkpoint_group import checkpoint_group, meet_for, rank_in
 from .param_swap import params_of, swapped
@@ -128,41 +127,33 @@ def load_sharded_state_dict(opt, strategy, wrapped, shards: Sequence[ShardSource
     check_shapes(loaded, [p.shape for p in params_of(opt)],
                  [len(g["params"]) for g in opt.param_groups])
     by_index = pieces_by_index(loaded)
-    residuals = _saved_residuals(strategy, loaded)
     strategy.finish_param_gather()
     strategy.load_pieces(opt, wrapped, loaded, by_index)
-    if residuals is not None:
-        feedback_state.load_into(strategy.reducer._engine.collective, strategy.reducer.plan,
-                                 residuals)
+    _continue_error_feedback(strategy.reducer, strategy.options.rank, loaded)
 
 
-def _saved_residuals(strategy, loaded: Sequence[dict]):
-    """This rank's saved error-feedback residuals where the save has them in
-    this run's layout, checked; None otherwise (with a warning where the save
-    has residuals this run cannot take: its error feedback starts at zero)."""
-    reducer = strategy.reducer
-    engine = reducer._engine
-    if feedback_state.layout_of(engine.collective, engine.plan, engine.group,
-                                engine.world_size) is None:
-        return None  # no error feedback now: nothing to continue
-    rank = strategy.options.rank
+def _continue_error_feedback(reducer, rank: int, loaded: Sequence[dict]) -> None:
+    """Put back this rank's saved error-feedback residuals where the save
+    has them in this run's layout; where it has residuals this run cannot
+    take, warn that error feedback starts at zero (never raise: the state
+    is loaded by then, and the residuals are not needed to go on)."""
+    if not reducer.keeps_error_feedback:
+        return  # no error feedback now: nothing to continue
     own = [item for item in loaded
-           if item["world_size"] == engine.world_size and item["rank"] == rank]
+           if item["world_size"] == reducer.world_size and item["rank"] == rank]
     saved = own[0].get("error_feedback") if own else None
     if saved is None:
         if any("error_feedback" in item for item in loaded):
             warnings.warn(
                 f"the checkpoint has error-feedback residuals of {loaded[0]['world_size']} "
-                f"ranks, this run has {engine.world_size}: error feedback starts at zero "
+                f"ranks, this run has {reducer.world_size}: error feedback starts at zero "
                 f"(residuals load only into the layout they were saved in)", stacklevel=4)
-        return None
+        return
     try:
-        return feedback_state.check_state(saved, engine.collective, engine.plan, engine.group,
-                                          engine.world_size,
-                                          f"the error_feedback of rank {rank}'s shard")
-    except ValueError as error:
-        warnings.warn(f"{error}; error feedback starts at zero", stacklevel=4)
-        return None
+        reducer.load_error_feedback_state(saved)
+    except (TypeError, ValueError) as error:
+        warnings.warn(f"the error_feedback of rank {rank}'s shard: {error}; error feedback "
+                      f"starts at zero", stacklevel=4)
 
 
 def is_checkpoint_initialisation(opt, reducer) -> bool:

@@ -186,14 +186,15 @@ def _reducer_calls(rank, world_size):
             "equal": all(torch.equal(a, b) for a, b in zip(third, again)),
             "cold equal": all(torch.equal(a, b) for a, b in zip(third, cold)),
             "bad": bad, "untouched": untouched, "no feedback": no_feedback,
-            "plain state": plain.error_feedback_state()}
+            "plain state": plain.error_feedback_state(),
+            "keeps": (first.keeps_error_feedback, plain.keeps_error_feedback)}
 
 
 def test_the_reducers_state_round_trips_through_a_weights_only_file_and_continues_exactly():
     for seen in run_ranks(_reducer_calls, 2):
         assert seen["zeros before"] and seen["nonzero after"]
         assert seen["equal"] and not seen["cold equal"]
-        assert seen["plain state"] is None
+        assert seen["plain state"] is None and seen["keeps"] == (True, False)
 
 
 def test_bad_states_are_refused_by_name_and_change_nothing():
