@@ -15,8 +15,8 @@ docstrings of a fixed list of modules, read from their source: nothing is
 downloaded); its last tenth is the validation set, never trained on.
 
 For each wire (``fp32``: full precision, the fixed-order sum;
-``fp32-order``: full precision in gloo's own order, whose gap to ``fp32``
-is what a mere rounding difference does to a run; ``bf16``; ``e4m3`` and
+``fp32-ring``: full precision, gloo's ring over all ranks, whose gap to
+``fp32`` is what a mere rounding difference does to a run; ``bf16``; ``e4m3`` and
 ``int8``, blockwise with an fp32 scale per block, each with and without
 error feedback) and each seed, rank 0 records the validation loss every
 ``--eval-every`` iterations; the report gives the final validation loss
@@ -51,9 +51,10 @@ from fusedreduce.local_ranks import run_on_local_ranks  # noqa: E402
 #: the wire formats compared: (name, wire_dtype, error_feedback)
 WIRES = {
     "fp32": (torch.float32, False),
-    # the default sum (no wire_dtype): fp32 too, in gloo's order, so its gap
-    # to "fp32" is what another rounding of the same sums does to a run
-    "fp32-order": (None, False),
+    # the default sum (no wire_dtype) over all ranks flat (gloo's ring): fp32
+    # too, in another order than fp32's pairwise tree, so its gap to "fp32"
+    # is what another rounding of the same sums does to a run
+    "fp32-ring": (None, False),
     "bf16": (torch.bfloat16, False),
     "e4m3": (torch.float8_e4m3fn, False),
     "e4m3+ef": (torch.float8_e4m3fn, True),
@@ -115,7 +116,8 @@ def train(wire: str, seed: int, args, train_data, valid_data, vocabulary: int) -
         torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                            {"params": no_decay, "weight_decay": 0.0}],
                           lr=args.lr, betas=(0.9, 0.95)),
-        local_size=args.local_size, wire_dtype=wire_dtype, error_feedback=feedback,
+        local_size=1 if wire == "fp32-ring" else args.local_size, wire_dtype=wire_dtype,
+        error_feedback=feedback,
         max_grad_norm=args.grad_clip, shard=args.shard)
     data_generator = torch.Generator().manual_seed(seed * 1000 + rank)
     curve, started = [], time.perf_counter()
