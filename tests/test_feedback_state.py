@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness import run_ranks
+import fusedreduce
 from fusedreduce import DistributedGradReducer, DistributedOptimizer
 
 CONFIGS = {
@@ -53,12 +54,12 @@ def _params(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _resume(rank, world_size, options, saved, drop_residuals=False):
+def _resume(rank, world_size, options, saved, drop_residuals=False, files=None):
     """A fresh model and optimizer with ``options`` from ``saved`` (every
-    rank's ``(parameters, sharded_state_dict())``), two more steps: (the
-    parameters, the warnings)."""
+    rank's ``(parameters, sharded_state_dict())``, or the files they were
+    saved to), two more steps: (the parameters, the warnings)."""
     params, _ = saved[rank]
-    shards = [dict(shard) for _, shard in saved]
+    shards = files or [dict(shard) for _, shard in saved]
     if drop_residuals:
         for shard in shards:
             shard.pop("error_feedback", None)
@@ -75,7 +76,7 @@ def _resume(rank, world_size, options, saved, drop_residuals=False):
     return _params(model), [str(w.message) for w in caught]
 
 
-def _resumes(rank, world_size):
+def _resumes(rank, world_size, directory):
     """Per configuration: the continued run's parameters against the resumed
     run's, with and without the saved residuals; then a save resumed in
     another layout."""
@@ -91,13 +92,19 @@ def _resumes(rank, world_size):
         for step in (2, 3):
             _step(model, opt, rank, step)
         continued = _params(model)
-        resumed, caught = _resume(rank, world_size, options, saved)
+        # through files, as a job saves them: read back weights-only, mapped
+        files = [f"{directory}/{name}.{r}.pt".replace(" ", "_") for r in range(world_size)]
+        torch.save(shard, files[rank])
+        dist.barrier()
+        resumed, caught = _resume(rank, world_size, options, saved, files=files)
+        consolidated = fusedreduce.consolidate_sharded_state_dict(files)
         without, _ = _resume(rank, world_size, options, saved, drop_residuals=True)
         out[name] = {
             "has residuals": "error_feedback" in shard,
             "resumed equal": all(torch.equal(a, b) for a, b in zip(continued, resumed)),
             "without equal": all(torch.equal(a, b) for a, b in zip(continued, without)),
             "warnings": caught,
+            "consolidated": sorted(consolidated) == ["param_groups", "state"],
         }
         if name == "int8, flat":
             # another wire format: the moments load, error feedback restarts at zero
@@ -107,9 +114,9 @@ def _resumes(rank, world_size):
 
 
 @pytest.fixture(scope="module")
-def resumes():
+def resumes(tmp_path_factory):
     # 4 ranks as 2 nodes of 2, one launch for every configuration
-    return run_ranks(_resumes, 4, timeout=240)
+    return run_ranks(_resumes, 4, str(tmp_path_factory.mktemp("feedback")), timeout=240)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -119,6 +126,7 @@ def test_a_compressed_run_resumes_bit_for_bit_with_its_residuals(resumes, name):
         assert got["has residuals"], (rank, name)
         assert got["resumed equal"], (rank, name)
         assert got["warnings"] == [], (rank, got["warnings"])
+        assert got["consolidated"], rank  # the residuals are no part of the whole dict
         # what a save without the residuals gives: another run
         assert not got["without equal"], (rank, name)
 
