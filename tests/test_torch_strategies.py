@@ -145,7 +145,7 @@ def test_torch_ops_are_offered_and_forced_on_a_training_layout(src, dst, scale, 
     expected = reference_flatten(tensors, dst, scale)
     launch = flatten_launch(tensors, out)
     assert set(launch.choice.candidates[scale == 1.0]) == {"routes"} | offered
-    for strategy in STRATEGIES:
+    for strategy in ("routes", *sorted(offered)):
         with forcing(strategy):
             launch = flatten_launch(tensors, out)
         assert launch.choice.chosen[scale == 1.0] == strategy
@@ -157,7 +157,9 @@ def test_torch_ops_are_offered_and_forced_on_a_training_layout(src, dst, scale, 
 @pytest.mark.parametrize("flat_dtype, dst, scale, offered", [
     (F32, F16, 0.125, set()),  # a copy then a scale would round twice
     (F32, BF16, 1.0, {"foreach", "per_tensor"}),
-    (F32, F32, 1 / 3, {"foreach", "concat", "per_tensor"}),
+    # destinations in the buffer's dtype: the products in a scratch, then copies
+    (F32, F32, 1 / 3, {"foreach", "concat", "per_tensor", "scratch"}),
+    (F64, F64, 0.3, {"foreach", "concat", "per_tensor", "scratch"}),
     (F32, F64, -0.7, {"foreach", "per_tensor"}),
 ])
 def test_torch_ops_are_offered_and_forced_on_an_unflatten(flat_dtype, dst, scale, offered):

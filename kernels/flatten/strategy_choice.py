@@ -20,8 +20,11 @@ STRATEGY_VARIABLE = "FUSEDREDUCE_TORCH_STRATEGY"
 #: ``_foreach_copy_``, then one ``mul_`` of the whole buffer or one
 #: ``_foreach_mul_`` of the outputs), ``concat`` (``torch.cat(out=)`` /
 #: ``torch.split_with_sizes_copy(out=)``, packed contiguous layouts),
-#: ``per_tensor`` (one ``copy_`` per tensor, then the same scaling)
-STRATEGIES = ("routes", "foreach", "concat", "per_tensor")
+#: ``per_tensor`` (one ``copy_`` per tensor, then the same scaling),
+#: ``scratch`` (a scaled unflatten into the buffer's own dtype: each run of
+#: segments multiplied into a kept scratch while in cache, then one
+#: ``_foreach_copy_``, where the others scale every destination apart)
+STRATEGIES = ("routes", "foreach", "concat", "per_tensor", "scratch")
 #: a trial runs every candidate, round-robin, at least the first and at most
 #: the second number of rounds, and starts no new round once it has taken
 #: ``TRIAL_BUDGET_S``: the minimum of several runs, so that one run slowed by

@@ -339,6 +339,9 @@ def _bind_nothing(binding) -> None:
 class ScaledNarrowing:
     """The third route of a scaled unflatten from an fp32 buffer: 16-bit
     destinations, each ``cast(x * scale)`` rounded once from the fp32 product.
+    (Built over every pair, in the buffer's dtype, it is also the ``scratch``
+    strategy of destinations in the buffer's own fp32/fp64 dtype: the same
+    products, then exact copies.)
 
     One ``torch.mul(src, scale, out=dst)`` per pair does that, but a
     type-converting ``mul`` costs several microseconds per call and streams
@@ -370,7 +373,7 @@ class ScaledNarrowing:
                 runs.append([lo, hi, [i]])
         alias = flat.detach()
         scratch = torch.empty(max((hi - lo for lo, hi, _ in runs), default=0),
-                              dtype=torch.float32, device=flat.device)
+                              dtype=flat.dtype, device=flat.device)
         self.runs = []
         for lo, hi, indices_ in runs:
             views = _segment_views(scratch, [starts[i] - lo for i in indices_],
@@ -422,13 +425,18 @@ def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
     alias = flat.detach()
     segments = _segment_views(alias, starts, tensors)
     plan = CopyPlan([t.dtype for t in tensors], [flat.dtype] * len(tensors))
-    narrowing = None
+    narrowing = scaled_copies = None
     if flat.dtype == torch.float32 and plan.routes(False)[2]:
         narrowing = ScaledNarrowing(flat, starts, tensors, plan.routes(False)[2])
+    if tensors and all(t.dtype == flat.dtype for t in tensors) \
+            and len(plan.routes(False)[1]) == len(tensors):
+        # destinations in the buffer's (fp32/fp64) dtype: the products in a kept
+        # scratch run by run, then copied (the same bits as a copy then a scale)
+        scaled_copies = ScaledNarrowing(flat, starts, tensors, range(len(tensors)))
     numels = [t.numel() for t in tensors]
     packed = list(starts) == packed_boundaries(numels)[:-1] \
         and all(t.is_contiguous() and t.dtype == flat.dtype for t in tensors)
-    choice = Choice(_unflatten_candidates(plan, segments, narrowing,
+    choice = Choice(_unflatten_candidates(plan, segments, narrowing, scaled_copies,
                                           alias.narrow(0, 0, sum(numels)) if packed else None,
                                           numels),
                     forced, trial=flat.device.type == "cpu")
@@ -447,8 +455,8 @@ def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
 ACCUMULATE = "accumulate"
 
 
-def _unflatten_candidates(plan: CopyPlan, segments, narrowing, packed: Optional[torch.Tensor],
-                          numels: Sequence[int]):
+def _unflatten_candidates(plan: CopyPlan, segments, narrowing, scaled_copies,
+                          packed: Optional[torch.Tensor], numels: Sequence[int]):
     """``{kind: {name: fn(tensors, scale)}}``: the strategies that write the
     segments into the tensors exactly as ``routes`` does. torch's ops are
     offered where every pair takes one ``_foreach_copy_`` (scale 1) or a copy
@@ -485,6 +493,9 @@ def _unflatten_candidates(plan: CopyPlan, segments, narrowing, packed: Optional[
         candidates[unit] = {"routes": routes}
         if segments and len(plan.routes(unit)[route]) == len(segments):
             candidates[unit].update((name, scaled(copy)) for name, copy in copies.items())
+    if scaled_copies is not None:
+        candidates[False]["scratch"] = lambda tensors, scale: scaled_copies(
+            tensors, segments, scale)
     return candidates
 
 
