@@ -486,7 +486,7 @@ def test_strided_inputs_and_outputs_repeated(backend, prepares):
     assert prepares == {"flatten": 1, "unflatten": 1}
 
 
-# ------------------------- 7. scaled fp32 -> 16-bit unflatten (torch: ScaledNarrowing)
+# ------------------------- 7. scaled fp32 -> 16-bit unflatten (torch: ScratchRuns)
 
 def narrowing_case():
     """Small and large (>= CACHE_PIECE) 16-bit destinations, fp32 ones among them,
@@ -519,12 +519,12 @@ def fill_flat(flat, offsets, destinations, seed):
 
 def test_scaled_narrowing_rounds_once_from_the_fp32_product(backend, prepares, monkeypatch):
     narrowed = []
-    original = torch_backend.ScaledNarrowing.__call__
+    original = torch_backend.ScratchRuns.__call__
 
     def spy(self, *args):
         narrowed.append(self)
         return original(self, *args)
-    monkeypatch.setattr(torch_backend.ScaledNarrowing, "__call__", spy)
+    monkeypatch.setattr(torch_backend.ScratchRuns, "__call__", spy)
     destinations, offsets, size = narrowing_case()
     flat = torch.empty(size, dtype=F32)
     scales_used = [0.1, -3.0000001, 1.0, 2.0 ** -20, 1e4] if backend == "torch" else [0.1, 1.0]
@@ -541,7 +541,7 @@ def test_scaled_narrowing_rounds_once_from_the_fp32_product(backend, prepares, m
         assert_unflattened(flat, destinations, scale, offsets, f"scale {scale}")
     assert prepares["unflatten"] == 1
     if backend == "torch":
-        assert len(narrowed) >= len(scales_used) - 1, "ScaledNarrowing was not exercised"
+        assert len(narrowed) >= len(scales_used) - 1, "ScratchRuns was not exercised"
 
 
 # ------------------------------------------------------- 8. repeated round trips

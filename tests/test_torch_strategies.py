@@ -133,6 +133,9 @@ CASES = [  # (source dtype, buffer dtype, scale, the strategies offered besides 
     (F32, F32, 1 / 3, {"foreach", "concat", "per_tensor"}),
     (F32, F64, -0.7, {"foreach", "concat", "per_tensor"}),
     (F32, F16, 1.0, {"foreach", "concat", "per_tensor"}),
+    # 16-bit results of a scale: the products in an fp32 scratch, run by run
+    (F32, F16, 0.125, {"scratch"}),
+    (BF16, BF16, 3.0, {"scratch"}),
 ]
 SHAPES = [(3, 5), (0,), (1,), (7,), (2, 3, 4), (33,)]
 

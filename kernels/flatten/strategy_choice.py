@@ -21,9 +21,10 @@ STRATEGY_VARIABLE = "FUSEDREDUCE_TORCH_STRATEGY"
 #: ``_foreach_mul_`` of the outputs), ``concat`` (``torch.cat(out=)`` /
 #: ``torch.split_with_sizes_copy(out=)``, packed contiguous layouts),
 #: ``per_tensor`` (one ``copy_`` per tensor, then the same scaling),
-#: ``scratch`` (a scaled unflatten into the buffer's own dtype: each run of
-#: segments multiplied into a kept scratch while in cache, then one
-#: ``_foreach_copy_``, where the others scale every destination apart)
+#: ``scratch`` (a scaled unflatten into the buffer's own dtype, or a scaled
+#: flatten into a 16-bit buffer: each run of segments multiplied in a kept
+#: fp32/fp64 scratch while in cache, where the others scale every tensor
+#: apart)
 STRATEGIES = ("routes", "foreach", "concat", "per_tensor", "scratch")
 #: a trial runs every candidate, round-robin, at least the first and at most
 #: the second number of rounds, and starts no new round once it has taken

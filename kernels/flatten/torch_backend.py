@@ -11,7 +11,7 @@ listed in ``CopyPlan``): a copy that rounds as the kernels do is one
 ``_foreach_copy_`` for every such pair; a scale on an fp32/fp64 destination
 adds one ``_foreach_mul_`` (or, filling a flat buffer, one ``mul_`` per run of
 segments); a scaled 16-bit destination takes one ``torch.mul(src, scale,
-out=dst)`` per pair (from an fp32 buffer: ``ScaledNarrowing``); only fp64
+out=dst)`` per pair (from an fp32 buffer: ``ScratchRuns``); only fp64
 into 16 bits and fp16<->bf16 with a scale go piece by piece.
 
 Those routes are one *strategy*; torch's own multi-tensor ops are others
@@ -26,7 +26,6 @@ same bits whichever runs. ``FUSEDREDUCE_TORCH_STRATEGY`` forces one.
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -37,15 +36,11 @@ from .._checks import refuse_in_capture
 # docstrings and its users name them here
 from .strategy_choice import (STRATEGIES, STRATEGY_VARIABLE, TRIAL_ROUNDS,  # noqa: F401
                               Choice, forced_strategy)
+# SCALE_GROUP is re-exported: the tests read the run size here
+from .scratch_runs import SCALE_GROUP, ScratchRuns, segment_views  # noqa: F401
 
 # elements per piece: 256 KiB of fp32, so the second pass over a piece hits L2
 CACHE_PIECE = 1 << 16
-# a scaled flatten fills the buffer in runs of segments of about this many
-# elements, each run copied and then scaled while it is still in cache,
-# instead of one scaling pass over the whole buffer from memory: at 25.6M
-# elements 9.3 ms against 12.2 ms for ResNet-50's gradients on the 2-core VM
-# (the single-tensor copy: 6.9 ms), and no slower at 4M elements
-SCALE_GROUP = 1 << 20
 
 _WIDENS_TO = {
     torch.float16: {torch.float32, torch.float64},
@@ -90,33 +85,6 @@ def _apply(op, dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
 
 def _exact(dst_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
     return dst_dtype == src_dtype or dst_dtype in _WIDENS_TO[src_dtype]
-
-
-@functools.lru_cache(maxsize=4096)
-def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def _segment_views(flat: torch.Tensor, starts, tensors):
-    """Each tensor's segment of ``flat`` as a view in the tensor's own shape.
-
-    One view op per tensor (creating a view costs microseconds on the CPU and a
-    model has hundreds of gradients): the pairs ``(view, tensor)`` then go to
-    ``copy_``/``mul`` as they are, whatever the tensor's strides.
-    """
-    base = flat.storage_offset()
-    views = []
-    for off, t in zip(starts, tensors):
-        shape = t.shape
-        if len(shape) == 1:
-            views.append(flat.narrow(0, off, shape[0]))
-        else:
-            views.append(flat.as_strided(shape, _contiguous_strides(tuple(shape)), base + off))
-    return views
 
 
 def _gap_views(flat: torch.Tensor, starts, numels, extents):
@@ -254,12 +222,18 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
     forced = forced_strategy()
     alias = out.detach()  # the views keep the memory, not the caller's tensor object
     numels = [t.numel() for t in tensors]
-    segments = _segment_views(alias, starts, tensors)
+    segments = segment_views(alias, starts, tensors)
     gaps = _gap_views(alias, starts, numels, extents)
     runs = _scale_runs(alias, starts, numels)
     plan = CopyPlan([out.dtype] * len(tensors), [t.dtype for t in tensors])
     packed = not gaps and all(t.is_contiguous() for t in tensors)
-    choice = Choice(_flatten_candidates(plan, segments, runs, alias, packed), forced,
+    widening = None
+    if tensors and len(plan.routes(False)[2]) == len(tensors):
+        # 16-bit results of a scale: the products in a kept fp32 scratch run by
+        # run (the same fp32 products, rounded once), not one mul per tensor
+        widening = ScratchRuns(alias, starts, tensors, range(len(tensors)),
+                                   scratch_dtype=torch.float32)
+    choice = Choice(_flatten_candidates(plan, segments, runs, alias, packed, widening), forced,
                     trial=out.device.type == "cpu")
 
     def launch(tensors, out, scale, check_finite):
@@ -276,7 +250,8 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
     return launch
 
 
-def _flatten_candidates(plan: CopyPlan, segments, runs, flat: torch.Tensor, packed: bool):
+def _flatten_candidates(plan: CopyPlan, segments, runs, flat: torch.Tensor, packed: bool,
+                        widening=None):
     """``{unit scale: {name: fn(tensors, scale)}}``: the strategies that fill
     ``flat``'s segments exactly as ``routes`` does. torch's ops are offered
     where every pair takes one ``_foreach_copy_`` (scale 1) or a copy then a
@@ -305,6 +280,9 @@ def _flatten_candidates(plan: CopyPlan, segments, runs, flat: torch.Tensor, pack
         candidates[unit] = {"routes": routes}
         if segments and len(plan.routes(unit)[route]) == len(segments):
             candidates[unit].update((name, scaled(copy)) for name, copy in copies.items())
+    if widening is not None:
+        candidates[False]["scratch"] = lambda tensors, scale: widening.fill(
+            segments, tensors, scale)
     return candidates
 
 
@@ -336,64 +314,6 @@ def _bind_nothing(binding) -> None:
     """``bind`` of this backend's launches: nothing to switch."""
 
 
-class ScaledNarrowing:
-    """The third route of a scaled unflatten from an fp32 buffer: 16-bit
-    destinations, each ``cast(x * scale)`` rounded once from the fp32 product.
-    (Built over every pair, in the buffer's dtype, it is also the ``scratch``
-    strategy of destinations in the buffer's own fp32/fp64 dtype: the same
-    products, then exact copies.)
-
-    One ``torch.mul(src, scale, out=dst)`` per pair does that, but a
-    type-converting ``mul`` costs several microseconds per call and streams
-    slowly. Instead the segments go in runs of about ``SCALE_GROUP``
-    elements (consecutive segments of the buffer, gaps of up to
-    ``MERGE_GAP`` elements included): each run is multiplied into a kept fp32
-    scratch tensor of one run's size (one ``mul``, the same fp32 products),
-    and one ``_foreach_copy_`` rounds the run's segments into their
-    destinations while the scratch is still in cache. Segments over
-    ``4 * SCALE_GROUP`` elements keep their own ``mul`` (a scratch that large
-    would fall out of cache).
-    """
-
-    # segments this close together share a run (the gap is multiplied too)
-    MERGE_GAP = 256
-
-    def __init__(self, flat: torch.Tensor, starts: Sequence[int], tensors, indices):
-        self.large = [i for i in indices if tensors[i].numel() > 4 * SCALE_GROUP]
-        members = sorted((i for i in indices if 0 < tensors[i].numel() <= 4 * SCALE_GROUP),
-                         key=lambda i: starts[i])
-        runs = []  # [lo, hi, member indices]
-        for i in members:
-            lo, hi = starts[i], starts[i] + tensors[i].numel()
-            if runs and lo - runs[-1][1] <= self.MERGE_GAP \
-                    and runs[-1][1] - runs[-1][0] < SCALE_GROUP:
-                runs[-1][1] = max(runs[-1][1], hi)
-                runs[-1][2].append(i)
-            else:
-                runs.append([lo, hi, [i]])
-        alias = flat.detach()
-        scratch = torch.empty(max((hi - lo for lo, hi, _ in runs), default=0),
-                              dtype=flat.dtype, device=flat.device)
-        self.runs = []
-        for lo, hi, indices_ in runs:
-            views = _segment_views(scratch, [starts[i] - lo for i in indices_],
-                                   [tensors[i] for i in indices_])
-            # members that are a slice of the caller's list are passed as one
-            first = indices_[0]
-            picked = slice(first, first + len(indices_)) \
-                if indices_ == list(range(first, first + len(indices_))) else indices_
-            self.runs.append((alias.narrow(0, lo, hi - lo), scratch.narrow(0, 0, hi - lo),
-                              picked, views))
-
-    def __call__(self, dsts, srcs, scale: float) -> None:
-        for i in self.large:
-            torch.mul(srcs[i], scale, out=dsts[i])
-        for flat_run, scratch_run, picked, views in self.runs:
-            torch.mul(flat_run, scale, out=scratch_run)
-            targets = dsts[picked] if type(picked) is slice else [dsts[i] for i in picked]
-            torch._foreach_copy_(targets, views)
-
-
 def _scale_runs(flat: torch.Tensor, starts: Sequence[int], numels: Sequence[int]):
     """``(first, end, piece)``: consecutive segments of about ``SCALE_GROUP``
     elements, and the part of ``flat`` from the first one's start to the next
@@ -423,16 +343,16 @@ def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
     """
     forced = forced_strategy()
     alias = flat.detach()
-    segments = _segment_views(alias, starts, tensors)
+    segments = segment_views(alias, starts, tensors)
     plan = CopyPlan([t.dtype for t in tensors], [flat.dtype] * len(tensors))
     narrowing = scaled_copies = None
     if flat.dtype == torch.float32 and plan.routes(False)[2]:
-        narrowing = ScaledNarrowing(flat, starts, tensors, plan.routes(False)[2])
+        narrowing = ScratchRuns(flat, starts, tensors, plan.routes(False)[2])
     if tensors and all(t.dtype == flat.dtype for t in tensors) \
             and len(plan.routes(False)[1]) == len(tensors):
         # destinations in the buffer's (fp32/fp64) dtype: the products in a kept
         # scratch run by run, then copied (the same bits as a copy then a scale)
-        scaled_copies = ScaledNarrowing(flat, starts, tensors, range(len(tensors)))
+        scaled_copies = ScratchRuns(flat, starts, tensors, range(len(tensors)))
     numels = [t.numel() for t in tensors]
     packed = list(starts) == packed_boundaries(numels)[:-1] \
         and all(t.is_contiguous() and t.dtype == flat.dtype for t in tensors)
@@ -464,7 +384,7 @@ def _unflatten_candidates(plan: CopyPlan, segments, narrowing, scaled_copies,
     ``_foreach_mul_`` rounds the scale to it, as the rule says). A scaled
     16-bit destination has ``routes`` alone: a copy then a scale would round
     twice, and the one-rounding ``torch.mul(out=)`` per pair is what
-    ``ScaledNarrowing`` exists to beat. Accumulating has ``routes`` alone: a
+    ``ScratchRuns`` exists to beat. Accumulating has ``routes`` alone: a
     trial would add more than once."""
 
     def routes(tensors, scale):
