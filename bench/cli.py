@@ -54,20 +54,13 @@ DEVICE_TIMER = kernels_bench.DEVICE_TIMER
 COLLECTIVE_TIMER = "perf_counter after a barrier, the slowest rank's, round-robin"
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def build_parser(prog: str = "fusedreduce-bench") -> argparse.ArgumentParser:
     """The command line: one subcommand per entry of ``COMMANDS``, the same options on each."""
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--quick", action="store_true",
                          help="small sizes and few repeats: `all --quick` takes about a "
                               "minute on a 2-core CPU with 2 workers")
-    options.add_argument("--world-size", type=_positive_int, metavar="N",
+    options.add_argument("--world-size", type=common.positive_number(int), metavar="N",
                          help="collectives: spawn N local workers (default 2; gloo on the "
                               "CPU, NCCL with one GPU each); under torchrun the launch's size")
     options.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -86,7 +79,7 @@ def build_parser(prog: str = "fusedreduce-bench") -> argparse.ArgumentParser:
                          default=list(TENSOR_LISTS),
                          help="kernels: tensor lists, comma-separated (default "
                               "resnet50,transformer)")
-    options.add_argument("--repeats", type=_positive_int,
+    options.add_argument("--repeats", type=common.positive_number(int),
                          help="timed calls per method, median kept (default: kernels 20, "
                               "collectives 7; --quick 10 and 3); on CUDA the kernels' device "
                               "time alone, launch cost excluded")

@@ -32,6 +32,7 @@ import ctypes
 import functools
 import ipaddress
 import itertools
+import math
 import os
 import re
 import shutil
@@ -640,8 +641,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"removed {len(removed)} namespace(s){': ' if removed else ''}"
               f"{' '.join(removed)}")
         return 0
-    if not args.probe_mb > 0:
-        raise SystemExit(f"--probe-mb must be positive, got {args.probe_mb}")
+    # inf would pass a > 0 test, and fail the probe's int() after the cluster is up
+    if not (math.isfinite(args.probe_mb) and args.probe_mb > 0):
+        raise SystemExit(f"--probe-mb must be a positive finite number, got {args.probe_mb}")
     try:
         cluster = Cluster(args.nodes, args.ranks_per_node,
                           rate=None if args.rate == "none" else args.rate, delay=args.delay)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import re
@@ -54,6 +55,30 @@ def parse_sizes(text: str) -> List[int]:
                 f"expected comma-separated element counts such as 256K,1M,25.6M, got {text!r}")
         sizes.append(size)
     return sizes
+
+
+def positive_number(kind: type = float, *, zero: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite ``kind`` (``int`` or ``float``) above 0,
+    or at least 0 with ``zero``; anything else is a parser error naming the
+    option (``int("0")`` steps, NaN or infinite figures would only fail later,
+    in a traceback, or print nonsense)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(
+                f"expected a {'non-negative' if zero else 'positive'} "
+                f"{'integer' if kind is int else 'finite number'}, got {text!r}")
+        return value
+    return parse
+
+
+def parse_counts(text: str) -> List[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``: comma-separated positive integers. An argparse ``type``."""
+    parse = positive_number(int)
+    return [parse(part.strip()) for part in text.split(",")]
 
 
 def format_count(n: int) -> str:

@@ -130,10 +130,13 @@ def parse_patterns(text: str) -> tuple:
     its patterns), with ``fused_fp32``, the reference of the ratios, always first.
 
     Raises:
-        argparse.ArgumentTypeError: an unknown name.
+        argparse.ArgumentTypeError: an unknown name, or none.
     """
     names = ["fused_fp32"]
-    for name in filter(None, (part.strip() for part in text.split(","))):
+    given = [part.strip() for part in text.split(",") if part.strip()]
+    if not given:
+        raise argparse.ArgumentTypeError(f"expected pattern names, comma-separated, got {text!r}")
+    for name in given:
         expanded = cluster_patterns.GROUPS.get(name, [name])
         for one in expanded:
             if one not in KNOWN_PATTERNS:
@@ -292,6 +295,23 @@ def format_check(check: dict) -> str:
     return "\n".join(lines)
 
 
+def _one_size(text: str) -> int:
+    """``--check-size``: one element count (a list would run its first only)."""
+    sizes = common.parse_sizes(text)
+    if len(sizes) != 1:
+        raise argparse.ArgumentTypeError(f"expected one element count, got {text!r}")
+    return sizes[0]
+
+
+def _rate(text: str) -> str:
+    """``--rate``: a tc-style rate, checked before any cluster is made."""
+    try:
+        cluster.parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         NAME, help="predicted step time of each strategy at 1-16 nodes of 8 x H100 (a model "
@@ -300,22 +320,24 @@ def add_parser(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=common.parse_sizes,
                         help="gradient sizes in elements (default 25.6M,1.3G)")
-    parser.add_argument("--nodes", type=lambda text: [int(n) for n in text.split(",")],
+    parser.add_argument("--nodes", type=common.parse_counts,
                         default=DEFAULT_NODES, help="node counts (default 1,2,4,8,16)")
-    parser.add_argument("--kernel-gbps", type=float, metavar="GB/S",
+    parser.add_argument("--kernel-gbps", type=common.positive_number(float), metavar="GB/S",
                         help="the kernel passes' bytes moved per second for the GPU "
                              "prediction (default: measured on CUDA, else the H100 figure)")
-    parser.add_argument("--nics-per-node", type=int, metavar="K",
+    parser.add_argument("--nics-per-node", type=common.positive_number(int), metavar="K",
                         help="400 Gb/s NICs per 8-GPU node (default 8, one per GPU)")
-    parser.add_argument("--compute-ms", type=float, default=0.0,
+    parser.add_argument("--compute-ms", type=common.positive_number(float, zero=True),
+                        default=0.0,
                         help="forward + backward ms added to every step (default 0: the "
                              "step time is the reduction's part)")
     parser.add_argument("--check-cluster", action="store_true",
                         help="measure the patterns on the simulated 2 x 2 cluster (root) "
                              "and print the model's error")
-    parser.add_argument("--check-size", type=common.parse_sizes, metavar="N",
+    parser.add_argument("--check-size", type=_one_size, metavar="N",
                         help="elements of the check's buffer (default 25.6M, --quick 2M)")
-    parser.add_argument("--rate", default="1gbit", help="the check's link rate (default 1gbit)")
+    parser.add_argument("--rate", type=_rate, default="1gbit",
+                        help="the check's link rate (default 1gbit)")
     parser.add_argument("--patterns", type=parse_patterns, default=CHECK_PATTERNS,
                         metavar="NAMES",
                         help="the check's patterns, comma-separated: "
@@ -327,7 +349,8 @@ def add_parser(subparsers) -> None:
                              "optimizer's step, flat and on two levels); fused_fp32 "
                              "always runs (default: "
                              "the non-library ones)")
-    parser.add_argument("--repeats", type=int, help="timed repeats (default 5, --quick 3)")
+    parser.add_argument("--repeats", type=common.positive_number(int),
+                        help="timed repeats (default 5, --quick 3)")
     parser.add_argument("--quick", action="store_true", help="small measurements")
     parser.add_argument("--json", metavar="PATH", help="write every figure here")
 
@@ -335,8 +358,6 @@ def add_parser(subparsers) -> None:
 def main(args: argparse.Namespace) -> int:
     device = common.one_device("auto")
     repeats = args.repeats or (3 if args.quick else 5)
-    if repeats < 1:
-        raise SystemExit(f"--repeats must be positive, got {repeats}")
     sizes = args.sizes or DEFAULT_SIZES
     kernels = measure_kernels(250_000 if args.quick else 4_000_000, repeats, device)
     links = H100
@@ -365,7 +386,7 @@ def main(args: argparse.Namespace) -> int:
         print(_table([row for row in rows if row["numel"] == numel], args.nodes))
     check = None
     if args.check_cluster:
-        numel = (args.check_size or [QUICK_CHECK_SIZE if args.quick else CHECK_SIZE])[0]
+        numel = args.check_size or (QUICK_CHECK_SIZE if args.quick else CHECK_SIZE)
         try:
             check = check_cluster(numel, repeats, args.rate, kernels,
                                   patterns=args.patterns)

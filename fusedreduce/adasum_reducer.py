@@ -54,8 +54,8 @@ class AdaSumReducer(DistributedGradReducer):
         check_adasum_reduce_dtype(reduce_dtype)
         if any(clipping.get(name) not in (None, False)
                for name in ("wire_dtype", "deterministic", "error_feedback")):
-            raise ValueError("wire_dtype and deterministic do not combine with AdaSum (it "
-                             "combines the gradients, it does not sum them)")
+            raise ValueError("wire_dtype, deterministic and error_feedback do not combine with "
+                             "AdaSum (it combines the gradients, it does not sum them)")
         super().__init__(parameters, mean=False, group=group, bucket_cap_mb=bucket_cap_mb,
                          reduce_dtype=reduce_dtype, backend=backend, **clipping)
         self.local_size = check_local_size(local_size, self.world_size)

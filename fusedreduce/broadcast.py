@@ -20,10 +20,41 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from ._checks import check_distinct, check_instance, tensor_list
+from ._checks import check_bool, check_distinct, check_instance, tensor_list
 from .buckets import BucketPlan
 from .process_group import (check_rank, comm_device, global_rank, refuse_one_shot_in_capture,
                             require_process_group, verify_same_on_all_ranks)
+
+
+def dense_tensors(value, name: str) -> List[torch.Tensor]:
+    """``value`` as a list of dense tensors that hold data.
+
+    Raises:
+        TypeError: not an iterable of tensors, or a sparse one (naming
+            ``name`` and the index).
+        ValueError: a meta tensor (it has no data to send or receive).
+    """
+    tensors = tensor_list(value, name)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name}[{i}] is a {t.layout} tensor; only dense tensors can "
+                            f"be broadcast")
+        if t.is_meta:
+            raise ValueError(f"{name}[{i}] is a meta tensor: it holds no data to broadcast")
+    return tensors
+
+
+def _labels(names, count: int) -> List[str]:
+    """``names`` checked: one string per tensor."""
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise TypeError(f"names must be a list of strings, one per tensor, got "
+                        f"{type(names).__name__}")
+    labels = list(names)
+    if len(labels) != count or not all(isinstance(label, str) for label in labels):
+        raise ValueError(f"names must hold one string per tensor ({count}), got {labels!r}")
+    return labels
 
 
 def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *,
@@ -50,12 +81,19 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *,
             the ranks' tensor lists, ``src`` or bucket layouts differ (raised
             on every rank before any broadcast); called during CUDA graph
             capture.
-        ValueError: ``src`` is not a rank of ``group``.
+        TypeError: ``tensors`` is not an iterable of dense tensors, ``verify``
+            not a bool, ``names`` not a list of strings.
+        ValueError: ``src`` is not a rank of ``group``; a meta tensor;
+            ``names`` not one per tensor; an unknown ``backend``.
 
     Examples:
         >>> broadcast_tensors([p.data for p in model.parameters()], src=0)   # doctest: +SKIP
     """
-    tensors = tensor_list(tensors, "tensors")
+    tensors = dense_tensors(tensors, "tensors")
+    check_bool(verify, "verify")
+    kernels.check_backend(backend)
+    labels = [f"tensors[{i}]" for i in range(len(tensors))] if names is None \
+        else _labels(names, len(tensors))
     refuse_one_shot_in_capture(tensors, "broadcast_tensors")
     world_size = require_process_group(group)
     check_rank(src, "src", world_size)
@@ -68,8 +106,6 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, *,
     if world_size == 1:
         return  # every tensor is rank src's already: nothing to send or copy
     if verify:
-        labels = list(names) if names is not None else [f"tensors[{i}]"
-                                                         for i in range(len(tensors))]
         # src is compared too: ranks naming different sources would each
         # send, and wait for one another until the collective timeout
         verify_same_on_all_ranks(
@@ -122,13 +158,7 @@ class PackedBroadcast:
 
     def __init__(self, tensors: Iterable[torch.Tensor], src: int = 0, *,
                  group: Optional[dist.ProcessGroup] = None, name: str = "tensors") -> None:
-        self.tensors: List[torch.Tensor] = tensor_list(tensors, name)
-        for i, t in enumerate(self.tensors):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}[{i}] must be a tensor, got {type(t).__name__}")
-            if t.layout != torch.strided:
-                raise TypeError(f"{name}[{i}] is a {t.layout} tensor; only dense tensors can "
-                                f"be broadcast")
+        self.tensors: List[torch.Tensor] = dense_tensors(tensors, name)
         check_distinct(self.tensors, name)
         world_size = require_process_group(group)
         check_rank(src, "src", world_size)

@@ -83,7 +83,7 @@ def check_state(state, collective, plan, group, world_size: int, name: str) -> D
         ValueError: this reducer keeps no residuals, ``state`` is not an
             error-feedback state (or of another version), or it was saved in
             another layout (the differing entry is named), or a residual
-            has another size or is not floating point.
+            has another size, is not floating point or is a meta tensor.
     """
     if not isinstance(state, dict):
         raise TypeError(f"{name} must be a dict from error_feedback_state(), got "
@@ -110,8 +110,8 @@ def check_state(state, collective, plan, group, world_size: int, name: str) -> D
                 f"were saved in (the same world size, rank, local_size, wire_dtype and "
                 f"buckets)")
     residuals = state.get("residuals")
-    if not isinstance(residuals, dict) or \
-            sorted(residuals) != sorted(b.index for b in plan.buckets):
+    # a set: keys of mixed types (a damaged file) cannot be sorted
+    if not isinstance(residuals, dict) or set(residuals) != {b.index for b in plan.buckets}:
         raise ValueError(f"{name}['residuals'] must hold one tensor per bucket "
                          f"({len(plan.buckets)})")
     for bucket, numel in zip(plan.buckets, layout["numels"]):
@@ -119,10 +119,10 @@ def check_state(state, collective, plan, group, world_size: int, name: str) -> D
         if not isinstance(residual, torch.Tensor):
             raise TypeError(f"{name}['residuals'][{bucket.index}] must be a tensor, got "
                             f"{type(residual).__name__}")
-        if not residual.is_floating_point() or residual.numel() != numel:
+        if not residual.is_floating_point() or residual.numel() != numel or residual.is_meta:
             raise ValueError(f"{name}['residuals'][{bucket.index}] must be a floating tensor "
-                             f"of {numel} elements, got {residual.dtype} "
-                             f"{tuple(residual.shape)}")
+                             f"of {numel} elements holding data, got {residual.dtype} "
+                             f"{tuple(residual.shape)} on {residual.device}")
     return residuals
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
+from ._checks import check_instance
 from .allreduce import PendingBucket
 from .buckets import Bucket, BucketPlan
 from .grad_collectives import AllReduce
@@ -148,7 +149,24 @@ def node_collective(plan: BucketPlan, group, world_size: int, backend: str,
 
 def node_levels(group, world_size: int, options: NodeOptions) -> List[Level]:
     """The all-to-all sum's levels: the node's (fp32), then across nodes
-    (the wire format); one of them where the other would hold one rank."""
+    (the wire format); one of them where the other would hold one rank.
+
+    Raises:
+        TypeError: ``options`` is not a ``NodeOptions`` (``check_node_options``
+            makes one).
+        ValueError: ``world_size`` is not ``group``'s size.
+
+    Examples:
+        >>> levels = node_levels(None, 4, check_node_options(  # doctest: +SKIP
+        ...     2, torch.int8, False, False, world_size=4, reduce_dtype=torch.float32))
+        >>> [(level.ranks, level.dtype) for level in levels]   # doctest: +SKIP
+        [(2, torch.float32), (2, torch.int8)]
+    """
+    check_instance(options, "options", NodeOptions,
+                   "a NodeOptions (from check_node_options)")
+    if world_size != dist.get_world_size(group):
+        raise ValueError(f"world_size must be the group's size "
+                         f"({dist.get_world_size(group)}), got {world_size!r}")
     wire = options.wire_dtype or torch.float32
     if options.local_size == 1:
         return [Level(group, world_size, dist.get_rank(group), wire)]

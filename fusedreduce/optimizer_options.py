@@ -147,7 +147,7 @@ def check_options(
     world_size = require_process_group(group)
     if adasum and (wire_dtype is not None or deterministic is not False
                    or error_feedback is not False):
-        raise ValueError("wire_dtype and deterministic do not combine with "
+        raise ValueError("wire_dtype, deterministic and error_feedback do not combine with "
                          "reduce_method='adasum' (AdaSum combines the gradients, it does not "
                          "sum them)")
     # AdaSum's local_size is its own (checked below)

@@ -32,7 +32,27 @@ from .process_group import require_process_group
 def start_reduce_scatter(part: torch.Tensor, buffer: torch.Tensor, group):
     """Start the reduce-scatter of ``buffer`` over ``group`` into this rank's
     ``part`` (in place where ``part`` is its slot of ``buffer``); returns the
-    collective's handle."""
+    collective's handle.
+
+    Raises:
+        TypeError: ``part`` or ``buffer`` is not a tensor.
+        ValueError: ``buffer`` is not the group's size times ``part``'s
+            elements, of its dtype on its device (checked here, naming the
+            arguments: gloo's own check names neither, after the collective
+            was issued).
+
+    Examples:
+        >>> work = start_reduce_scatter(buffer[:n], buffer, None)  # doctest: +SKIP
+        >>> work.wait()                                            # doctest: +SKIP
+    """
+    check_instance(part, "part", torch.Tensor, "a tensor")
+    check_instance(buffer, "buffer", torch.Tensor, "a tensor")
+    if buffer.dtype != part.dtype or buffer.device != part.device \
+            or buffer.numel() != part.numel() * dist.get_world_size(group):
+        raise ValueError(f"buffer must hold the group's size ({dist.get_world_size(group)}) "
+                         f"times part's {part.numel()} elements, of part's dtype "
+                         f"({part.dtype}) on its device ({part.device}); got "
+                         f"{buffer.numel()} of {buffer.dtype} on {buffer.device}")
     # the *_single names replace the *_tensor ones (which warn) where they exist
     collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return collective(part, buffer, group=group, async_op=True)

@@ -85,6 +85,17 @@ def check_scale(scale, name: str = "scale") -> float:
     return float(scale)
 
 
+def check_flag(value, name: str) -> bool:
+    """``value`` if it is a bool: a string such as ``"False"`` would be true.
+
+    Raises:
+        TypeError: anything else, naming ``name``.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def scale_argument(scale):
     """A checked Python scale as a float, or a checked tensor scale as it is.
 

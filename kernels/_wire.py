@@ -200,7 +200,8 @@ def quantize_flatten(
 
     Raises:
         TypeError: not a list of dense floating tensors, ``codes`` not of a
-            wire dtype, a tensor argument that is not a tensor, a bad ``scale``.
+            wire dtype, a tensor argument that is not a tensor, a bad ``scale``,
+            ``check_finite`` not a bool.
         ValueError: a ``codes``, ``block_scales`` or ``residual`` of the wrong
             size, dtype, device or shape, or sharing memory with an input or
             with each other; bad ``offsets`` or ``block``. Nothing is written
@@ -224,6 +225,7 @@ def quantize_flatten(
     """
     scale = _checks.scale_argument(scale)
     block = _check_block(block)
+    _checks.check_flag(check_finite, "check_finite")
     op = f"quantize_flatten(block={block})"
     launch = _prepared.lookup_launch(op, backend, codes, tensors, offsets)
     if launch is None:
@@ -254,7 +256,7 @@ def quantize_flatten(
         block_scales = None
     _check_extras_apart(launch, tensors, codes, block_scales, residual)
     _checks.check_scale_device(scale, codes.device)
-    return launch(tensors, codes, block_scales, residual, scale, bool(check_finite))
+    return launch(tensors, codes, block_scales, residual, scale, check_finite)
 
 
 def _scales_shape(codes: torch.Tensor, block: int, checked: bool = True) -> tuple:

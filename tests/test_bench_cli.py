@@ -14,7 +14,7 @@ import pytest
 
 from bench_utils import check_record, run_bench_once
 from harness import ROOT, run_torchrun
-from fusedreduce.bench import cli, collectives_bench, common, kernels_bench
+from fusedreduce.bench import cli, cluster, collectives_bench, common, kernels_bench, model_bench
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 BENCHMARKS = ["kernels", "reduce", "step", "adasum"]
@@ -149,6 +149,38 @@ def test_impossible_requests_stop_before_measuring(monkeypatch, argv, message, c
         assert message in str(exit_.value.code)
     else:
         assert exit_.value.code == 2  # argparse's usage error
+
+
+# a value the model or cluster command cannot use: (argv, the option named)
+BAD_MODEL_AND_CLUSTER = [
+    (["model", "--nodes", "0"], "--nodes"), (["model", "--nodes", "1,,2"], "--nodes"),
+    (["model", "--kernel-gbps", "0"], "--kernel-gbps"),
+    (["model", "--kernel-gbps", "nan"], "--kernel-gbps"),
+    (["model", "--nics-per-node", "0"], "--nics-per-node"),
+    (["model", "--compute-ms", "-1"], "--compute-ms"),
+    (["model", "--compute-ms", "inf"], "--compute-ms"),
+    (["model", "--check-cluster", "--check-size", "1M,2M"], "--check-size"),
+    (["model", "--patterns", ","], "--patterns"),
+    (["model", "--repeats", "0"], "--repeats"),
+    (["model", "--check-cluster", "--rate", "fast"], "--rate"),
+    (["cluster", "probe", "--probe-mb", "inf"], "--probe-mb"),
+]
+
+
+@pytest.mark.parametrize("argv, option", BAD_MODEL_AND_CLUSTER,
+                         ids=[" ".join(argv) for argv, _ in BAD_MODEL_AND_CLUSTER])
+def test_bad_model_and_cluster_values_are_refused_naming_the_option(monkeypatch, capsys, argv,
+                                                                     option):
+    def measured(*args, **kwargs):
+        raise AssertionError(f"{argv} got past its checks")
+    # nothing is measured, and no cluster made, when a check is missing
+    monkeypatch.setattr(model_bench, "measure_kernels", measured)
+    monkeypatch.setattr(model_bench, "check_cluster", measured)
+    monkeypatch.setattr(cluster.Cluster, "up", measured)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    said = capsys.readouterr().err if exit_.value.code == 2 else str(exit_.value.code)
+    assert option in said, said
 
 
 def test_cuda_without_a_gpu_is_refused(monkeypatch):

@@ -200,7 +200,27 @@ def _bad_arguments(rank, world_size):
             optimizer, src=world_size),
         "optimizer state from src=-1": lambda: broadcast_optimizer_state(optimizer, src=-1),
     }
+    tensors = [p.detach() for p in module.parameters()]
+    for name, kwargs in BAD_BROADCAST_TENSORS.items():
+        cases[name] = lambda kw=dict(kwargs): broadcast_tensors(kw.pop("tensors", tensors), 0,
+                                                                 **kw)
     return outcomes_and_collectives(cases)
+
+
+# broadcast_tensors' bad arguments: (case, kwargs, exception, fragment)
+BAD_BROADCAST_TENSORS_ROWS = [
+    ("tensors of ints", dict(tensors=[1, 2]), "TypeError", "tensors[0] must be a tensor"),
+    ("a meta tensor", dict(tensors=[torch.zeros(2, device="meta")]), "ValueError",
+     "tensors[0] is a meta tensor"),
+    ("verify a string", dict(verify="False"), "TypeError", "verify must be a bool"),
+    ("an unknown backend", dict(backend="x"), "ValueError", "backend must be one of"),
+    ("names a string", dict(names="abcd"), "TypeError", "names must be a list of strings"),
+    ("names too few", dict(names=["a"]), "ValueError", "names must hold one string per tensor"),
+    ("names not strings", dict(names=[1, 2, 3, 4]), "ValueError",
+     "names must hold one string per tensor"),
+]
+BAD_BROADCAST_TENSORS = {f"broadcast_tensors {case}": kwargs
+                         for case, kwargs, _, _ in BAD_BROADCAST_TENSORS_ROWS}
 
 
 def test_bad_ranks_and_unknown_layout_names_are_value_errors_on_every_rank():
@@ -213,8 +233,10 @@ def test_bad_ranks_and_unknown_layout_names_are_value_errors_on_every_rank():
         "a buffer name in the layout": "1.running_mean",
         "optimizer state from src=world_size": "src", "optimizer state from src=-1": "src",
     }
-    assert_raised_before_any_collective(
-        results, {name: ("ValueError", fragment) for name, fragment in fragments.items()})
+    expected = {name: ("ValueError", fragment) for name, fragment in fragments.items()}
+    expected.update({f"broadcast_tensors {case}": (kind, fragment)
+                     for case, _, kind, fragment in BAD_BROADCAST_TENSORS_ROWS})
+    assert_raised_before_any_collective(results, expected)
 
 
 def _mismatched_modules(rank, world_size):

@@ -175,7 +175,10 @@ def _reducer_calls(rank, world_size):
     other_rank = {**state, "layout": {**state["layout"], "rank": 1 - rank}}
     for case, value in (("list", [state]), ("format", {**state, "format": "x"}),
                         ("size", wrong_size), ("rank", other_rank),
-                        ("tensor", {**state, "residuals": {i: [1.0] for i in state["residuals"]}})):
+                        ("tensor", {**state, "residuals": {i: [1.0] for i in state["residuals"]}}),
+                        ("keys", {**state, "residuals": {**state["residuals"], "x": 0}}),
+                        ("meta", {**state, "residuals": {i: r.to("meta")
+                                                         for i, r in state["residuals"].items()}})):
         try:
             fresh.load_error_feedback_state(value)
             bad[case] = None
@@ -210,8 +213,10 @@ def test_bad_states_are_refused_by_name_and_change_nothing():
         bad = seen["bad"]
         assert bad["list"][0] == "TypeError" and "error_feedback_state()" in bad["list"][1]
         assert bad["format"][0] == "ValueError" and "format" in bad["format"][1]
-        assert bad["size"][0] == "ValueError" and "elements, got" in bad["size"][1]
+        assert bad["size"][0] == "ValueError" and "elements holding data, got" in bad["size"][1]
         assert bad["rank"][0] == "ValueError" and "saved with rank" in bad["rank"][1]
         assert bad["tensor"][0] == "TypeError" and "must be a tensor" in bad["tensor"][1]
+        assert bad["keys"][0] == "ValueError" and "one tensor per bucket" in bad["keys"][1]
+        assert bad["meta"][0] == "ValueError" and "on meta" in bad["meta"][1]
         assert seen["untouched"]
         assert "keeps none" in seen["no feedback"]

@@ -20,7 +20,9 @@ from torch import nn
 from harness import (assert_raised_before_any_collective, outcomes, outcomes_and_collectives,
                      run_ranks)
 from fusedreduce import DistributedGradReducer, DistributedOptimizer
+from fusedreduce.node_collectives import check_node_options, node_levels
 from fusedreduce.node_groups import check_local_size, node_groups
+from fusedreduce.sharded import start_reduce_scatter
 
 SHAPES = [(33, 7), (5,), (129,), (2, 3, 4)]
 
@@ -225,6 +227,15 @@ def _bad_arguments(rank, world_size):
                                                              deterministic=True),
         "adasum with deterministic": lambda: DistributedOptimizer(
             sgd(), reduce_method="adasum", deterministic=True),
+        "node_levels options a dict": lambda: node_levels(None, world_size, {"local_size": 2}),
+        "node_levels another world_size": lambda: node_levels(None, 2, check_node_options(
+            1, None, True, False, world_size=world_size, reduce_dtype=torch.float32)),
+        # gloo's own checks name neither argument, once the collective is issued
+        "reduce-scatter part None": lambda: start_reduce_scatter(None, torch.zeros(8), None),
+        "reduce-scatter buffer of another size": lambda: start_reduce_scatter(
+            torch.zeros(2), torch.zeros(9), None),
+        "reduce-scatter buffer of another dtype": lambda: start_reduce_scatter(
+            torch.zeros(2), torch.zeros(8, dtype=torch.float64), None),
     })
 
 
@@ -257,6 +268,11 @@ def test_bad_node_and_wire_options_are_refused_before_any_collective():
         "wire with bf16 reduce_dtype": ("ValueError", "reduce_dtype must be torch.float32"),
         "deterministic fp64": ("ValueError", "wire_dtype and deterministic sum float32"),
         "adasum with deterministic": ("ValueError", "do not combine with reduce_method"),
+        "node_levels options a dict": ("TypeError", "options must be a NodeOptions"),
+        "node_levels another world_size": ("ValueError", "world_size must be the group's size"),
+        "reduce-scatter part None": ("TypeError", "part must be a tensor"),
+        "reduce-scatter buffer of another size": ("ValueError", "buffer must hold the group's"),
+        "reduce-scatter buffer of another dtype": ("ValueError", "buffer must hold the group's"),
     })
 
 

@@ -124,6 +124,7 @@ def _bad_arguments(rank, world_size):
         "local_size not dividing": wrap(reduce_method="adasum", local_size=3),
         "local_size not dividing, mean": wrap(reduce_method="mean", local_size=3),
         "wire_dtype with adasum": wrap(reduce_method="adasum", wire_dtype=torch.bfloat16),
+        "error_feedback with adasum": wrap(reduce_method="adasum", error_feedback=True),
         "unknown method": wrap(reduce_method="Adasum"),
     })
 
@@ -134,7 +135,9 @@ def test_bad_adasum_arguments_are_value_errors_before_any_collective():
         "local_size not dividing": ("ValueError", "local_size must be a positive int dividing"),
         "local_size not dividing, mean": ("ValueError", "local_size must be a positive int "
                                                         "dividing"),
-        "wire_dtype with adasum": ("ValueError", "wire_dtype and deterministic do not combine "
-                                                 "with reduce_method='adasum'"),
+        "wire_dtype with adasum": ("ValueError", "wire_dtype, deterministic and error_feedback "
+                                                 "do not combine with reduce_method='adasum'"),
+        "error_feedback with adasum": ("ValueError", "error_feedback do not combine with "
+                                                     "reduce_method='adasum'"),
         "unknown method": ("ValueError", "'sum', 'mean' or 'adasum'"),
     })

@@ -457,6 +457,9 @@ BAD_QUANTIZE = [
                                                offsets=[0, 8], scales=torch.zeros(2)),
      ValueError, "numel=20 is not a multiple of block=8"),
     ("an unknown backend", dict(backend="cuda"), ValueError, "backend must be one of"),
+    # a string such as "False" would be true
+    ("a string flag", dict(check_finite="False"), TypeError, "check_finite must be True or False"),
+    ("a None flag", dict(check_finite=None), TypeError, "check_finite must be True or False"),
 ]
 
 
@@ -481,7 +484,8 @@ def test_bad_quantize_arguments_are_refused_by_name_before_anything_is_written(
         grads = torch.randn(16)
     elif change.get("grads") == "int":
         grads = [grads[0], torch.ones(8, dtype=torch.int32)]
-    options = {k: change[k] for k in ("block", "scale", "offsets", "backend") if k in change}
+    options = {k: change[k] for k in ("block", "scale", "offsets", "backend", "check_finite")
+               if k in change}
     if "block" in options:
         call = lambda: kernels.quantize_flatten(grads, codes, scales, residual=residual,  # noqa
                                                 **options)
