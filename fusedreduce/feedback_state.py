@@ -123,6 +123,11 @@ def check_state(state, collective, plan, group, world_size: int, name: str) -> D
             raise ValueError(f"{name}['residuals'][{bucket.index}] must be a floating tensor "
                              f"of {numel} elements holding data, got {residual.dtype} "
                              f"{tuple(residual.shape)} on {residual.device}")
+        # the kernels never leave a non-finite residual (a block holding inf or
+        # NaN resets its residual to 0): one would poison every later step
+        if not bool(torch.isfinite(residual).all()):
+            raise ValueError(f"{name}['residuals'][{bucket.index}] holds inf or NaN: not a "
+                             f"saved residual")
     return residuals
 
 

@@ -11,6 +11,7 @@ loads the optimizer's state and warns that error feedback starts at zero;
 assert: they return what they saw.
 """
 import io
+import math
 import warnings
 
 import pytest
@@ -177,6 +178,8 @@ def _reducer_calls(rank, world_size):
                         ("size", wrong_size), ("rank", other_rank),
                         ("tensor", {**state, "residuals": {i: [1.0] for i in state["residuals"]}}),
                         ("keys", {**state, "residuals": {**state["residuals"], "x": 0}}),
+                        ("nan", {**state, "residuals": {i: torch.full_like(r, math.nan)
+                                                        for i, r in state["residuals"].items()}}),
                         ("meta", {**state, "residuals": {i: r.to("meta")
                                                          for i, r in state["residuals"].items()}})):
         try:
@@ -218,5 +221,6 @@ def test_bad_states_are_refused_by_name_and_change_nothing():
         assert bad["tensor"][0] == "TypeError" and "must be a tensor" in bad["tensor"][1]
         assert bad["keys"][0] == "ValueError" and "one tensor per bucket" in bad["keys"][1]
         assert bad["meta"][0] == "ValueError" and "on meta" in bad["meta"][1]
+        assert bad["nan"][0] == "ValueError" and "inf or NaN" in bad["nan"][1]
         assert seen["untouched"]
         assert "keeps none" in seen["no feedback"]
