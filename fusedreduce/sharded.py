@@ -29,6 +29,19 @@ from .process_group import require_process_group
 
 
 
+def _check_part_of_buffer(part, buffer, group) -> None:
+    """``buffer`` must be the group's size times ``part``, of its dtype and
+    device (gloo's own check names neither, after the collective was issued)."""
+    check_instance(part, "part", torch.Tensor, "a tensor")
+    check_instance(buffer, "buffer", torch.Tensor, "a tensor")
+    if buffer.dtype != part.dtype or buffer.device != part.device \
+            or buffer.numel() != part.numel() * dist.get_world_size(group):
+        raise ValueError(f"buffer must hold the group's size ({dist.get_world_size(group)}) "
+                         f"times part's {part.numel()} elements, of part's dtype "
+                         f"({part.dtype}) on its device ({part.device}); got "
+                         f"{buffer.numel()} of {buffer.dtype} on {buffer.device}")
+
+
 def start_reduce_scatter(part: torch.Tensor, buffer: torch.Tensor, group):
     """Start the reduce-scatter of ``buffer`` over ``group`` into this rank's
     ``part`` (in place where ``part`` is its slot of ``buffer``); returns the
@@ -45,14 +58,7 @@ def start_reduce_scatter(part: torch.Tensor, buffer: torch.Tensor, group):
         >>> work = start_reduce_scatter(buffer[:n], buffer, None)  # doctest: +SKIP
         >>> work.wait()                                            # doctest: +SKIP
     """
-    check_instance(part, "part", torch.Tensor, "a tensor")
-    check_instance(buffer, "buffer", torch.Tensor, "a tensor")
-    if buffer.dtype != part.dtype or buffer.device != part.device \
-            or buffer.numel() != part.numel() * dist.get_world_size(group):
-        raise ValueError(f"buffer must hold the group's size ({dist.get_world_size(group)}) "
-                         f"times part's {part.numel()} elements, of part's dtype "
-                         f"({part.dtype}) on its device ({part.device}); got "
-                         f"{buffer.numel()} of {buffer.dtype} on {buffer.device}")
+    _check_part_of_buffer(part, buffer, group)
     # the *_single names replace the *_tensor ones (which warn) where they exist
     collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return collective(part, buffer, group=group, async_op=True)
@@ -61,7 +67,13 @@ def start_reduce_scatter(part: torch.Tensor, buffer: torch.Tensor, group):
 def start_all_gather(buffer: torch.Tensor, part: torch.Tensor, group):
     """Start gathering every rank's ``part`` of ``group``, in rank order, into
     ``buffer`` (``world_size`` parts long); returns the collective's handle.
-    The sharded all-gathers and AdaSum's gather share this one call."""
+    The sharded all-gathers and AdaSum's gather share this one call.
+
+    Raises:
+        TypeError, ValueError: as ``start_reduce_scatter``'s, before the
+            collective starts.
+    """
+    _check_part_of_buffer(part, buffer, group)
     collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return collective(buffer, part, group=group, async_op=True)
 

@@ -22,7 +22,7 @@ from harness import (assert_raised_before_any_collective, outcomes, outcomes_and
 from fusedreduce import DistributedGradReducer, DistributedOptimizer
 from fusedreduce.node_collectives import check_node_options, node_levels
 from fusedreduce.node_groups import check_local_size, node_groups
-from fusedreduce.sharded import start_reduce_scatter
+from fusedreduce.sharded import start_all_gather, start_reduce_scatter
 
 SHAPES = [(33, 7), (5,), (129,), (2, 3, 4)]
 
@@ -236,6 +236,9 @@ def _bad_arguments(rank, world_size):
             torch.zeros(2), torch.zeros(9), None),
         "reduce-scatter buffer of another dtype": lambda: start_reduce_scatter(
             torch.zeros(2), torch.zeros(8, dtype=torch.float64), None),
+        "all-gather part None": lambda: start_all_gather(torch.zeros(8), None, None),
+        "all-gather buffer of another size": lambda: start_all_gather(
+            torch.zeros(9), torch.zeros(2), None),
     })
 
 
@@ -273,6 +276,8 @@ def test_bad_node_and_wire_options_are_refused_before_any_collective():
         "reduce-scatter part None": ("TypeError", "part must be a tensor"),
         "reduce-scatter buffer of another size": ("ValueError", "buffer must hold the group's"),
         "reduce-scatter buffer of another dtype": ("ValueError", "buffer must hold the group's"),
+        "all-gather part None": ("TypeError", "part must be a tensor"),
+        "all-gather buffer of another size": ("ValueError", "buffer must hold the group's"),
     })
 
 
