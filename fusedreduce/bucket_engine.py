@@ -406,8 +406,7 @@ class ReducerSurface:
     def keeps_error_feedback(self) -> bool:
         """Whether this reducer keeps error-feedback residuals (a compressing
         ``wire_dtype`` with ``error_feedback=True``, over more than one rank)."""
-        engine = self._engine
-        return feedback_state.residual_numels(engine.collective, engine.plan) is not None
+        return self._engine.collective.residual_sizes() is not None
 
     def error_feedback_state(self) -> Optional[dict]:
         """This rank's error-feedback residuals, for a checkpoint that resumes a
@@ -421,9 +420,7 @@ class ReducerSurface:
             >>> torch.save(reducer.error_feedback_state(), f"ef.{rank}.pt")  # doctest: +SKIP
             >>> reducer.load_error_feedback_state(torch.load(f"ef.{rank}.pt"))  # doctest: +SKIP
         """
-        engine = self._engine
-        return feedback_state.state_of(engine.collective, engine.plan, engine.group,
-                                       engine.world_size)
+        return feedback_state.state_of(self._engine.collective)
 
     def load_error_feedback_state(self, state: dict) -> None:
         """Continue from residuals this rank saved with
@@ -437,10 +434,9 @@ class ReducerSurface:
                 entry that differs is named) or has a residual of another
                 size. Nothing is changed when an error is raised.
         """
-        engine = self._engine
-        residuals = feedback_state.check_state(state, engine.collective, engine.plan,
-                                               engine.group, engine.world_size, "state")
-        feedback_state.load_into(engine.collective, engine.plan, residuals)
+        collective = self._engine.collective
+        residuals = feedback_state.check_state(state, collective, "state")
+        feedback_state.load_into(collective, residuals)
 
     def mark_reduced(self) -> None:
         """Declare ``.grad`` reduced (it was, by another reducer)."""

@@ -21,7 +21,7 @@ only, so ``torch.load(weights_only=True)`` reads it.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,50 +31,34 @@ FORMAT = "fusedreduce.error_feedback"
 VERSION = 1
 
 
-def residual_numels(collective, plan) -> Optional[List[int]]:
-    """Each bucket's residual size under ``collective``, or None where it
-    keeps no residual (no error feedback, or nothing compressed)."""
-    levels = getattr(collective, "levels", None)
-    if not getattr(collective, "error_feedback", False) or not levels:
-        return None
-    numels = []
-    for bucket in plan.buckets:
-        numel = bucket.size
-        for level in levels:
-            if level.dtype != torch.float32:
-                break
-            numel //= level.ranks
-        numels.append(numel)
-    return numels if any(lv.dtype != torch.float32 for lv in levels) else None
-
-
-def layout_of(collective, plan, group, world_size: int) -> Optional[dict]:
-    """The layout a state of ``collective``'s residuals is saved in, or None
-    where it keeps none: plain ints and strings."""
-    numels = residual_numels(collective, plan)
+def layout_of(collective) -> Optional[dict]:
+    """The layout a state of ``collective``'s residuals is saved in (its
+    ``residual_sizes()``), or None where it keeps none: plain ints and
+    strings."""
+    numels = collective.residual_sizes()
     if numels is None:
         return None
-    return {"world_size": world_size, "rank": dist.get_rank(group),
+    return {"world_size": collective.world_size, "rank": dist.get_rank(collective.group),
             "levels": [[level.ranks, str(level.dtype)] for level in collective.levels],
             "numels": numels}
 
 
-def state_of(collective, plan, group, world_size: int) -> Optional[dict]:
+def state_of(collective) -> Optional[dict]:
     """This rank's residuals as a state (fresh copies on the host), or None
     where ``collective`` keeps none. A bucket not reduced yet has a zero
     residual, saved as such."""
-    layout = layout_of(collective, plan, group, world_size)
+    layout = layout_of(collective)
     if layout is None:
         return None
     residuals = {}
-    for bucket, numel in zip(plan.buckets, layout["numels"]):
+    for bucket, numel in zip(collective.plan.buckets, layout["numels"]):
         kept = collective.residuals.get(bucket.index)
         residuals[bucket.index] = (torch.zeros(numel, dtype=torch.float32) if kept is None
                                    else kept.detach().to("cpu", copy=True))
     return {"format": FORMAT, "version": VERSION, "layout": layout, "residuals": residuals}
 
 
-def check_state(state, collective, plan, group, world_size: int, name: str) -> Dict[int, torch.Tensor]:
+def check_state(state, collective, name: str) -> Dict[int, torch.Tensor]:
     """The residuals of ``state`` by bucket index, checked against this
     reducer's layout.
 
@@ -94,7 +78,7 @@ def check_state(state, collective, plan, group, world_size: int, name: str) -> D
     if state.get("version") != VERSION:
         raise ValueError(f"{name} has version {state.get('version')!r}; this fusedreduce "
                          f"reads version {VERSION}")
-    layout = layout_of(collective, plan, group, world_size)
+    layout = layout_of(collective)
     if layout is None:
         raise ValueError(f"{name} holds error-feedback residuals, but this reducer keeps "
                          f"none: construct it with a compressing wire_dtype and "
@@ -109,12 +93,13 @@ def check_state(state, collective, plan, group, world_size: int, name: str) -> D
                 f"residuals are per rank and per bucket, and load only into the layout they "
                 f"were saved in (the same world size, rank, local_size, wire_dtype and "
                 f"buckets)")
+    buckets = collective.plan.buckets
     residuals = state.get("residuals")
     # a set: keys of mixed types (a damaged file) cannot be sorted
-    if not isinstance(residuals, dict) or set(residuals) != {b.index for b in plan.buckets}:
+    if not isinstance(residuals, dict) or set(residuals) != {b.index for b in buckets}:
         raise ValueError(f"{name}['residuals'] must hold one tensor per bucket "
-                         f"({len(plan.buckets)})")
-    for bucket, numel in zip(plan.buckets, layout["numels"]):
+                         f"({len(buckets)})")
+    for bucket, numel in zip(buckets, layout["numels"]):
         residual = residuals[bucket.index]
         if not isinstance(residual, torch.Tensor):
             raise TypeError(f"{name}['residuals'][{bucket.index}] must be a tensor, got "
@@ -131,10 +116,10 @@ def check_state(state, collective, plan, group, world_size: int, name: str) -> D
     return residuals
 
 
-def load_into(collective, plan, residuals: Dict[int, torch.Tensor]) -> None:
+def load_into(collective, residuals: Dict[int, torch.Tensor]) -> None:
     """Replace ``collective``'s residuals with checked ``residuals`` (copies
     on each bucket's device, fp32)."""
     collective.residuals = {
         bucket.index: residuals[bucket.index].detach().reshape(-1).to(
             device=bucket.device, dtype=torch.float32, copy=True)
-        for bucket in plan.buckets}
+        for bucket in collective.plan.buckets}

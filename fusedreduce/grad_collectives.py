@@ -19,7 +19,9 @@ unsharded). What it says about itself:
   nothing is sent and each rank's gradients are the result: no collective,
   no rank check, no count to settle);
 - ``asynchronous``: the collective may still run when ``start`` returns
-  (else it has finished); ``buffered``: it needs the whole flat buffer.
+  (else it has finished); ``buffered``: it needs the whole flat buffer;
+- ``residual_sizes()``: per bucket, the size of the error-feedback residual
+  it keeps between reductions, or None where it keeps none.
 """
 from __future__ import annotations
 
@@ -73,6 +75,10 @@ class AllReduce:
     def held(self) -> List[torch.Tensor]:
         """The buffers this collective keeps between reductions (none)."""
         return []
+
+    def residual_sizes(self) -> Optional[List[int]]:
+        """No error feedback: no residual."""
+        return None
 
     def communicate(self, bucket: Bucket, buffer: torch.Tensor,
                     spare: Optional[torch.Tensor]) -> PendingBucket:
@@ -133,6 +139,10 @@ class AdaSumTree:
     def held(self) -> List[torch.Tensor]:
         """The buffers this collective keeps between reductions (none)."""
         return []
+
+    def residual_sizes(self) -> Optional[List[int]]:
+        """No error feedback: no residual."""
+        return None
 
     def start(self, bucket: Bucket, tensors: Sequence[torch.Tensor], buffer: torch.Tensor,
               part: Optional[torch.Tensor] = None, prescale: float = 1.0,

@@ -327,6 +327,21 @@ class WireSum(AllReduce):
             kept = self._kept[key] = torch.empty(shape, dtype=dtype, device=device)
         return kept
 
+    def residual_sizes(self) -> Optional[List[int]]:
+        """Per bucket, the size of error feedback's residual: the region of the
+        compressing level (``level_regions``' widths), or None without one."""
+        compressing = next((k for k, level in enumerate(self.levels)
+                            if level.dtype != torch.float32), None)
+        if not self.error_feedback or compressing is None:
+            return None
+        sizes = []
+        for bucket in self.plan.buckets:
+            size = bucket.size
+            for level in self.levels[:compressing]:
+                size //= level.ranks
+            sizes.append(size)
+        return sizes
+
     def _residual(self, bucket: Bucket, k: int, numel: int) -> Optional[torch.Tensor]:
         """Error feedback's residual of the compressing level (zeros at first)."""
         if not self.error_feedback or self.levels[k].dtype == torch.float32:
