@@ -227,14 +227,17 @@ def prepare_flatten(tensors: Sequence[torch.Tensor], starts: Sequence[int],
     runs = _scale_runs(alias, starts, numels)
     plan = CopyPlan([out.dtype] * len(tensors), [t.dtype for t in tensors])
     packed = not gaps and all(t.is_contiguous() for t in tensors)
+    # the scratch strategy holds a scratch buffer: made only where it can run
+    # (timed on the CPU, or forced), never for routes alone on an accelerator
+    timed = out.device.type == "cpu"
     widening = None
-    if tensors and len(plan.routes(False)[2]) == len(tensors):
+    if (timed or forced == "scratch") and tensors and len(plan.routes(False)[2]) == len(tensors):
         # 16-bit results of a scale: the products in a kept fp32 scratch run by
         # run (the same fp32 products, rounded once), not one mul per tensor
         widening = ScratchRuns(alias, starts, tensors, range(len(tensors)),
-                                   scratch_dtype=torch.float32)
+                             scratch_dtype=torch.float32)
     choice = Choice(_flatten_candidates(plan, segments, runs, alias, packed, widening), forced,
-                    trial=out.device.type == "cpu")
+                    trial=timed)
 
     def launch(tensors, out, scale, check_finite):
         scale = _host_scale(scale)
@@ -348,7 +351,8 @@ def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
     narrowing = scaled_copies = None
     if flat.dtype == torch.float32 and plan.routes(False)[2]:
         narrowing = ScratchRuns(flat, starts, tensors, plan.routes(False)[2])
-    if tensors and all(t.dtype == flat.dtype for t in tensors) \
+    timed = flat.device.type == "cpu"  # as in prepare_flatten: the scratch only where it runs
+    if (timed or forced == "scratch") and tensors and all(t.dtype == flat.dtype for t in tensors) \
             and len(plan.routes(False)[1]) == len(tensors):
         # destinations in the buffer's (fp32/fp64) dtype: the products in a kept
         # scratch run by run, then copied (the same bits as a copy then a scale)
@@ -359,7 +363,7 @@ def prepare_unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
     choice = Choice(_unflatten_candidates(plan, segments, narrowing, scaled_copies,
                                           alias.narrow(0, 0, sum(numels)) if packed else None,
                                           numels),
-                    forced, trial=flat.device.type == "cpu")
+                    forced, trial=timed)
 
     def launch(flat, tensors, scale, accumulate):
         scale = _host_scale(scale)
