@@ -175,7 +175,9 @@ def cluster_check():
     if REASON is not None:
         pytest.skip(REASON)
     kernels = {"flatten": 1e10, "unflatten": 1e10}
-    return model_bench.check_cluster(model_bench.QUICK_CHECK_SIZE, 3, "1gbit", kernels)
+    # the median of 5 timed runs per pattern: with 3, one run slowed or sped by
+    # the VM's neighbours moved a pattern past the bound now and then
+    return model_bench.check_cluster(model_bench.QUICK_CHECK_SIZE, 5, "1gbit", kernels)
 
 
 @needs_root
