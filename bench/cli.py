@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from fusedreduce.kernels import resolve_backend
 
-from . import (cluster, collectives_bench, common, gpu_check, kernels_bench, model_bench, plot,
-               ranks, reduce_bench, sharded_bench)
+from . import (cluster, collectives_bench, common, gpu_check, kernels_bench, model_bench,
+               output_files, plot, ranks, reduce_bench, sharded_bench)
 from .models import TENSOR_LISTS
 
 # command -> the parts it runs: "kernels" and the collectives' parts
@@ -83,8 +83,9 @@ def build_parser(prog: str = "fusedreduce-bench") -> argparse.ArgumentParser:
                          help="timed calls per method, median kept (default: kernels 20, "
                               "collectives 7; --quick 10 and 3); on CUDA the kernels' device "
                               "time alone, launch cost excluded")
-    options.add_argument("--json", metavar="PATH", help="write machine, config and results here")
-    options.add_argument("--plot", metavar="PATH.png",
+    options.add_argument("--json", type=output_files.output_file,
+                                   metavar="PATH", help="write machine, config and results here")
+    options.add_argument("--plot", type=output_files.output_file, metavar="PATH.png",
                          help="write a PNG of GB/s against size per method (needs "
                               "matplotlib: pip install matplotlib)")
     options.add_argument("--no-progress", action="store_true",

@@ -32,7 +32,6 @@ import ctypes
 import functools
 import ipaddress
 import itertools
-import math
 import os
 import re
 import shutil
@@ -44,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from fusedreduce.local_ranks import join_and_run, run_rank_processes
+from . import common, output_files
 
 NAME = "cluster"
 ACTIONS = ("up", "down", "probe", "run")
@@ -599,18 +599,27 @@ ACTION_HELP = {
 }
 
 
+def _node_count(text: str) -> int:
+    """``--nodes``: an int from 1 to ``MAX_NODES`` (an argparse ``type``)."""
+    count = common.positive_number(int)(text)
+    if count > MAX_NODES:
+        raise argparse.ArgumentTypeError(f"at most {MAX_NODES} nodes, got {count}")
+    return count
+
+
 OPTIONS = [
-    ("--nodes", dict(type=int, default=2, metavar="N",
-                     help="nodes (network namespaces), default 2")),
-    ("--ranks-per-node", dict(type=int, default=2, metavar="L",
+    ("--nodes", dict(type=_node_count, default=2, metavar="N",
+                     help=f"nodes (network namespaces), 1 to {MAX_NODES}, default 2")),
+    ("--ranks-per-node", dict(type=common.positive_number(int), default=2, metavar="L",
                               help="ranks on each node (probe, run), default 2")),
     ("--rate", dict(default="1gbit", help="each link's rate, both ways, tc-style (default "
                                           "1gbit; e.g. 100mbit, 10gbit); 'none': unshaped")),
     ("--delay", dict(metavar="TIME", help="one-way latency between nodes (e.g. 0.1ms); needs "
                                           "the kernel's netem qdisc (sch_netem)")),
-    ("--probe-mb", dict(type=float, default=16.0, metavar="MB",
+    ("--probe-mb", dict(type=common.positive_number(float), default=16.0, metavar="MB",
                         help="the probe's buffer in MiB (default 16)")),
-    ("--json", dict(metavar="PATH", help="probe, run: write the probe here")),
+    ("--json", dict(type=output_files.output_file, metavar="PATH",
+                    help="probe, run: write the probe here")),
 ]
 
 
@@ -641,9 +650,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"removed {len(removed)} namespace(s){': ' if removed else ''}"
               f"{' '.join(removed)}")
         return 0
-    # inf would pass a > 0 test, and fail the probe's int() after the cluster is up
-    if not (math.isfinite(args.probe_mb) and args.probe_mb > 0):
-        raise SystemExit(f"--probe-mb must be a positive finite number, got {args.probe_mb}")
+    # checked here, not by the ranks: a missing script would fail on every
+    # rank only after the namespaces and the probe
+    if args.action == "run" and not os.path.isfile(args.script):
+        raise SystemExit(f"cluster run: SCRIPT {args.script!r} is not a file")
     try:
         cluster = Cluster(args.nodes, args.ranks_per_node,
                           rate=None if args.rate == "none" else args.rate, delay=args.delay)
@@ -664,7 +674,7 @@ def main(args: argparse.Namespace) -> int:
         print(format_probe(probe), flush=True)
         if args.json:
             import json
-            with open(args.json, "w") as handle:
+            with output_files.open_output(args.json) as handle:
                 json.dump(probe, handle, indent=1)
         if args.action == "run":
             statuses = cluster.run_script([args.script, *args.script_args])

@@ -18,6 +18,7 @@ from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Tuple,
 
 import torch
 
+from .output_files import open_output
 from .timing import summary_ms
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -189,10 +190,8 @@ def warn_if_busy(machine: dict) -> None:
 
 def write_json(path: str, machine: dict, config: dict, results: List[dict]) -> None:
     """Write ``{"machine", "config", "results"}``; non-finite numbers are refused."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     record = {"machine": machine, "config": config, "results": results}
-    with open(path, "w") as handle:
+    with open_output(path) as handle:
         json.dump(record, handle, indent=2, allow_nan=False)
         handle.write("\n")
 

@@ -55,7 +55,7 @@ from fusedreduce import communication_dtype, kernels
 from fusedreduce.kernels import (ADASUM_NORM_FLOOR, adasum_combine, adasum_stats,
                                  flatten_cast_scale, unflatten_cast_scale)
 
-from . import common, kernels_bench, plot
+from . import common, kernels_bench, output_files, plot
 
 KERNELS = ("flatten", "unflatten", "unflatten_device_scale", "unflatten_accumulate",
            "clip_norm", "adasum_stats", "adasum_combine")
@@ -522,7 +522,7 @@ def write_plot(path: str, rows: Sequence[dict], title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(output_files.make_parents(path), dpi=120)
     plt.close(fig)
 
 
@@ -545,8 +545,9 @@ def add_parser(subparsers) -> None:
                         help="leave out the test suite (pytest --device cuda)")
     parser.add_argument("--no-bench", action="store_true", help="leave out the benchmark")
     parser.add_argument("--tests-log", metavar="PATH", help="keep the test run's output here")
-    parser.add_argument("--json", metavar="PATH", help="write machine, config and results here")
-    parser.add_argument("--plot", metavar="PATH.png",
+    parser.add_argument("--json", type=output_files.output_file,
+                                  metavar="PATH", help="write machine, config and results here")
+    parser.add_argument("--plot", type=output_files.output_file, metavar="PATH.png",
                         help="write a PNG of x copy per kernel and dtype (needs matplotlib: "
                              "pip install matplotlib)")
     parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")

@@ -30,7 +30,7 @@ import os
 import statistics
 from typing import Callable, Dict, List
 
-from . import host_cost
+from . import host_cost, output_files
 
 #: the parts, in the order a call runs them (the whole call first)
 PARTS = ("whole call", "recognising the layout", "the kept launch", "the compiled launcher",
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                         help="elements of the ResNet-50 list (default 25.6M)")
     parser.add_argument("--calls", type=int, default=300, help="calls per block")
     parser.add_argument("--blocks", type=int, default=6, help="rounds of blocks")
-    parser.add_argument("--json", metavar="PATH", help="write the figures")
+    parser.add_argument("--json", type=output_files.output_file, metavar="PATH", help="write the figures")
     args = parser.parse_args(argv)
     if args.device == "cpu":
         os.environ.pop("TRITON_INTERPRET", None)  # before any import of triton
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
               f"the kept launch around the compiled launcher: "
               f"{f['the kept launch'] - f['the compiled launcher']:.1f} µs")
     if args.json:
-        with open(args.json, "w") as handle:
+        with output_files.open_output(args.json) as handle:
             json.dump({"device": str(device), "size": out.numel(), "tensors": len(grads),
                        "calls": args.calls, "blocks": args.blocks, "us": figures}, handle,
                       indent=1)

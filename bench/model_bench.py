@@ -38,7 +38,7 @@ import torch
 
 from fusedreduce.kernels import flatten_cast_scale, unflatten_cast_scale
 
-from . import cluster, cluster_patterns, cluster_step, common, step_model
+from . import cluster, cluster_patterns, cluster_step, common, output_files, step_model
 from .models import gradients
 from .timing import summary_ms, time_interleaved
 
@@ -352,7 +352,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--repeats", type=common.positive_number(int),
                         help="timed repeats (default 5, --quick 3)")
     parser.add_argument("--quick", action="store_true", help="small measurements")
-    parser.add_argument("--json", metavar="PATH", help="write every figure here")
+    parser.add_argument("--json", type=output_files.output_file,
+                                  metavar="PATH", help="write every figure here")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -397,7 +398,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         record = {"links": _links_record(links), "kernels_here": kernels,
                   "assumptions": ASSUMPTIONS, "predictions": rows, "check": check}
-        with open(args.json, "w") as handle:
+        with output_files.open_output(args.json) as handle:
             json.dump(record, handle, indent=1, allow_nan=False)
         common.log(f"wrote {args.json}")
     return 0

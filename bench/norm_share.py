@@ -45,7 +45,7 @@ import torch
 from fusedreduce import BucketPlan, communication_dtype
 from fusedreduce.kernels import NORM_ROW, clip_partials, norm_partials, resolve_backend
 
-from . import common, timing
+from . import common, output_files, timing
 from .models import TENSOR_LISTS, gradients
 
 NAME = "norm_share"
@@ -192,7 +192,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", type=common.csv_choices(MODELS), default=list(MODELS))
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument("--json", metavar="PATH", help="write machine, config and results here")
+    parser.add_argument("--json", type=output_files.output_file,
+                                  metavar="PATH", help="write machine, config and results here")
     args = parser.parse_args(argv)
     device = common.one_device(args.device)
     on_gpu = device.type == "cuda"

@@ -73,7 +73,7 @@ from fusedreduce import DistributedGradReducer, DistributedOptimizer, hooks
 from fusedreduce.kernels import LAUNCH_OUTCOMES, count_launches
 from fusedreduce.local_ranks import run_on_local_ranks
 
-from . import common
+from . import common, output_files
 from .models import resnet50_for_size
 
 METHODS = ("no_communication", "ddp", "ddp_bucket_view", "ddp_allreduce_hook", "reducer_hooks",
@@ -231,7 +231,8 @@ def main(argv=None) -> int:
     parser.add_argument("--image", type=int, default=128, help="image side in pixels")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per method")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument("--json", metavar="PATH", help="write the configuration and figures")
+    parser.add_argument("--json", type=output_files.output_file,
+                                  metavar="PATH", help="write the configuration and figures")
     args = parser.parse_args(argv)
     on_gpu = common.one_device(args.device).type == "cuda"
     config = {"size": args.size[0], "batch": args.batch, "image": args.image,
@@ -262,7 +263,7 @@ def main(argv=None) -> int:
     for method, counts in record["launches_per_step"].items():
         print(f"{method:28s} " + " ".join(f"{counts[k]:10.1f}" for k in LAUNCH_OUTCOMES))
     if args.json:
-        with open(args.json, "w") as f:
+        with output_files.open_output(args.json) as f:
             json.dump({"config": config, "record": record, "median_ms": medians,
                        "median_host_us": host}, f, indent=1)
         print(f"wrote {args.json}")

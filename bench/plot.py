@@ -10,6 +10,8 @@ import math
 import os
 from typing import List, Sequence
 
+from . import output_files
+
 # fusedreduce is installed from a checkout, not by name from an index
 INSTALL_HINT = 'pip install matplotlib (the "bench" extra: pip install -e ".[bench]" in a checkout)'
 # ours solid, the baselines dashed, the copy reference dotted
@@ -60,6 +62,5 @@ def write_plot(path: str, results: Sequence[dict], title: str) -> None:
         ax.set_visible(False)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, format="png", dpi=110)
+    fig.savefig(output_files.make_parents(path), format="png", dpi=110)
     plt.close(fig)

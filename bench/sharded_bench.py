@@ -98,7 +98,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fusedreduce import DistributedOptimizer
 from fusedreduce.kernels import resolve_backend
 
-from . import common, plot, ranks, timing
+from . import common, output_files, plot, ranks, timing
 from .models import (TENSOR_LISTS, Bottleneck, MLPBlock, linear_stack_for_size,
                      linear_stack_shapes_for_size, n_elements, resnet50_for_size,
                      transformer_shapes_for_size)
@@ -712,8 +712,7 @@ def write_plot(path: str, results: Sequence[dict], title: str) -> None:
             ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.98))  # room for the title
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, format="png", dpi=110)
+    fig.savefig(output_files.make_parents(path), format="png", dpi=110)
     plt.close(fig)
 
 
@@ -758,8 +757,9 @@ def add_parser(subparsers) -> None:
                         help="one bucket cap in MiB for DDP and DistributedOptimizer (default: "
                              "each library's own, DDP 25, DistributedOptimizer 10); small caps "
                              "show at this size what many buckets do in a large model")
-    parser.add_argument("--json", metavar="PATH", help="write machine, config and results here")
-    parser.add_argument("--plot", metavar="PATH.png",
+    parser.add_argument("--json", type=output_files.output_file,
+                                  metavar="PATH", help="write machine, config and results here")
+    parser.add_argument("--plot", type=output_files.output_file, metavar="PATH.png",
                         help="write a PNG of step time and state + master bytes against ranks "
                              "(needs matplotlib: pip install matplotlib)")
     parser.add_argument("--no-progress", action="store_true",

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .state_dict_versus import alternating_runs
+from . import output_files
 
 #: the methods the table shows unless --methods says otherwise
 DEFAULT_METHODS = ("fused_sharded_adamw", "fused_sharded_grads_adamw")
@@ -99,7 +100,7 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=2, help="alternating runs of each version")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                         help="comma-separated methods the table shows (default %(default)s)")
-    parser.add_argument("--json", help="write every run's records here")
+    parser.add_argument("--json", type=output_files.output_file, help="write every run's records here")
     args, bench_args = parser.parse_known_args(argv)
     if args.runs < 1:
         parser.error(f"--runs must be positive, got {args.runs}")
@@ -112,7 +113,7 @@ def main(argv=None) -> None:
           f"{' '.join(bench_args)}; median of {args.runs} alternating runs")
     print(report(runs, methods))
     if args.json:
-        with open(args.json, "w") as f:
+        with output_files.open_output(args.json) as f:
             json.dump({"revision": args.revision, "bench_args": bench_args, "runs": runs}, f,
                       indent=1)
 

@@ -33,6 +33,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List
 
+from . import output_files
+
 CALLS = ("state_dict", "state_dict_to0", "sharded_state_dict", "load_state_dict")
 ROOT = Path(__file__).resolve().parent
 
@@ -172,7 +174,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per run")
     parser.add_argument("--runs", type=int, default=3,
                         help="alternating runs of each version")
-    parser.add_argument("--json", help="write every run's figures here")
+    parser.add_argument("--json", type=output_files.output_file, help="write every run's figures here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -185,7 +187,7 @@ def main(argv=None) -> None:
           f"{args.runs} alternating runs, each call's median of {args.repeats}")
     print(report(runs))
     if args.json:
-        with open(args.json, "w") as f:
+        with output_files.open_output(args.json) as f:
             json.dump({"revision": args.revision, "runs": runs}, f, indent=1)
 
 

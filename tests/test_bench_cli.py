@@ -6,6 +6,7 @@ well-formed, positive figures, never that one method is faster than another.
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from importlib import metadata
@@ -14,7 +15,8 @@ import pytest
 
 from bench_utils import check_record, run_bench_once
 from harness import ROOT, run_torchrun
-from fusedreduce.bench import cli, cluster, collectives_bench, common, kernels_bench, model_bench
+from fusedreduce.bench import (cli, cluster, collectives_bench, common, kernels_bench, model_bench,
+                               output_files)
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 BENCHMARKS = ["kernels", "reduce", "step", "adasum"]
@@ -164,6 +166,15 @@ BAD_MODEL_AND_CLUSTER = [
     (["model", "--repeats", "0"], "--repeats"),
     (["model", "--check-cluster", "--rate", "fast"], "--rate"),
     (["cluster", "probe", "--probe-mb", "inf"], "--probe-mb"),
+    (["cluster", "probe", "--nodes", "0"], "--nodes"),
+    (["cluster", "probe", "--nodes", "255"], "--nodes"),
+    (["cluster", "probe", "--ranks-per-node", "0"], "--ranks-per-node"),
+    (["cluster", "run", "no_such_script.py"], "SCRIPT"),
+    # an output file that cannot be written is refused before anything runs
+    (["cluster", "probe", "--json", os.path.dirname(__file__)], "--json"),
+    (["model", "--json", os.path.join(__file__, "figures.json")], "--json"),
+    (["kernels", "--json", os.path.join(__file__, "figures.json")], "--json"),
+    (["sharded", "--plot", os.path.join(__file__, "figures.png")], "--plot"),
 ]
 
 
@@ -176,11 +187,20 @@ def test_bad_model_and_cluster_values_are_refused_naming_the_option(monkeypatch,
     # nothing is measured, and no cluster made, when a check is missing
     monkeypatch.setattr(model_bench, "measure_kernels", measured)
     monkeypatch.setattr(model_bench, "check_cluster", measured)
+    monkeypatch.setattr(kernels_bench, "run", measured)
     monkeypatch.setattr(cluster.Cluster, "up", measured)
     with pytest.raises(SystemExit) as exit_:
         cli.main(argv)
     said = capsys.readouterr().err if exit_.value.code == 2 else str(exit_.value.code)
     assert option in said, said
+
+
+def test_an_output_file_in_missing_directories_is_accepted_and_written(tmp_path):
+    path = str(tmp_path / "runs" / "today" / "figures.json")
+    assert output_files.output_file(path) == path
+    assert not os.path.exists(os.path.dirname(path))  # made when written, not when parsed
+    common.write_json(path, {}, {}, [])
+    assert json.loads(open(path).read()) == {"machine": {}, "config": {}, "results": []}
 
 
 def test_cuda_without_a_gpu_is_refused(monkeypatch):
