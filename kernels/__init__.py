@@ -173,6 +173,8 @@ def flatten_cast_scale(
         if out is None:
             _checks.check_dtype(dtype, "dtype")
             device = tensors[0].device if tensors else torch.device("cpu")
+            if tensors:
+                _checks.check_not_meta(tensors[0], "tensors[0]")
         else:
             _checks.check_out(out, tensors, size, exact=offsets is None)
             _checks.check_disjoint(out, "out", tensors, "tensors")

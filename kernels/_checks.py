@@ -284,13 +284,26 @@ def share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((last + a.element_size() > starts_b[candidates]).any())
 
 
+def check_not_meta(t: torch.Tensor, name: str) -> None:
+    """The kernels copy data, and a meta tensor holds none: refused by name."""
+    if t.is_meta:
+        raise ValueError(f"{name} is on the meta device: it holds no data to copy. Materialize "
+                         f"the tensors first (module.to_empty(device=...), then initialise "
+                         f"the parameters)")
+
+
 def check_disjoint(buffer: torch.Tensor, buffer_name: str, tensors, name: str,
                    indices: Optional[Sequence[int]] = None) -> None:
     """``buffer`` shares no memory with any of ``tensors`` (``indices``: the
     positions they are named by, in the caller's list; default 0, 1, ...).
 
+    The callers have checked that the buffer and the tensors share a device:
+    on the meta device there is no memory to compare (every address is 0), and
+    no data to copy, so a meta ``buffer`` is refused here.
+
     Raises:
-        ValueError: naming the first tensor that overlaps the buffer.
+        ValueError: naming the first tensor that overlaps the buffer, or the
+            buffer on the meta device.
 
     Examples:
         >>> flat = torch.zeros(8)
@@ -299,6 +312,7 @@ def check_disjoint(buffer: torch.Tensor, buffer_name: str, tensors, name: str,
         ...
         ValueError: tensors[0] overlaps flat: ...
     """
+    check_not_meta(buffer, buffer_name)
     for i, t in zip(range(len(tensors)) if indices is None else indices, tensors):
         if share_bytes(buffer, t):
             raise ValueError(f"{name}[{i}] overlaps {buffer_name}: the fused copy would read "

@@ -38,6 +38,10 @@ def ones(*size, dtype=None):
     return torch.ones(*size, dtype=dtype, device=DEVICE())
 
 
+def meta(n):
+    return torch.empty(n, device="meta")
+
+
 def sparse(n=3):
     return torch.sparse_coo_tensor([[0]], [1.0], (n,), check_invariants=True, device=DEVICE())
 
@@ -53,6 +57,11 @@ FLATTEN_CASES = [
     ("tensor on another device", ValueError,
      r"tensors\[1\] is on meta but tensors\[0\] is on <device>",
      lambda: ([ones(2), torch.empty(3, device="meta")], sentinel(5)), {}),
+    # meta tensors have no memory (every address is 0): named, not called overlapping
+    ("every tensor on the meta device", ValueError, r"out is on the meta device: it holds no data",
+     lambda: ([meta(2), meta(3)], meta(5)), {}),
+    ("meta tensors, no out", ValueError, r"tensors\[0\] is on the meta device",
+     lambda: ([meta(2), meta(3)],), {}),
     ("sparse coo tensor", TypeError, r"tensors\[1\] has layout torch\.sparse_coo",
      lambda: ([ones(2), sparse()], sentinel(5)), {}),
     ("sparse csr tensor", TypeError, r"tensors\[1\] has layout torch\.sparse_csr",
@@ -139,6 +148,8 @@ UNFLATTEN_CASES = [
      lambda: (ones(4), [sentinel(2), sentinel(3)]), {}),
     ("flat too small for the offsets", ValueError, r"flat has 5 elements .* need 6",
      lambda: (ones(5), [sentinel(2), sentinel(3)]), {"offsets": [0, 3]}),
+    ("every tensor on the meta device", ValueError, r"flat is on the meta device: it holds no data",
+     lambda: (meta(5), [meta(2), meta(3)]), {}),
     ("destinations on another device", ValueError, r"tensors are on meta but flat is on <device>",
      lambda: (ones(2), [torch.empty(2, device="meta")]), {}),
     ("destination on another device", ValueError,
