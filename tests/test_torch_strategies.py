@@ -211,6 +211,57 @@ def test_another_strategy_replaces_routes_only_when_clearly_faster(monkeypatch, 
     assert choice.chosen[False] == kept
 
 
+@pytest.mark.parametrize("scratch_s, kept", [(1.2, "routes"), (0.5, "scratch")])
+def test_a_candidate_not_kept_gives_its_memory_back(monkeypatch, scratch_s, kept):
+    now = [0.0]
+    monkeypatch.setattr(strategy_choice.time, "perf_counter", lambda: now[0])
+    released = []
+
+    def taking(seconds):
+        def fn(tensors, scale):
+            now[0] += seconds
+        return fn
+    scratch = taking(scratch_s)
+    scratch.release = lambda: released.append("scratch")
+    choice = Choice({False: {"routes": taking(1.0), "scratch": scratch}}, forced=None,
+                    trial=True)
+    choice.run(False, [], 0.5)
+    choice.run(False, [], 0.5)
+    assert choice.chosen[False] == kept
+    assert released == ([] if kept == "scratch" else ["scratch"])
+
+
+@pytest.mark.parametrize("direction", ["flatten", "unflatten"])
+def test_a_released_scratch_takes_memory_again_and_writes_the_same_bits(direction):
+    # the layouts where the scratch strategy is offered: a scaled flatten into
+    # 16 bits, a scaled unflatten into the buffer's own dtype
+    scale = 1 / 3
+    if direction == "flatten":
+        tensors = [torch.randn(shape) for shape in SHAPES]
+        out = torch.empty(sum(t.numel() for t in tensors), dtype=F16)
+        expected = [reference_flatten(tensors, F16, scale)]
+        launch = flatten_launch(tensors, out)
+        results = [out]
+    else:
+        tensors = [torch.empty(shape) for shape in SHAPES]
+        out = make_flat(tensors, F32, scale, None)
+        expected = reference_unflatten(out, tensors, scale, False)
+        launch = unflatten_launch(out, tensors)
+        results = tensors
+    scratch = launch.choice.candidates[False]["scratch"]
+    runs = scratch.release.__self__
+    held = runs._storage.nbytes()
+    assert held > 0
+    scratch.release()
+    assert runs._storage.nbytes() == 0
+    for r in results:
+        r.fill_(math.nan)
+    scratch(tensors, scale)
+    assert runs._storage.nbytes() == held
+    for r, want in zip(results, expected):
+        assert_same_bits(r, want, f"{direction} by a released scratch")
+
+
 # A scaled flatten into fp32/fp64 by ``routes`` copies and scales the buffer in
 # runs of about SCALE_GROUP elements (each run's piece scaled while in cache):
 # only a layout over two runs or more shows a piece that starts a segment early

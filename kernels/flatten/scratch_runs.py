@@ -88,6 +88,10 @@ class ScratchRuns:
         alias = flat.detach()
         scratch = torch.empty(max((hi - lo for lo, hi, _ in runs), default=0),
                               dtype=scratch_dtype or flat.dtype, device=flat.device)
+        # the views below hold the storage, not its memory: ``release`` gives
+        # the memory back and a later call takes it again, the views still valid
+        self._storage = scratch.untyped_storage()
+        self._nbytes = self._storage.nbytes()
         self.runs = []
         for lo, hi, indices_ in runs:
             views = segment_views(scratch, [starts[i] - lo for i in indices_],
@@ -99,7 +103,14 @@ class ScratchRuns:
             self.runs.append((alias.narrow(0, lo, hi - lo), scratch.narrow(0, 0, hi - lo),
                               picked, views))
 
+    def release(self) -> None:
+        """Give the scratch's memory back (a strategy not chosen keeps none);
+        the next call takes it again."""
+        self._storage.resize_(0)
+
     def __call__(self, dsts, srcs, scale: float) -> None:
+        if self._storage.nbytes() < self._nbytes:
+            self._storage.resize_(self._nbytes)
         for i in self.large:
             torch.mul(srcs[i], scale, out=dsts[i])
         for flat_run, scratch_run, picked, views in self.runs:
@@ -111,6 +122,8 @@ class ScratchRuns:
         """The other way, for a scaled flatten into 16 bits: each run's tensors
         copied into the fp32 scratch, scaled there, rounded into the buffer
         (the elements between segments too: the launch zeroes them after)."""
+        if self._storage.nbytes() < self._nbytes:
+            self._storage.resize_(self._nbytes)
         for i in self.large:
             torch.mul(tensors[i], scale, out=segments[i])
         for flat_run, scratch_run, picked, views in self.runs:

@@ -73,7 +73,8 @@ class Choice:
     second times every candidate, round-robin (``TRIAL_ROUNDS``,
     ``TRIAL_BUDGET_S``; the candidates' runs write that call's result), and
     keeps the one of the shortest run (``routes`` unless another beats it by
-    ``TRIAL_MARGIN``) for every later call.
+    ``TRIAL_MARGIN``) for every later call; a candidate not kept that holds
+    memory of its own (``fn.release``) gives it back.
     Waiting for the second call means a launch made for one call (a
     flatten with ``out=None``) never pays for a trial, and the trial runs
     on warm caches. ``chosen``: ``{kind: name}``; ``trial_s``: ``{kind:
@@ -126,3 +127,8 @@ class Choice:
         if best[fastest] >= best["routes"] * (1 - TRIAL_MARGIN):
             fastest = "routes"
         self._keep(kind, fastest)
+        # a candidate that holds memory of its own (a scratch) gives it back
+        # when another is kept; it takes it again if it ever runs
+        for name, fn in fns.items():
+            if name != fastest and hasattr(fn, "release"):
+                fn.release()

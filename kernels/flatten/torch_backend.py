@@ -284,8 +284,10 @@ def _flatten_candidates(plan: CopyPlan, segments, runs, flat: torch.Tensor, pack
         if segments and len(plan.routes(unit)[route]) == len(segments):
             candidates[unit].update((name, scaled(copy)) for name, copy in copies.items())
     if widening is not None:
-        candidates[False]["scratch"] = lambda tensors, scale: widening.fill(
-            segments, tensors, scale)
+        def scratch(tensors, scale):
+            widening.fill(segments, tensors, scale)
+        scratch.release = widening.release  # Choice calls it if another strategy is kept
+        candidates[False]["scratch"] = scratch
     return candidates
 
 
@@ -418,8 +420,10 @@ def _unflatten_candidates(plan: CopyPlan, segments, narrowing, scaled_copies,
         if segments and len(plan.routes(unit)[route]) == len(segments):
             candidates[unit].update((name, scaled(copy)) for name, copy in copies.items())
     if scaled_copies is not None:
-        candidates[False]["scratch"] = lambda tensors, scale: scaled_copies(
-            tensors, segments, scale)
+        def scratch(tensors, scale):
+            scaled_copies(tensors, segments, scale)
+        scratch.release = scaled_copies.release  # Choice calls it if another is kept
+        candidates[False]["scratch"] = scratch
     return candidates
 
 
