@@ -112,6 +112,23 @@ def check_choice(value, name: str, choices: Sequence[str], *, optional: bool = F
     return value
 
 
+def refuse_join(owner: str):
+    """What ``owner.join_hook`` raises: ``torch.distributed.algorithms.Join``
+    asks a participant for its hook, and these reducers do not shadow the
+    collectives of ranks that still have data.
+
+    Raises:
+        TypeError: always, naming what works for uneven inputs.
+    """
+    raise TypeError(
+        f"{owner} does not take part in torch.distributed.algorithms.Join (uneven inputs): "
+        f"every rank must run the same number of steps. For uneven inputs keep "
+        f"DistributedDataParallel with a fusedreduce hook "
+        f"(ddp.register_comm_hook(None, fusedreduce.hooks.allreduce_hook)) and use "
+        f"ddp.join(); or give every rank the same number of batches "
+        f"(DistributedSampler(..., drop_last=True))")
+
+
 def check_loss_scale(value):
     """``value`` as a gradient loss scale: None, a finite Python number > 0,
     or a one-element floating tensor, not on the meta device.

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ._checks import refuse_join
 from .adasum import adasum_allreduce
 from .node_groups import check_local_size
 from .param_swap import instance_of_both, params_of
@@ -78,3 +79,12 @@ class AdaSumByDeltaWeight(torch.optim.Optimizer):
             torch._foreach_add_(saved, combined)
             torch._foreach_copy_([p.detach() for p in params], saved)
         return loss
+
+    def join_hook(self, **kwargs):
+        """Refused: uneven inputs (``torch.distributed.algorithms.Join``) are
+        not shadowed; every rank runs the same number of steps.
+
+        Raises:
+            TypeError: always.
+        """
+        refuse_join(type(self).__name__)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from . import feedback_state, kernels
 from .kernels import refuse_in_capture
 from ._checks import (check_bool, check_choice, check_distinct, check_int, check_loss_scale,
-                      check_prescale, tensor_list)
+                      check_prescale, refuse_join, tensor_list)
 from .allreduce import PendingBucket
 from .broadcast import broadcast_tensors
 from .buckets import BucketPlan, storage_bytes
@@ -328,6 +328,14 @@ class ReducerSurface:
         before clipping (with ``max_grad_norm``): a 0-d tensor on their device, fp32 or fp64
         (``clipping.norm_dtype_of`` the parameters' dtypes).""")
     found_nonfinite = engine_member("found_nonfinite")
+
+    def join_hook(self, **kwargs):
+        """Refused: see ``_checks.refuse_join`` (uneven inputs).
+
+        Raises:
+            TypeError: always.
+        """
+        refuse_join(type(self).__name__)
     #: DistributedOptimizer's rule (DDP's): a parameter no rank gave a
     #: gradient in a pass keeps none, so the optimizer skips it
     unused_grads_to_none = engine_member("unused_grads_to_none")

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import optimizer_checkpoint as checkpoints
+from ._checks import refuse_join
 from .adasum_delta import AdaSumByDeltaWeight
 from .broadcast import broadcast_tensors
 from .buckets import FlatBuffers
@@ -791,6 +792,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def no_sync(self):
         """A context in which backward passes accumulate gradients locally."""
         return self.reducer.no_sync()
+
+    def join_hook(self, **kwargs):
+        """Refused: uneven inputs (``torch.distributed.algorithms.Join``) are
+        not shadowed; every rank runs the same number of steps.
+
+        Raises:
+            TypeError: always, naming DDP with a fusedreduce hook under
+                ``ddp.join()`` as what works.
+        """
+        refuse_join(type(self).__name__)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self, *, to: Optional[int] = None,
