@@ -5,7 +5,10 @@ seeds, tied embeddings, AdamW with two groups, a cosine learning rate,
 gradient accumulation, GradScaler.unscale_ then torch's clip_grad_norm_, a
 checkpoint written by the master rank) and runs it once per way of
 reducing, from the same start on the same batches, on 2 spawned gloo ranks.
+nanoGPT's train.py resumes by loading the torch optimizer's state before it
+wraps anything; the same order with a DistributedOptimizer continues DDP's run.
 """
+import copy
 import json
 import subprocess
 import sys
@@ -126,3 +129,62 @@ def test_a_gradscaler_step_goes_on_with_loss_scale_set_or_without_a_finite_clip(
     for outcome, message, unchanged in run_ranks(_scaled_clipped_step, 2, tell_loss_scale,
                                                  max_grad_norm):
         assert outcome == "stepped" and not unchanged, message
+
+
+def _resume_in_nanogpts_order(rank, world_size, options):
+    """DDP trains 3 steps, saves as nanoGPT does (rank 0's optimizer.state_dict()),
+    trains 3 more; a restarted job loads that state into a fresh torch AdamW
+    *before* wrapping it (nanoGPT loads, then wraps the model in DDP) and trains
+    the same 3 steps. The restarted parameters, the state, and its size."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                    torch.nn.Linear(32, 8))
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
+        return model, torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                         {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+
+    def train(model, optimizer, steps):
+        for step in steps:
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * rank + step))
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    model, optimizer = build()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    train(ddp, optimizer, range(3))
+    checkpoint = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                  "optimizer": copy.deepcopy(optimizer.state_dict())}
+    train(ddp, optimizer, range(3, 6))
+
+    resumed, inner = build()
+    resumed.load_state_dict(checkpoint["model"])
+    inner.load_state_dict(checkpoint["optimizer"])
+    wrapped = fusedreduce.DistributedOptimizer(inner, **options)
+    held = sum(t.numel() for s in wrapped.state.values() for t in s.values() if t.dim() > 0)
+    train(resumed, wrapped, range(3, 6))
+    state = wrapped.state_dict(to=0) if options.get("shard") else wrapped.state_dict()
+    return ([p.detach() for p in model.parameters()], [p.detach() for p in resumed.parameters()],
+            optimizer.state_dict(), state, held)
+
+
+@pytest.mark.parametrize("options", [{}, {"shard": True},
+                                     {"shard": True, "shard_gradients": True}],
+                         ids=["replicated", "zero1", "zero2"])
+def test_an_optimizer_loaded_before_it_is_wrapped_resumes_ddps_run(options):
+    world_size = 2
+    whole = 2 * sum(p.numel() for p in torch.nn.Sequential(torch.nn.Linear(16, 32),
+                                                           torch.nn.Linear(32, 8)).parameters())
+    results = run_ranks(_resume_in_nanogpts_order, world_size, options)
+    held = [result[-1] for result in results]
+    # sharded, the whole state loaded on every rank was cut to each rank's part
+    assert held == [whole] * world_size if not options else sum(held) == whole, held
+    for rank, (ddp, resumed, ddp_state, state, _) in enumerate(results):
+        # no clipping, 2 ranks: the reduced gradients are DDP's bits
+        assert all(map(torch.equal, ddp, resumed)), rank
+        if rank == 0:
+            assert ddp_state["param_groups"] == state["param_groups"]
+            for i, entry in ddp_state["state"].items():
+                assert all(torch.equal(v, state["state"][i][k]) for k, v in entry.items()), i
