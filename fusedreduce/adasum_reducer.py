@@ -58,5 +58,6 @@ class AdaSumReducer(DistributedGradReducer):
                              "AdaSum (it combines the gradients, it does not sum them)")
         super().__init__(parameters, mean=False, group=group, bucket_cap_mb=bucket_cap_mb,
                          reduce_dtype=reduce_dtype, backend=backend, **clipping)
+        self._engine.stacks_exactly = False  # a combine of combined gradients
         self.local_size = check_local_size(local_size, self.world_size)
         self._engine.combine_by(AdaSumTree(self.plan, group, local_size, backend))

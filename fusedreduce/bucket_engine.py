@@ -140,6 +140,14 @@ class BucketEngine:
         self.spares_clear = False  # the last check found every such sum zero
         self.overlap = BackwardOverlap([self.parameters[i] for i in self.order], self.plan,
                                        start, finish, before_sync or self.verify_once)
+        # whether a pass that adds to reduced gradients no step took, reduced
+        # again, gives what one reduction of everything accumulated gives:
+        # when every rank holds the reduced value and the sum is divided by the
+        # world size (the mean of reduced + new is reduced + the new mean), or
+        # each element's owner alone holds it and the sum is not divided.
+        # AdaSum's reducers set it False: combining is not summing
+        divisor = self.degree if self.mean else 1
+        self.stacks_exactly = divisor == (1 if shards else self.world_size)
         # checked at the first reduction (where the layout check is made
         # anyway), unless they are made equal now or are not replicas
         self._verify_values = initial_parameters == "verify"
@@ -451,8 +459,21 @@ class ReducerSurface:
         self._engine.overlap.reduced = True
 
     def consume(self) -> None:
-        """Mark the reduced gradients as used (an optimizer step took them)."""
-        self._engine.overlap.reduced = False
+        """Mark the reduced gradients as used (an optimizer step took them, or
+        ``zero_grad`` discarded them)."""
+        overlap = self._engine.overlap
+        overlap.reduced = overlap.reduced_again = False
+
+    @property
+    def reduced_again(self) -> bool:
+        """Whether a backward pass added to reduced gradients that ``consume``
+        had not taken: ``stacks_exactly`` says if the reduction after it is
+        still the reduced sum of every pass."""
+        return self._engine.overlap.reduced_again
+
+    @property
+    def stacks_exactly(self) -> bool:
+        return self._engine.stacks_exactly
 
 
 def _fusion_ids(fusion_type, n: int) -> List[int]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import warnings
 from datetime import timedelta
 from typing import Iterable, Optional, Sequence, Union
 
@@ -363,6 +364,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for name in _KEPT:
             setattr(self, name, getattr(options, name))
         self._steps = 0
+        self._warned_reduced_again = False
         # a finite clip under a GradScaler needs loss_scale: looked at (the
         # calling frames) until the first step on reduced gradients
         self._scaler_unchecked = options.clips
@@ -738,6 +740,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "a step that broadcasts buffers= (rank 0's buffers after every step)",
                 "pass bcast_period=-1 to the optimizer you capture, and call "
                 "broadcast_buffers() between replays")
+        self._check_reduced_once()
         self._follow_requires_grad()
         if closure is None and checkpoints.is_checkpoint_initialisation(self, self.reducer):
             checkpoints.initialise_state(self, self._step, super())
@@ -780,6 +783,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
             >>> model_state, opt_state = get_state_dict(model, opt)  # no step inside  # doctest: +SKIP
         """
         checkpoints.init_state(self, self._step, super())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``; reduced gradients that no step
+        took (a step a GradScaler skipped) are discarded with it, so the next
+        backward starts a new accumulation."""
+        super().zero_grad(set_to_none)
+        self.reducer.consume()
+
+    def _check_reduced_once(self) -> None:
+        """Backward passes that reduced again over gradients no step took:
+        right where that gives the reduced sum (a warning, once: each
+        reduction is a collective), refused where it does not."""
+        reducer = self.reducer
+        if not (reducer.reduced_again and reducer.reduced):
+            return  # (a last pass that did not reduce is _check_reduced's error)
+        fix = (f"pass backward_passes_per_step equal to the backward passes of each step "
+               f"(it is {self.backward_passes_per_step}), or run all but the last of them "
+               f"inside optimizer.no_sync()")
+        if reducer.stacks_exactly:
+            if not self._warned_reduced_again:
+                self._warned_reduced_again = True
+                warnings.warn(f"backward passes reduced the gradients more than once before "
+                              f"this step(): the result is their reduced sum, but each "
+                              f"reduction is a collective; {fix}", stacklevel=3)
+            return
+        why = ("with shard=True each rank's .grad holds only its part of the reduced "
+               "gradients" if self.shard else
+               f"reduce_method={self.reduce_method!r} "
+               + ("combines the gradients; combining combined ones is another result"
+                  if self.reduce_method == "adasum" else
+                  "does not divide by the world size, so the next sum counts them once "
+                  "per rank"))
+        raise RuntimeError(
+            f"a backward pass reduced the gradients again before step() took the previous "
+            f"reduction (more backward passes since the last step() or zero_grad() than "
+            f"backward_passes_per_step): {why}, so the gradients are not the passes' reduced "
+            f"sum. Nothing was stepped; {fix}")
 
     def _check_reduced(self) -> None:
         has_grads = any(p.grad is not None for p in self._all_params())

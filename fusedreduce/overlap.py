@@ -82,6 +82,9 @@ class BackwardOverlap:
         self._next_launch = 0
         self._pending: List[PendingBucket] = []
         self.reduced = False
+        # a pass began while .grad held reduced gradients no step took (more
+        # backward passes than passes_per_sync before the step)
+        self.reduced_again = False
 
     @property
     def passes_since_sync(self) -> int:
@@ -231,6 +234,7 @@ class BackwardOverlap:
         self._tasks = set()
         self._live_ends = weakref.WeakSet()
         self._in_backward = True
+        self.reduced_again = self.reduced_again or self.reduced
         self._syncing = self._sync_enabled and \
             (self._passes_since_sync + 1) % self._passes_per_sync == 0
         self.reduced = False

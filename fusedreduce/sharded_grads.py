@@ -73,6 +73,8 @@ class ShardedGradReducer(ReducerSurface):
             before_sync=self._before_sync, **clipping)
         self.shard_gradients = shard_gradients
         self.adasum_local_size = adasum_local_size
+        if adasum_local_size is not None:
+            engine.stacks_exactly = False  # a combine of combined gradients
         self.rank = dist.get_rank(group) if self.world_size > 1 else 0
         engine.unused_grads_to_none = True
         self.before_communicating = None  # called before a backward's first collective
