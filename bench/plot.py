@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 from typing import List, Sequence
 
 from . import output_files

@@ -336,6 +336,9 @@ class ReducerSurface:
         before clipping (with ``max_grad_norm``): a 0-d tensor on their device, fp32 or fp64
         (``clipping.norm_dtype_of`` the parameters' dtypes).""")
     found_nonfinite = engine_member("found_nonfinite")
+    stacks_exactly = engine_member("stacks_exactly", """Whether a backward pass that adds
+        to reduced gradients no step took, reduced again, still gives the reduced sum of
+        every pass (``BucketEngine``'s comment says when).""")
 
     def join_hook(self, **kwargs):
         """Refused: see ``_checks.refuse_join`` (uneven inputs).
@@ -471,9 +474,6 @@ class ReducerSurface:
         still the reduced sum of every pass."""
         return self._engine.overlap.reduced_again
 
-    @property
-    def stacks_exactly(self) -> bool:
-        return self._engine.stacks_exactly
 
 
 def _fusion_ids(fusion_type, n: int) -> List[int]:

@@ -808,13 +808,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               f"this step(): the result is their reduced sum, but each "
                               f"reduction is a collective; {fix}", stacklevel=3)
             return
-        why = ("with shard=True each rank's .grad holds only its part of the reduced "
-               "gradients" if self.shard else
-               f"reduce_method={self.reduce_method!r} "
-               + ("combines the gradients; combining combined ones is another result"
-                  if self.reduce_method == "adasum" else
-                  "does not divide by the world size, so the next sum counts them once "
-                  "per rank"))
+        if self.shard:
+            why = "with shard=True each rank's .grad holds only its part of the reduced gradients"
+        elif self.reduce_method == "adasum":
+            why = ("reduce_method='adasum' combines the gradients; combining combined ones is "
+                   "another result")
+        else:
+            why = (f"reduce_method={self.reduce_method!r} does not divide by the world size, so "
+                   f"the next sum counts them once per rank")
         raise RuntimeError(
             f"a backward pass reduced the gradients again before step() took the previous "
             f"reduction (more backward passes since the last step() or zero_grad() than "

@@ -83,7 +83,7 @@ def test_extra_reductions_that_sum_right_train_as_one_and_warn_once(name, passes
     assert torch.equal(extra[0][0], extra[1][0])
     assert float((extra[0][0] - once[0][0]).abs().max()) <= TOLERANCE
     for _, said in extra:
-        assert len(said) == 1 and f"backward_passes_per_step equal to" in said[0]
+        assert len(said) == 1 and "backward_passes_per_step equal to" in said[0]
     assert [said for _, said in once] == [[], []]
 
 

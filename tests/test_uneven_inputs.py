@@ -14,7 +14,6 @@ import hashlib
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel

@@ -108,9 +108,13 @@ class ScratchRuns:
         the next call takes it again."""
         self._storage.resize_(0)
 
-    def __call__(self, dsts, srcs, scale: float) -> None:
+    def _take_memory(self) -> None:
+        """The scratch's memory again, if ``release`` gave it back."""
         if self._storage.nbytes() < self._nbytes:
             self._storage.resize_(self._nbytes)
+
+    def __call__(self, dsts, srcs, scale: float) -> None:
+        self._take_memory()
         for i in self.large:
             torch.mul(srcs[i], scale, out=dsts[i])
         for flat_run, scratch_run, picked, views in self.runs:
@@ -122,8 +126,7 @@ class ScratchRuns:
         """The other way, for a scaled flatten into 16 bits: each run's tensors
         copied into the fp32 scratch, scaled there, rounded into the buffer
         (the elements between segments too: the launch zeroes them after)."""
-        if self._storage.nbytes() < self._nbytes:
-            self._storage.resize_(self._nbytes)
+        self._take_memory()
         for i in self.large:
             torch.mul(tensors[i], scale, out=segments[i])
         for flat_run, scratch_run, picked, views in self.runs:
