@@ -114,7 +114,7 @@ def check_choice(value, name: str, choices: Sequence[str], *, optional: bool = F
 
 def refuse_join(owner: str):
     """What ``owner.join_hook`` raises: ``torch.distributed.algorithms.Join``
-    asks a participant for its hook, and these reducers do not shadow the
+    asks a participant for its hook, and this one does not shadow the
     collectives of ranks that still have data.
 
     Raises:
@@ -122,9 +122,9 @@ def refuse_join(owner: str):
     """
     raise TypeError(
         f"{owner} does not take part in torch.distributed.algorithms.Join (uneven inputs): "
-        f"every rank must run the same number of steps. For uneven inputs keep "
-        f"DistributedDataParallel with a fusedreduce hook "
-        f"(ddp.register_comm_hook(None, fusedreduce.hooks.allreduce_hook)) and use "
+        f"every rank must run the same number of steps. Join works with "
+        f"DistributedOptimizer without shard, with a DistributedGradReducer whose hooks are "
+        f"registered, and with DistributedDataParallel and a fusedreduce hook under "
         f"ddp.join(); or give every rank the same number of batches "
         f"(DistributedSampler(..., drop_last=True))")
 

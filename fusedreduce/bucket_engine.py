@@ -18,10 +18,10 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from . import feedback_state, kernels
+from . import feedback_state, kernels, uneven_inputs
 from .kernels import refuse_in_capture
 from ._checks import (check_bool, check_choice, check_distinct, check_int, check_loss_scale,
-                      check_prescale, refuse_join, tensor_list)
+                      check_prescale, tensor_list)
 from .allreduce import PendingBucket
 from .broadcast import broadcast_tensors
 from .buckets import BucketPlan, storage_bytes
@@ -307,7 +307,7 @@ def engine_member(name: str, doc: str = "") -> property:
                     lambda self, value: setattr(self._engine, name, value), doc=doc)
 
 
-class ReducerSurface:
+class ReducerSurface(uneven_inputs.JoinParticipant):
     """The members both reducers show over their ``_engine`` (a
     ``BucketEngine``), the same for both: the options, the last reduction's
     results, and the overlap's state. Nothing here is overridden; each
@@ -341,12 +341,45 @@ class ReducerSurface:
         every pass (``BucketEngine``'s comment says when).""")
 
     def join_hook(self, **kwargs):
-        """Refused: see ``_checks.refuse_join`` (uneven inputs).
+        """Take part in ``torch.distributed.algorithms.Join`` (uneven inputs),
+        with the hooks registered: a rank that ran out of data runs, for
+        each communicating backward pass of the others, the same
+        collectives with zeros and no parameter used (the mean still
+        divides by the whole world size, DDP's default); when every rank
+        has run out, every rank takes the parameters of the last one to
+        join (its own optimizer is not stepped meanwhile, as under DDP).
 
         Raises:
-            TypeError: always.
+            RuntimeError: no hooks are registered.
+            ValueError: ``divide_by_initial_world_size=False`` with a mean.
+
+        Examples:
+            >>> with Join([reducer]):                       # doctest: +SKIP
+            ...     for x, y in loader: loss_fn(model(x), y).backward(); opt.step()
         """
-        refuse_join(type(self).__name__)
+        return uneven_inputs.reducer_join_hook(self, kwargs)
+
+    @property
+    def _announce(self) -> Optional[Callable[[], None]]:
+        """Called at the start of every communicating pass of the hooks,
+        before its collectives (``Join``'s notification), or None."""
+        return self._engine.overlap.announce
+
+    @_announce.setter
+    def _announce(self, value: Optional[Callable[[], None]]) -> None:
+        self._engine.overlap.announce = value
+
+    def _shadow_pass(self) -> None:
+        """The collectives of one communicating backward pass, with no
+        gradient of this rank (``BackwardOverlap.shadow_pass``): no warning
+        of missing gradients, which are all missing by design."""
+        engine = self._engine
+        warns, engine.warn_missing = engine.warn_missing, False
+        try:
+            engine.overlap.shadow_pass()
+        finally:
+            engine.warn_missing = warns
+
     #: DistributedOptimizer's rule (DDP's): a parameter no rank gave a
     #: gradient in a pass keeps none, so the optimizer skips it
     unused_grads_to_none = engine_member("unused_grads_to_none")

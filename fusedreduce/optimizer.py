@@ -30,8 +30,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from . import optimizer_checkpoint as checkpoints
-from ._checks import refuse_join
+from . import optimizer_checkpoint as checkpoints, uneven_inputs
 from .adasum_delta import AdaSumByDeltaWeight
 from .broadcast import broadcast_tensors
 from .buckets import FlatBuffers
@@ -51,7 +50,7 @@ _KEPT = ("group", "reduce_method", "bcast_period", "backward_passes_per_step",
          "overlap_param_gather")
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(uneven_inputs.JoinParticipant, torch.optim.Optimizer):
     """Make ``optimizer`` step on gradients reduced across the process group.
 
     The returned object *is* an instance of the wrapped optimizer's class (it
@@ -517,6 +516,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return params_of(self)
 
     def _check_between_steps(self, what: str) -> None:
+        if uneven_inputs.in_join(self):
+            raise RuntimeError(
+                f"{what} inside a Join context: a rank that ran out of data shadows the "
+                f"passes of the parameters trained when it joined; change the trained set "
+                f"outside the context")
         if self.reducer.accumulated_passes or not self.reducer.syncing:
             raise RuntimeError(
                 f"{what} between the backward passes of one step (inside no_sync() or before "
@@ -748,6 +752,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         loss = self._step.step(self, super(), closure, self._check_reduced)
         self.reducer.consume()
         self._steps += 1
+        if uneven_inputs.in_join(self):
+            return loss  # the broadcasts wait for the join's end (uneven_inputs)
         if self.bcast_period > 0 and self._steps % self.bcast_period == 0:
             self.broadcast_parameters()
         if syncs_buffers:
@@ -835,14 +841,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.reducer.no_sync()
 
     def join_hook(self, **kwargs):
-        """Refused: uneven inputs (``torch.distributed.algorithms.Join``) are
-        not shadowed; every rank runs the same number of steps.
+        """Take part in ``torch.distributed.algorithms.Join`` (uneven inputs:
+        ranks that run out of batches at different steps). A rank that ran
+        out runs, for each communicating backward pass of the others, the
+        same collectives with zeros and no parameter used (the mean still
+        divides by the whole world size: DDP's default), and does not step.
+        When every rank has run out, every rank takes the parameters,
+        ``buffers=``, optimizer state and step count of the last one to
+        join. Inside the context the per-step broadcasts (``bcast_period``,
+        ``buffers=``) wait for that final one.
 
         Raises:
-            TypeError: always, naming DDP with a fusedreduce hook under
-                ``ddp.join()`` as what works.
+            TypeError: ``shard=True``.
+            ValueError: ``divide_by_initial_world_size=False`` with
+                ``reduce_method='mean'``.
+
+        Examples:
+            >>> from torch.distributed.algorithms import Join      # doctest: +SKIP
+            >>> with Join([opt]):                                   # doctest: +SKIP
+            ...     for x, y in loader:
+            ...         loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
         """
-        refuse_join(type(self).__name__)
+        return uneven_inputs.optimizer_join_hook(self, kwargs)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self, *, to: Optional[int] = None,

@@ -85,6 +85,10 @@ class BackwardOverlap:
         # a pass began while .grad held reduced gradients no step took (more
         # backward passes than passes_per_sync before the step)
         self.reduced_again = False
+        #: called at the start of every communicating pass, before any of its
+        #: collectives: a ``Join`` participant tells the ranks that ran out of
+        #: data that another pass is coming (``uneven_inputs``)
+        self.announce: Optional[Callable[[], None]] = None
 
     @property
     def passes_since_sync(self) -> int:
@@ -239,6 +243,8 @@ class BackwardOverlap:
             (self._passes_since_sync + 1) % self._passes_per_sync == 0
         self.reduced = False
         if self._syncing:
+            if self.announce is not None:
+                self.announce()
             self._before_sync()
             hold_all = self._hold_first_pass and not self._learned
             # a held bucket never becomes ready: it starts when backward ends.
@@ -254,6 +260,26 @@ class BackwardOverlap:
             self._restart = set()
             self._next_launch = 0
             self._pending = []
+
+    def shadow_pass(self) -> None:
+        """A communicating pass in which this rank has no gradient: every
+        ``.grad`` is dropped first, so each parameter contributes zeros and
+        counts as unused, and the pass issues the collectives of the other
+        ranks' backward (whatever this rank's ``no_sync`` state or pass
+        count). What a rank that ran out of data runs under ``Join``; the
+        reduced gradients end up in ``.grad`` as after any pass."""
+        if self._in_backward:
+            raise RuntimeError("a shadow pass cannot run inside a backward pass")
+        for p in self.parameters:
+            p.grad = None
+        announce, enabled = self.announce, self._sync_enabled
+        self.announce, self._sync_enabled = None, True
+        self._passes_since_sync = self._passes_per_sync - 1
+        try:
+            self._begin_backward()
+            self._end_backward()
+        finally:
+            self.announce, self._sync_enabled = announce, enabled
 
     def _grads_of(self, bucket) -> List[Optional[torch.Tensor]]:
         grads: List[Optional[torch.Tensor]] = [None] * len(self.parameters)

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ._checks import refuse_join
 from .kernels import refuse_in_capture
 from .allreduce import PendingBucket
 from .bucket_engine import BucketEngine, ReducerSurface
@@ -109,6 +110,15 @@ class ShardedGradReducer(ReducerSurface):
         self._zeros: Dict[int, torch.Tensor] = {}
         self._nonfinite = OwnedNonfinite(self.parameters, order, plan, self.owned,
                                          shard_gradients)
+
+    def join_hook(self, **kwargs):
+        """Refused (``DistributedOptimizer(shard=True)``, which owns this
+        reducer, refuses ``Join``): a rank's step needs its part.
+
+        Raises:
+            TypeError: always.
+        """
+        refuse_join(type(self).__name__)
 
     def _before_sync(self) -> None:
         # a reducing backward writes the buffers deferred all-gathers fill

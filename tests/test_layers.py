@@ -79,6 +79,7 @@ LAYERS = {
     "nonfinite": "engine",
     "owned_writeback": "engine",
     "replicated_writeback": "engine",
+    "uneven_inputs": "engine",
     # what users construct and call
     "reducer": "user APIs",
     "adasum_reducer": "user APIs",

@@ -6,10 +6,15 @@ contributing zeros, by calling the registered comm hook on zero buckets. With
 fusedreduce's hooks registered, the shadowing calls run our hooks, so every
 hook must issue the same collectives for a zero bucket as for a real one,
 including its first-use checks (a rank may join before its first backward).
-``DistributedOptimizer``, ``DistributedGradReducer`` and
-``AdaSumByDeltaWeight`` do not shadow collectives: ``Join`` refuses them by
-name, with what works, instead of failing on a missing method.
+
+``DistributedOptimizer`` (without ``shard``) and a ``DistributedGradReducer``
+with hooks are ``Join`` participants themselves (``fusedreduce.uneven_inputs``):
+a rank that ran out runs shadow passes, and at the end every rank takes the
+last joiner's parameters (and the optimizer's state, step count and
+``buffers=``). ``shard=True`` and ``AdaSumByDeltaWeight`` are refused by name,
+with what works, instead of failing on a missing method.
 """
+import contextlib
 import hashlib
 
 import pytest
@@ -20,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fusedreduce
 from fusedreduce import hooks
-from harness import run_ranks
+from harness import rank_errors, run_ranks
 
 WORLD = 3
 #: steps each rank runs: rank 0 has no data at all (it joins before its first
@@ -105,25 +110,267 @@ def test_ddp_join_throw_on_early_termination_with_our_hook_stops_every_rank_toge
     assert [r[1] for r in results] == [2, 2, 2]  # the first rank out stops everyone
 
 
-def _join_ours(rank, world_size, which):
+def _join_refused(rank, world_size, which):
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    if which == "optimizer":
-        joinable = fusedreduce.DistributedOptimizer(optimizer)
+    kwargs = {}
+    if which == "sharded":
+        joinable = fusedreduce.DistributedOptimizer(optimizer, shard=True)
     elif which == "adasum_delta":
         joinable = fusedreduce.AdaSumByDeltaWeight(optimizer)
-    else:
+    elif which == "reducer without hooks":
         joinable = fusedreduce.DistributedGradReducer(list(model.parameters()))
+    else:  # a mean cannot leave the ranks that ran out of data out of its divisor
+        joinable = fusedreduce.DistributedOptimizer(optimizer)
+        kwargs = {"divide_by_initial_world_size": False}
+    before = [p.detach().clone() for p in model.parameters()]
     try:
-        Join([joinable])
-    except TypeError as exc:
-        return str(exc)
+        Join([joinable], **kwargs)
+    except (TypeError, RuntimeError, ValueError) as exc:
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        return type(exc).__name__, str(exc), unchanged
     return None
 
 
-@pytest.mark.parametrize("which", ["optimizer", "reducer", "adasum_delta"])
-def test_join_refuses_our_optimizer_and_reducer_by_name(which):
-    messages = run_ranks(_join_ours, 2, which)
-    for message in messages:
-        assert message is not None and "uneven inputs" in message
-        assert "register_comm_hook" in message  # the way that works
+@pytest.mark.parametrize("which, error, names", [
+    ("sharded", "TypeError", "shard=True"),
+    ("adasum_delta", "TypeError", "AdaSumByDeltaWeight"),
+    ("reducer without hooks", "RuntimeError", "register_hooks()"),
+    ("divide", "ValueError", "divide_by_initial_world_size=False"),
+])
+def test_join_refuses_what_it_cannot_shadow_by_name(which, error, names):
+    for result in run_ranks(_join_refused, 2, which):
+        assert result is not None, f"{which}: Join accepted it"
+        kind, message, unchanged = result
+        assert kind == error and names in message and unchanged, message
+
+
+class _Model(nn.Module):
+    """Two layers with BatchNorm statistics that each rank's data moves
+    differently, and with ``unused`` a branch no rank uses."""
+
+    def __init__(self, unused: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(),
+                                  nn.Linear(16, 4))
+        self.unused = nn.Linear(8, 4) if unused else None
+
+    def forward(self, x):
+        return self.body(x)
+
+
+#: DistributedOptimizer options under Join: each shapes the collectives a
+#: shadow pass must match (buckets, wire, clipping's norm, the unused rule,
+#: AdaSum's exchanges) or what the end of the context synchronises
+OPTIONS = {
+    "default": {},
+    "find_unused_parameters": {"find_unused_parameters": True},
+    "clipping": {"max_grad_norm": 0.05},
+    "bucket views": {"gradient_as_bucket_view": True},
+    "int8 wire, error feedback": {"wire_dtype": torch.int8, "error_feedback": True},
+    "adasum": {"reduce_method": "adasum"},
+    "sum": {"reduce_method": "sum"},
+    "two passes per step": {"backward_passes_per_step": 2},
+    "bcast_period and buffers": {"bcast_period": 2, "buffers": "model"},
+}
+#: the options whose ranks with data train exactly as DDP's under ddp.join()
+AS_DDP = ("default", "find_unused_parameters", "clipping", "bucket views")
+
+
+def _train_ours(rank, world_size, way, options, steps, epochs=1):
+    """Train under Join with ``way`` ("optimizer", "reducer" or DDP's "ddp");
+    this rank's weights, buffers, optimizer state, step count."""
+    unused = options.get("find_unused_parameters", False)
+    model = _Model(unused)
+    options = dict(options)
+    if options.get("buffers") == "model":
+        options["buffers"] = model.buffers()
+    passes = options.get("backward_passes_per_step", 1)
+    clip = options.get("max_grad_norm")
+    if way == "ddp":
+        net = DistributedDataParallel(model, bucket_cap_mb=200 * 4 / 2 ** 20,
+                                      find_unused_parameters=unused,
+                                      gradient_as_bucket_view=bool(options.get(
+                                          "gradient_as_bucket_view")))
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        joinables = [net]
+    elif way == "reducer":
+        net = model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        reducer = fusedreduce.DistributedGradReducer(
+            list(model.parameters()), bucket_cap_mb=200 * 4 / 2 ** 20).register_hooks()
+        joinables = [reducer]
+    else:
+        net = model
+        optimizer = fusedreduce.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), param_pack_thd=200 * 4,
+            **options)
+        joinables = [optimizer]
+    data = torch.Generator().manual_seed(100 + rank)
+    for epoch in range(epochs):
+        # the first epoch's batches are uneven; later ones even, outside Join
+        with Join(joinables) if epoch == 0 else contextlib.nullcontext():
+            for _ in range(steps[rank] if epoch == 0 else 2):
+                optimizer.zero_grad()
+                for _ in range(passes):
+                    x = torch.randn(4, 8, generator=data)
+                    y = torch.randint(0, 4, (4,), generator=data)
+                    nn.functional.cross_entropy(net(x), y).backward()
+                if way != "optimizer" and clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+    flat = lambda ts: torch.cat([t.detach().reshape(-1).double() for t in ts])  # noqa: E731
+    state = [v for s in optimizer.state.values() for v in s.values()
+             if isinstance(v, torch.Tensor)]
+    return (flat(model.parameters()), flat(model.buffers()), flat(state) if state else None,
+            getattr(optimizer, "_steps", None))
+
+
+def _same_on_every_rank(results, buffers):
+    """Weights and optimizer state, and with ``buffers`` (the ``buffers=``
+    option) the BatchNorm statistics, which each rank's data moves otherwise."""
+    for i, what in enumerate(("weights", "buffers", "optimizer state")):
+        if what == "buffers" and not buffers:
+            continue
+        values = [r[i] for r in results]
+        assert all(v is not None and torch.equal(v, values[0]) for v in values), \
+            f"the ranks' {what} differ"
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_join_with_our_optimizer_leaves_every_rank_the_same_model_and_state(option):
+    results = run_ranks(_train_ours, WORLD, "optimizer", OPTIONS[option], STEPS)
+    _same_on_every_rank(results, "buffers" in OPTIONS[option])
+    assert [r[3] for r in results] == [max(STEPS)] * WORLD  # the last joiner's step count
+    untrained = torch.cat([p.detach().reshape(-1).double()
+                           for p in _Model(option == "find_unused_parameters").parameters()])
+    assert not torch.equal(results[0][0], untrained)
+    assert torch.isfinite(results[0][0]).all()
+    if option in AS_DDP:
+        ddp = run_ranks(_train_ours, WORLD, "ddp", OPTIONS[option], STEPS)
+        # the last joiner trained on the mean over the 3 ranks, as DDP's did;
+        # at 3 ranks gloo adds the buckets in another order (fusedreduce aligns
+        # each tensor to 16 bytes), so each reduced gradient may differ by an
+        # fp32 rounding, which 5 SGD steps (lr 0.1, momentum 0.9) keep far below 1e-6
+        torch.testing.assert_close(results[-1][0], ddp[-1][0], rtol=0, atol=1e-6)
+        if option == "find_unused_parameters":
+            unused = slice(-(8 * 4 + 4), None)  # the unused branch: no rank stepped it
+            assert torch.equal(results[0][0][unused], untrained[unused])
+
+
+def test_join_with_our_optimizer_on_two_ranks_is_bitwise_ddp():
+    steps = (1, 4)
+    ours = run_ranks(_train_ours, 2, "optimizer", {}, steps)
+    ddp = run_ranks(_train_ours, 2, "ddp", {}, steps)
+    assert torch.equal(ours[1][0], ddp[1][0])
+    assert torch.equal(ours[0][0], ddp[0][0])  # DDP also gives the last joiner's weights
+
+
+def test_join_with_our_reducer_leaves_every_rank_the_last_joiners_weights():
+    reducer = run_ranks(_train_ours, WORLD, "reducer", {}, STEPS)
+    ddp = run_ranks(_train_ours, WORLD, "ddp", {}, STEPS)
+    weights = [r[0] for r in reducer]
+    assert all(torch.equal(w, weights[0]) for w in weights)
+    # the same fp32 rounding bound as for the optimizer
+    torch.testing.assert_close(weights[0], ddp[-1][0], rtol=0, atol=1e-6)
+
+
+def test_training_goes_on_after_a_join_with_its_broadcasts():
+    # a second, even epoch after the first one's Join, outside it: the context
+    # was left on every rank, so the buffers= broadcasts after each step run
+    # again (the BatchNorm statistics would differ by rank otherwise)
+    options = {"bcast_period": 1, "buffers": "model"}
+    results = run_ranks(_train_ours, WORLD, "optimizer", options, STEPS, 2)
+    _same_on_every_rank(results, True)
+    assert [r[3] for r in results] == [max(STEPS) + 2] * WORLD
+
+
+def _train_ours_throwing(rank, world_size, steps):
+    model = nn.Linear(8, 4)
+    optimizer = fusedreduce.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ran = 0
+    try:
+        with Join([optimizer], throw_on_early_termination=True):
+            for _ in range(steps[rank]):
+                optimizer.zero_grad()
+                model(torch.randn(4, 8)).sum().backward()
+                optimizer.step()
+                ran += 1
+    except RuntimeError as exc:
+        return ran, str(exc)
+    return ran, None
+
+
+def test_join_throw_on_early_termination_with_our_optimizer_stops_every_rank_together():
+    results = run_ranks(_train_ours_throwing, WORLD, (2, 3, 5))
+    assert [ran for ran, _ in results] == [2, 2, 2]
+    assert all(message is not None for _, message in results)
+
+
+def _train_with_skipped_steps(rank, world_size, steps):
+    """A GradScaler that skips the step of every rank with data at their
+    second batch (its gradients are not finite there), with the per-step
+    broadcasts on: a rank that ran out cannot know of the skip, and must not
+    need to."""
+    model = _Model()
+    optimizer = fusedreduce.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), bcast_period=1,
+        buffers=model.buffers())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    data = torch.Generator().manual_seed(100 + rank)
+    with Join([optimizer]):
+        for i in range(steps[rank]):
+            optimizer.zero_grad()
+            x, y = torch.randn(4, 8, generator=data), torch.randint(0, 4, (4,), generator=data)
+            loss = nn.functional.cross_entropy(model(x), y) * (float("inf") if i == 1 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    return (torch.cat([t.detach().reshape(-1) for t in (*model.parameters(), *model.buffers())]),
+            optimizer._steps, scaler.get_scale())
+
+
+def test_join_with_our_optimizer_under_a_gradscaler_that_skips_steps():
+    results = run_ranks(_train_with_skipped_steps, WORLD, STEPS)
+    assert all(torch.equal(r[0], results[0][0]) for r in results)
+    assert torch.isfinite(results[0][0]).all()
+    assert [r[1] for r in results] == [max(STEPS) - 1] * WORLD  # one step skipped
+    assert results[-1][2] < 1.0  # the scaler saw the skip
+
+
+def test_join_with_our_optimizer_across_two_nodes_with_an_int8_wire():
+    # 4 ranks as 2 nodes of 2: the shadow pass runs the two-level collectives
+    options = {"local_size": 2, "wire_dtype": torch.int8, "error_feedback": True}
+    results = run_ranks(_train_ours, 4, "optimizer", options, (0, 2, 3, 5))
+    _same_on_every_rank(results, False)
+    assert [r[3] for r in results] == [5] * 4
+
+
+def _change_trained_set_in_join(rank, world_size, how):
+    model = _Model()
+    optimizer = fusedreduce.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with Join([optimizer]):
+        nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 3])).backward()
+        optimizer.step()
+        before = [p.detach().clone() for p in model.parameters()]
+        if how == "freeze":
+            model.body[0].requires_grad_(False)
+        else:
+            optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+            return None  # unreachable when refused
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 3])).backward()
+        try:
+            optimizer.step()
+        except RuntimeError:
+            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            raise
+
+
+@pytest.mark.parametrize("how", ["freeze", "add_param_group"])
+def test_changing_the_trained_set_inside_join_is_refused_before_any_collective(how):
+    # every rank alike (no rank has run out): the refusal, on every rank, with
+    # nothing stepped, instead of passes the ranks that ran out could not match
+    for kind, message in rank_errors(_change_trained_set_in_join, 2, how):
+        assert kind == "RuntimeError" and "inside a Join context" in message, message

@@ -1,0 +1,188 @@
+"""Uneven inputs: ``DistributedOptimizer`` and ``DistributedGradReducer`` as
+participants of ``torch.distributed.algorithms.Join``.
+
+torch's protocol: every communicating iteration of a rank that still has
+data starts with ``Join.notify_join_context`` (an all-reduce of 1); a rank
+that ran out of data loops in ``Join.__exit__``, matching that all-reduce
+and then running each participant's ``main_hook``, which must issue the
+collectives of the other ranks' iteration; when every rank has run out,
+each runs ``post_hook(is_last_joiner)``.
+
+Here an iteration is a communicating backward pass: the overlap engine
+calls the participant's notification at the start of each one
+(``BackwardOverlap.announce``), before any of its collectives, and the main
+hook is a shadow pass (``BackwardOverlap.shadow_pass``): the same code path
+with no gradient of this rank, so every option that shapes the pass's
+collectives (buckets, ``wire_dtype``, ``local_size``, clipping,
+``find_unused_parameters``, AdaSum) is shadowed by construction. The
+zeros count in the mean, which is DDP's default
+(``divide_by_initial_world_size=True``).
+
+A rank that ran out of data does not step: it cannot know whether the
+others' ``GradScaler`` skipped their step. So, as in DDP, its parameters
+fall behind until the post hook, which gives every rank those of the last
+rank to join; the optimizer also sends its state, its step count and its
+``buffers=``. Inside the context the optimizer's per-step broadcasts
+(``bcast_period``, ``buffers=``) wait for that final one: a rank that ran
+out of data could not tell when they happen.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
+
+from .broadcast import broadcast_optimizer_state, broadcast_tensors
+from .process_group import comm_device
+
+
+def disabled_join_config() -> _JoinConfig:
+    """A participant's configuration outside any ``Join`` context."""
+    return _JoinConfig.construct_disabled_join_config()
+
+
+def in_join(participant) -> bool:
+    """Whether ``participant`` is inside an enabled ``Join`` context."""
+    return participant._join_config.enable
+
+
+class JoinParticipant:
+    """What ``Join`` reads of a participant that communicates over
+    ``self.group`` (``join_hook`` is the participant's own)."""
+
+    #: outside any ``Join`` context (``Join`` sets this rank's)
+    _join_config = disabled_join_config()
+    group: object
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where ``Join``'s all-reduces over ``group`` run."""
+        return comm_device(self.group)
+
+    @property
+    def join_process_group(self):
+        """``Join``'s process group: ``group`` (the default group for None)."""
+        return dist.group.WORLD if self.group is None else self.group
+
+
+def check_join_kwargs(owner: str, kwargs: dict, divides: bool) -> None:
+    """The ``Join(..., **kwargs)`` a participant accepts: DDP's
+    ``divide_by_initial_world_size`` only as True (the zeros of the ranks
+    that ran out of data count in the mean). Other keys are other
+    participants' and are ignored, as DDP and ZeRO do.
+
+    Raises:
+        ValueError: ``divide_by_initial_world_size`` is not True for a
+            reduction that divides.
+    """
+    value = kwargs.get("divide_by_initial_world_size", True)
+    if divides and value is not True:
+        raise ValueError(
+            f"{owner} under Join divides by the initial world size (the ranks that ran out of "
+            f"data contribute zeros, DDP's default): divide_by_initial_world_size={value!r} "
+            f"cannot be honoured; leave it out")
+
+
+class ShadowingJoinHook(JoinHook):
+    """The join hook of a reducer's owner.
+
+    Args:
+        owner: the participant (its ``join_process_group`` and
+            ``join_device`` carry the post hook's agreement).
+        reducer: returns the reducer whose passes are shadowed (the owner
+            may rebuild it between passes).
+        final_sync: ``final_sync(src, steps)``: make this rank's state that of
+            group rank ``src``, ``steps`` being the most steps any rank took
+            (collective; the same calls on every rank).
+        steps: returns this rank's step count (0 where steps are not counted).
+    """
+
+    def __init__(self, owner, reducer: Callable, final_sync: Callable[[int, int], None],
+                 steps: Callable[[], int]) -> None:
+        self.owner, self.reducer = owner, reducer
+        self.final_sync, self.steps = final_sync, steps
+
+    def main_hook(self) -> None:
+        """The collectives of one communicating pass of the ranks with data."""
+        reducer = self.reducer()
+        reducer.consume()
+        reducer._shadow_pass()
+        reducer.consume()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank takes the state of the last rank to join, and leaves
+        the context (its passes stop notifying)."""
+        group = self.owner.join_process_group
+        rank = dist.get_rank(group)
+        agreed = torch.tensor([rank if is_last_joiner else -1, self.steps()],
+                              dtype=torch.int64, device=self.owner.join_device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        src, steps = agreed.tolist()
+        self.owner._join_config = disabled_join_config()
+        self.final_sync(src, steps)
+
+
+def notify(participant) -> None:
+    """Tell ``Join`` that this rank has data for another pass (nothing
+    outside an enabled context)."""
+    Join.notify_join_context(participant)
+
+
+def reducer_join_hook(reducer, kwargs: dict) -> ShadowingJoinHook:
+    """``DistributedGradReducer.join_hook``: shadow its hooked passes; at
+    the end every rank takes the parameters of the last rank to join.
+
+    Raises:
+        RuntimeError: the reducer has no hooks (``register_hooks``): its
+            calls are the caller's, which no hook can shadow.
+        ValueError: see ``check_join_kwargs``.
+    """
+    owner = type(reducer).__name__
+    if not reducer._engine.overlap.attached:
+        raise RuntimeError(
+            f"{owner} takes part in Join only with its hooks registered "
+            f"(reducer.register_hooks()): the ranks that ran out of data shadow the hooks' "
+            f"backward passes; a reducer called directly is driven by the caller")
+    check_join_kwargs(owner, kwargs, reducer.mean)
+    reducer._announce = functools.partial(notify, reducer)
+
+    def final_sync(src: int, steps: int) -> None:
+        with torch.no_grad():
+            broadcast_tensors([p.data for p in reducer.parameters], src, group=reducer.group,
+                              names=[f"parameters[{i}]" for i in range(len(reducer.parameters))])
+    return ShadowingJoinHook(reducer, lambda: reducer, final_sync, lambda: 0)
+
+
+def optimizer_join_hook(opt, kwargs: dict) -> ShadowingJoinHook:
+    """``DistributedOptimizer.join_hook``: shadow its reducer's passes; at
+    the end every rank takes the parameters, ``buffers=``, optimizer state
+    and step count of the last rank to join.
+
+    Raises:
+        TypeError: ``shard=True`` (a rank that ran out of data owns part of
+            the parameters and their state, and cannot step them without
+            knowing whether the others' ``GradScaler`` skips the step).
+        ValueError: see ``check_join_kwargs``.
+    """
+    if opt.shard:
+        raise TypeError(
+            "DistributedOptimizer(shard=True) does not take part in Join (uneven inputs): a "
+            "rank that ran out of data owns part of the parameters and of their optimizer "
+            "state, and would have to step them without knowing whether the other ranks' "
+            "GradScaler skips the step. Use shard=False under Join, or give every rank the "
+            "same number of batches (DistributedSampler(..., drop_last=True))")
+    check_join_kwargs("DistributedOptimizer", kwargs, opt.reduce_method == "mean")
+    opt._step.announce = opt.reducer._announce = functools.partial(notify, opt)
+
+    def final_sync(src: int, steps: int) -> None:
+        opt._steps = steps
+        opt.broadcast_parameters(src)
+        sync = opt._buffer_sync
+        if sync.communicates:
+            with torch.no_grad():
+                broadcast_tensors(sync.tensors, src, group=opt.group, names=sync.names())
+        broadcast_optimizer_state(opt, src, opt.group)
+    return ShadowingJoinHook(opt, lambda: opt.reducer, final_sync, lambda: opt._steps)
