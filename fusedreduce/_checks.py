@@ -123,7 +123,7 @@ def refuse_join(owner: str):
     raise TypeError(
         f"{owner} does not take part in torch.distributed.algorithms.Join (uneven inputs): "
         f"every rank must run the same number of steps. Join works with "
-        f"DistributedOptimizer without shard, with a DistributedGradReducer whose hooks are "
+        f"DistributedOptimizer, with a DistributedGradReducer whose hooks are "
         f"registered, and with DistributedDataParallel and a fusedreduce hook under "
         f"ddp.join(); or give every rank the same number of batches "
         f"(DistributedSampler(..., drop_last=True))")

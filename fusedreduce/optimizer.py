@@ -654,6 +654,9 @@ class DistributedOptimizer(uneven_inputs.JoinParticipant, torch.optim.Optimizer)
             >>> loss.backward(); opt.clip_grad_norm_(1.0); opt.step()   # doctest: +SKIP
         """
         max_norm = check_limit(max_norm, "max_norm")
+        uneven_inputs.refuse_in_sharded_join(
+            self, "clip_grad_norm_() (collective with shard=True)",
+            "clip with max_grad_norm= (the reduction's own clip, which a shadow pass runs too)")
         norm_type = check_norm_type(norm_type)
         check_error_if_nonfinite(error_if_nonfinite)
         if foreach is not None and not isinstance(foreach, bool):
@@ -744,6 +747,14 @@ class DistributedOptimizer(uneven_inputs.JoinParticipant, torch.optim.Optimizer)
                 "a step that broadcasts buffers= (rank 0's buffers after every step)",
                 "pass bcast_period=-1 to the optimizer you capture, and call "
                 "broadcast_buffers() between replays")
+        if self.shard and uneven_inputs.in_join(self):
+            # frames are read only here: reading a frame's locals keeps them alive
+            scaler = stepping_grad_scaler()
+            if scaler is not None and scaler.is_enabled():
+                uneven_inputs.refuse_in_sharded_join(
+                    self, "a step by a GradScaler",
+                    "the others' scaler may skip a step or unscale by a factor it never sees: "
+                    "train in bf16 or fp32 without a scaler, or pass shard=False under Join")
         self._check_reduced_once()
         self._follow_requires_grad()
         if closure is None and checkpoints.is_checkpoint_initialisation(self, self.reducer):
@@ -759,6 +770,12 @@ class DistributedOptimizer(uneven_inputs.JoinParticipant, torch.optim.Optimizer)
         if syncs_buffers:
             self._buffer_sync()
         return loss
+
+    def _shadow_step(self) -> None:
+        """The step of a sharded rank that ran out of data (``Join``): its
+        part stepped on the gradients its shadow pass reduced, and gathered."""
+        self._step.step(self, super(), None, lambda: None)
+        self._steps += 1
 
     def init_state(self) -> None:
         """Make the optimizer state now, as ``torch.distributed.checkpoint``
@@ -845,14 +862,18 @@ class DistributedOptimizer(uneven_inputs.JoinParticipant, torch.optim.Optimizer)
         ranks that run out of batches at different steps). A rank that ran
         out runs, for each communicating backward pass of the others, the
         same collectives with zeros and no parameter used (the mean still
-        divides by the whole world size: DDP's default), and does not step.
-        When every rank has run out, every rank takes the parameters,
-        ``buffers=``, optimizer state and step count of the last one to
-        join. Inside the context the per-step broadcasts (``bcast_period``,
-        ``buffers=``) wait for that final one.
+        divides by the whole world size: DDP's default), and does not step;
+        with ``shard=True`` it steps its part of the parameters on what the
+        pass reduced and joins their gather, so the other ranks must not use
+        a ``GradScaler`` or a collective clip (``RuntimeError`` when they
+        do; ``max_grad_norm=`` works). When every rank has run out, every
+        rank takes the step count and ``buffers=`` of the last one to join,
+        and without ``shard`` its parameters and optimizer state. Inside the
+        context the per-step broadcasts (``bcast_period``, ``buffers=``)
+        wait for that final one.
 
         Raises:
-            TypeError: ``shard=True``.
+            TypeError: ``shard=True`` with ``overlap_param_gather=True``.
             ValueError: ``divide_by_initial_world_size=False`` with
                 ``reduce_method='mean'``.
 

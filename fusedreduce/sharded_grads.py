@@ -112,8 +112,9 @@ class ShardedGradReducer(ReducerSurface):
                                          shard_gradients)
 
     def join_hook(self, **kwargs):
-        """Refused (``DistributedOptimizer(shard=True)``, which owns this
-        reducer, refuses ``Join``): a rank's step needs its part.
+        """Refused: ``Join([optimizer])`` with the
+        ``DistributedOptimizer(shard=True)`` that owns this reducer, whose
+        step a rank that ran out of data takes too.
 
         Raises:
             TypeError: always.

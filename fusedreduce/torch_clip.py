@@ -40,6 +40,7 @@ import torch
 import torch.nn.utils.clip_grad as _torch_clip
 
 from .clipping import norm_over_ranks
+from .uneven_inputs import refuse_in_sharded_join
 
 #: the sharded optimizers of more than one rank alive in this process
 _SHARDED: "weakref.WeakSet" = weakref.WeakSet()
@@ -132,6 +133,10 @@ def _whole_norm(optimizer, params: Sequence[torch.Tensor], norm_type: float,
     torch's norm over this rank's owned slices (in the gradients' precision,
     as torch takes it), combined over the group in fp64 and returned in the
     dtype and on the device torch's would have, the same bits on every rank."""
+    refuse_in_sharded_join(
+        optimizer, "torch.nn.utils.clip_grad_norm_ (or get_total_norm) over its gradients "
+        "(collective with shard=True)",
+        "clip with max_grad_norm= (the reduction's own clip, which a shadow pass runs too)")
     if norm_type <= 0:
         raise RuntimeError(
             f"torch.nn.utils.clip_grad_norm_ with norm_type={norm_type} over the reduced "

@@ -18,18 +18,26 @@ collectives (buckets, ``wire_dtype``, ``local_size``, clipping,
 zeros count in the mean, which is DDP's default
 (``divide_by_initial_world_size=True``).
 
-A rank that ran out of data does not step: it cannot know whether the
-others' ``GradScaler`` skipped their step. So, as in DDP, its parameters
-fall behind until the post hook, which gives every rank those of the last
-rank to join; the optimizer also sends its state, its step count and its
-``buffers=``. Inside the context the optimizer's per-step broadcasts
-(``bcast_period``, ``buffers=``) wait for that final one: a rank that ran
-out of data could not tell when they happen.
+Without ``shard`` a rank that ran out of data does not step: it cannot
+know whether the others' ``GradScaler`` skipped their step. So, as in DDP,
+its parameters fall behind until the post hook, which gives every rank
+those of the last rank to join; the optimizer also sends its state, its
+step count and its ``buffers=``. Inside the context the optimizer's
+per-step broadcasts (``bcast_period``, ``buffers=``) wait for that final
+one: a rank that ran out of data could not tell when they happen.
+
+With ``shard=True`` a rank that ran out owns part of the parameters and
+their state, so after each shadow pass it steps that part on the reduced
+gradients its pass received and joins the gather: the others must step
+after every communicating pass, without a ``GradScaler`` (refused when it
+calls ``step()``) and without a collective of their own in between
+(torch's clip over the shares, ``clip_grad_norm_()``: refused; clip with
+``max_grad_norm=``, which the shadow pass runs too).
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -98,18 +106,24 @@ class ShadowingJoinHook(JoinHook):
             group rank ``src``, ``steps`` being the most steps any rank took
             (collective; the same calls on every rank).
         steps: returns this rank's step count (0 where steps are not counted).
+        shadow_step: run after each shadow pass where this rank steps its
+            part of the parameters (``shard=True``), or None.
     """
 
     def __init__(self, owner, reducer: Callable, final_sync: Callable[[int, int], None],
-                 steps: Callable[[], int]) -> None:
+                 steps: Callable[[], int], shadow_step: Optional[Callable[[], None]] = None
+                 ) -> None:
         self.owner, self.reducer = owner, reducer
-        self.final_sync, self.steps = final_sync, steps
+        self.final_sync, self.steps, self.shadow_step = final_sync, steps, shadow_step
 
     def main_hook(self) -> None:
-        """The collectives of one communicating pass of the ranks with data."""
+        """The collectives of one communicating pass of the ranks with data
+        (and with ``shadow_step``, of their step)."""
         reducer = self.reducer()
         reducer.consume()
         reducer._shadow_pass()
+        if self.shadow_step is not None:
+            self.shadow_step()
         reducer.consume()
 
     def post_hook(self, is_last_joiner: bool) -> None:
@@ -157,32 +171,48 @@ def reducer_join_hook(reducer, kwargs: dict) -> ShadowingJoinHook:
 
 
 def optimizer_join_hook(opt, kwargs: dict) -> ShadowingJoinHook:
-    """``DistributedOptimizer.join_hook``: shadow its reducer's passes; at
-    the end every rank takes the parameters, ``buffers=``, optimizer state
-    and step count of the last rank to join.
+    """``DistributedOptimizer.join_hook``: shadow its reducer's passes (with
+    ``shard=True`` also the step of this rank's part and its gather); at the
+    end every rank takes the step count and ``buffers=`` of the last rank to
+    join, and without ``shard`` its parameters and optimizer state.
 
     Raises:
-        TypeError: ``shard=True`` (a rank that ran out of data owns part of
-            the parameters and their state, and cannot step them without
-            knowing whether the others' ``GradScaler`` skips the step).
+        TypeError: ``shard=True`` with ``overlap_param_gather=True`` (its
+            gathers wait for a forward that a rank without data never runs).
         ValueError: see ``check_join_kwargs``.
     """
-    if opt.shard:
+    if opt.shard and opt.overlap_param_gather:
         raise TypeError(
-            "DistributedOptimizer(shard=True) does not take part in Join (uneven inputs): a "
-            "rank that ran out of data owns part of the parameters and of their optimizer "
-            "state, and would have to step them without knowing whether the other ranks' "
-            "GradScaler skips the step. Use shard=False under Join, or give every rank the "
-            "same number of batches (DistributedSampler(..., drop_last=True))")
+            "DistributedOptimizer(shard=True, overlap_param_gather=True) does not take part in "
+            "Join (uneven inputs): the parameters' gathers wait for the next forward, which a "
+            "rank that ran out of data never runs. Pass overlap_param_gather=False under Join")
     check_join_kwargs("DistributedOptimizer", kwargs, opt.reduce_method == "mean")
     opt._step.announce = opt.reducer._announce = functools.partial(notify, opt)
 
     def final_sync(src: int, steps: int) -> None:
         opt._steps = steps
-        opt.broadcast_parameters(src)
+        if not opt.shard:  # a sharded rank that ran out stepped its part all along
+            opt.broadcast_parameters(src)
+            broadcast_optimizer_state(opt, src, opt.group)
         sync = opt._buffer_sync
         if sync.communicates:
             with torch.no_grad():
                 broadcast_tensors(sync.tensors, src, group=opt.group, names=sync.names())
-        broadcast_optimizer_state(opt, src, opt.group)
-    return ShadowingJoinHook(opt, lambda: opt.reducer, final_sync, lambda: opt._steps)
+    shadow_step = opt._shadow_step if opt.shard else None
+    return ShadowingJoinHook(opt, lambda: opt.reducer, final_sync, lambda: opt._steps,
+                             shadow_step)
+
+
+def refuse_in_sharded_join(opt, what: str, fix: str) -> None:
+    """A sharded step's collective that a rank that ran out of data cannot
+    know of, refused inside ``Join`` on the ranks that make it.
+
+    Raises:
+        RuntimeError: ``opt`` has ``shard=True`` and is inside an enabled
+            ``Join`` context.
+    """
+    if opt.shard and in_join(opt):
+        raise RuntimeError(
+            f"{what} inside a Join context with DistributedOptimizer(shard=True): a rank that "
+            f"ran out of data steps its part of the parameters at every pass of the others, "
+            f"and cannot know of this; {fix}")

@@ -114,8 +114,9 @@ def _join_refused(rank, world_size, which):
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     kwargs = {}
-    if which == "sharded":
-        joinable = fusedreduce.DistributedOptimizer(optimizer, shard=True)
+    if which == "sharded, overlap_param_gather":
+        joinable = fusedreduce.DistributedOptimizer(optimizer, shard=True,
+                                                    overlap_param_gather=True)
     elif which == "adasum_delta":
         joinable = fusedreduce.AdaSumByDeltaWeight(optimizer)
     elif which == "reducer without hooks":
@@ -133,7 +134,7 @@ def _join_refused(rank, world_size, which):
 
 
 @pytest.mark.parametrize("which, error, names", [
-    ("sharded", "TypeError", "shard=True"),
+    ("sharded, overlap_param_gather", "TypeError", "overlap_param_gather=True"),
     ("adasum_delta", "TypeError", "AdaSumByDeltaWeight"),
     ("reducer without hooks", "RuntimeError", "register_hooks()"),
     ("divide", "ValueError", "divide_by_initial_world_size=False"),
@@ -173,9 +174,15 @@ OPTIONS = {
     "sum": {"reduce_method": "sum"},
     "two passes per step": {"backward_passes_per_step": 2},
     "bcast_period and buffers": {"bcast_period": 2, "buffers": "model"},
+    # a sharded rank that ran out steps its part at every pass of the others
+    "shard": {"shard": True},
+    "shard, ZeRO-2, clipping": {"shard": True, "shard_gradients": True, "max_grad_norm": 0.05},
+    "shard, adasum, buffers": {"shard": True, "reduce_method": "adasum", "buffers": "model",
+                               "bcast_period": 1},
 }
 #: the options whose ranks with data train exactly as DDP's under ddp.join()
-AS_DDP = ("default", "find_unused_parameters", "clipping", "bucket views")
+AS_DDP = ("default", "find_unused_parameters", "clipping", "bucket views", "shard",
+          "shard, ZeRO-2, clipping")
 
 
 def _train_ours(rank, world_size, way, options, steps, epochs=1):
@@ -227,11 +234,12 @@ def _train_ours(rank, world_size, way, options, steps, epochs=1):
             getattr(optimizer, "_steps", None))
 
 
-def _same_on_every_rank(results, buffers):
-    """Weights and optimizer state, and with ``buffers`` (the ``buffers=``
-    option) the BatchNorm statistics, which each rank's data moves otherwise."""
+def _same_on_every_rank(results, buffers, sharded=False):
+    """Weights and optimizer state (not sharded: each rank holds its part), and
+    with ``buffers`` (the ``buffers=`` option) the BatchNorm statistics, which
+    each rank's data moves otherwise."""
     for i, what in enumerate(("weights", "buffers", "optimizer state")):
-        if what == "buffers" and not buffers:
+        if (what == "buffers" and not buffers) or (what == "optimizer state" and sharded):
             continue
         values = [r[i] for r in results]
         assert all(v is not None and torch.equal(v, values[0]) for v in values), \
@@ -241,7 +249,7 @@ def _same_on_every_rank(results, buffers):
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_join_with_our_optimizer_leaves_every_rank_the_same_model_and_state(option):
     results = run_ranks(_train_ours, WORLD, "optimizer", OPTIONS[option], STEPS)
-    _same_on_every_rank(results, "buffers" in OPTIONS[option])
+    _same_on_every_rank(results, "buffers" in OPTIONS[option], OPTIONS[option].get("shard"))
     assert [r[3] for r in results] == [max(STEPS)] * WORLD  # the last joiner's step count
     untrained = torch.cat([p.detach().reshape(-1).double()
                            for p in _Model(option == "find_unused_parameters").parameters()])
@@ -374,3 +382,35 @@ def test_changing_the_trained_set_inside_join_is_refused_before_any_collective(h
     # nothing stepped, instead of passes the ranks that ran out could not match
     for kind, message in rank_errors(_change_trained_set_in_join, 2, how):
         assert kind == "RuntimeError" and "inside a Join context" in message, message
+
+
+def _sharded_collective_in_join(rank, world_size, what):
+    model = _Model()
+    optimizer = fusedreduce.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                 shard=True)
+    scaler = torch.amp.GradScaler("cpu", enabled=what == "GradScaler")
+    before = [p.detach().clone() for p in model.parameters()]
+    with Join([optimizer]):
+        loss = nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 3]))
+        scaler.scale(loss).backward()
+        try:
+            if what == "torch's clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            elif what == "the optimizer's clip":
+                optimizer.clip_grad_norm_(1.0)
+            scaler.step(optimizer)
+        except RuntimeError:
+            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            raise
+
+
+@pytest.mark.parametrize("what, names", [
+    ("GradScaler", "a step by a GradScaler"),
+    ("torch's clip", "torch.nn.utils.clip_grad_norm_"),
+    ("the optimizer's clip", "clip_grad_norm_()"),
+])
+def test_a_sharded_steps_collective_a_joined_rank_cannot_know_of_is_refused(what, names):
+    # every rank alike (none has run out): the refusal on every rank, nothing
+    # stepped, where a rank that ran out would otherwise miss a collective
+    for kind, message in rank_errors(_sharded_collective_in_join, 2, what):
+        assert kind == "RuntimeError" and names in message and "Join" in message, message
