@@ -414,3 +414,26 @@ def test_a_sharded_steps_collective_a_joined_rank_cannot_know_of_is_refused(what
     # stepped, where a rank that ran out would otherwise miss a collective
     for kind, message in rank_errors(_sharded_collective_in_join, 2, what):
         assert kind == "RuntimeError" and names in message and "Join" in message, message
+
+
+def _even_steps(rank, world_size, enable):
+    model = _Model()
+    optimizer = fusedreduce.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), bcast_period=1)
+    data = torch.Generator().manual_seed(100 + rank)
+    with Join([optimizer], enable=enable) if enable is not None else contextlib.nullcontext():
+        for _ in range(3):
+            optimizer.zero_grad()
+            x, y = torch.randn(4, 8, generator=data), torch.randint(0, 4, (4,), generator=data)
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("enable", [True, False])
+def test_join_over_even_inputs_trains_as_without_it(enable):
+    # torch's Join(enable=False) does nothing; enabled over even inputs no rank
+    # ever shadows, and the final sync changes no bit
+    plain = run_ranks(_even_steps, 2, None)
+    joined = run_ranks(_even_steps, 2, enable)
+    assert all(torch.equal(w, plain[0]) for w in plain + joined)
