@@ -32,7 +32,7 @@ from .param_swap import params_of, swapped
 from .process_group import verify_same_on_all_ranks
 from .sharded_checkpoint import (ShardSource, check_shapes, make_piece, pieces_by_index,
                                  read_shards, sharded_state, state_over, whole_state_dict)
-from .sharded_optimizer import master_dtype_of
+from .sharded_optimizer import ELEMENTWISE_OPTIMIZERS, master_dtype_of
 
 #: what a rank that calls the collective ``state_dict()`` alone is told to do
 STATE_DICT_FIX = ("Call `state = opt.state_dict(to=0)` on every rank and save it on one "
@@ -85,13 +85,17 @@ def check_loadable(opt, state_dict: dict) -> None:
                              f"parameters, the optimizer's {len(own['params'])}")
         ids += list(saved["params"])
     params = dict(zip(ids, params_of(opt)))
+    # an elementwise optimizer's tensors are per element of their parameter;
+    # others keep state of other shapes (LBFGS: flat directions over every
+    # parameter, under the first), which their own load takes as it is
+    per_element = opt.shard or type(opt).__bases__[-1] in ELEMENTWISE_OPTIMIZERS
     for key, entry in state_dict["state"].items():
         p = params.get(key)
         if p is None:
             raise ValueError(f"state_dict's state has an entry for parameter {key!r}, "
                              f"which no parameter group lists")
         for name, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and \
+            if per_element and isinstance(value, torch.Tensor) and value.dim() > 0 and \
                     value.shape != p.shape:
                 raise ValueError(
                     f"state_dict's state[{key!r}][{name!r}] has shape {tuple(value.shape)} "

@@ -189,6 +189,17 @@ def test_checkpoint_and_resume_with_closures_gives_the_uninterrupted_run_bitwise
 
 
 @pytest.mark.timeout(TIMEOUT)
+def test_lbfgs_checkpoint_and_resume_gives_the_uninterrupted_run_bitwise():
+    # LBFGS keeps flat state over every parameter (its directions, under the
+    # first parameter): load_state_dict takes it as torch's own does
+    uninterrupted = run_ranks(_train, 2, True, 1, 4, None, True)
+    resumed = run_ranks(_train, 2, True, 1, 4, 2, True)
+    for (weights, losses), (weights_r, losses_r) in zip(uninterrupted, resumed):
+        assert all(torch.equal(a, b) for a, b in zip(weights, weights_r))
+        assert losses == losses_r
+
+
+@pytest.mark.timeout(TIMEOUT)
 def test_an_optimizer_that_reevaluates_its_closure_works_and_ranks_agree():
     results = run_ranks(_train, 2, True, 1, 3, None, True)
     (weights0, losses0), (weights1, _) = results

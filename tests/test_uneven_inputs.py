@@ -437,3 +437,31 @@ def test_join_over_even_inputs_trains_as_without_it(enable):
     plain = run_ranks(_even_steps, 2, None)
     joined = run_ranks(_even_steps, 2, enable)
     assert all(torch.equal(w, plain[0]) for w in plain + joined)
+
+
+def _lbfgs_in_join(rank, world_size, steps):
+    # LBFGS calls the closure several times per step, each backward a
+    # communicating pass the ranks that ran out shadow one by one
+    model = _Model()
+    optimizer = fusedreduce.DistributedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5,
+                                                                   max_iter=3))
+    data = torch.Generator().manual_seed(100 + rank)
+    passes = []
+    with Join([optimizer]):
+        for _ in range(steps[rank]):
+            x, y = torch.randn(4, 8, generator=data), torch.randint(0, 4, (4,), generator=data)
+
+            def closure():
+                optimizer.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                passes.append(1)
+                return loss
+            optimizer.step(closure)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), len(passes)
+
+
+def test_join_with_a_closure_that_runs_several_passes_per_step():
+    results = run_ranks(_lbfgs_in_join, WORLD, STEPS)
+    assert all(torch.equal(w, results[0][0]) for w, _ in results)
+    assert results[-1][1] > max(STEPS)  # more passes than steps: each was shadowed
