@@ -465,3 +465,22 @@ def test_join_with_a_closure_that_runs_several_passes_per_step():
     results = run_ranks(_lbfgs_in_join, WORLD, STEPS)
     assert all(torch.equal(w, results[0][0]) for w, _ in results)
     assert results[-1][1] > max(STEPS)  # more passes than steps: each was shadowed
+
+
+class _Raising(nn.Module):
+    def forward(self, x):
+        raise ValueError("intentional error")
+
+
+def _exception_in_join(rank, world_size):
+    model = nn.Sequential(nn.Linear(8, 4), _Raising())
+    optimizer = fusedreduce.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with Join([optimizer]):
+        model(torch.randn(4, 8)).sum().backward()
+
+
+def test_an_exception_inside_join_reaches_the_caller_on_every_rank():
+    # as DDP's test_ddp_uneven_input_exception: Join runs no hook after an
+    # exception, so it propagates (no rank is left shadowing)
+    for kind, message in rank_errors(_exception_in_join, 2):
+        assert (kind, message) == ("ValueError", "intentional error")
