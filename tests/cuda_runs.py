@@ -276,6 +276,28 @@ def sharded_job(rank, world_size, kind):
     return out
 
 
+def join_job(rank, world_size, kind):
+    """Uneven inputs under ``Join([optimizer])`` on the device: rank ``r`` runs
+    ``STEPS - r`` steps, unsharded and with ``shard=True`` (the join's own
+    all-reduces on ``comm_device``: the GPU under NCCL, the host under gloo).
+    Per mode the final weights, the step count and the weights' device."""
+    from torch.distributed.algorithms.join import Join
+    device = rank_device(kind)
+    widths = MIXED["widths"]
+    results = {}
+    for mode, options in (("replicated", {}), ("sharded", {"shard": True})):
+        model = Net(**MIXED, seed=0).to(device)
+        optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), **options)
+        with Join([optimizer]):
+            for step in range(STEPS - rank):
+                loss_of(model, rank, step, widths, device).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        results[mode] = {"params": [p.detach().clone() for p in model.parameters()],
+                         "steps": optimizer._steps, "device": next(model.parameters()).device.type}
+    return results
+
+
 def placement(state_dict):
     """The device type of every tensor of a state dict's state, by (index, key)."""
     return {(index, key): value.device.type for index, entry in state_dict["state"].items()
@@ -439,7 +461,8 @@ def one_rank_jobs():
     identity times its scale."""
     return {"reducer": (reducer_job, ()), "optimizer": (optimizer_job, ()),
             "broadcast": (broadcast_job, ()), "hooks": (train, (hook_runs(1),)),
-            "adasum": (adasum_job, (1,)), "sharded": (sharded_job, ())}
+            "adasum": (adasum_job, (1,)), "sharded": (sharded_job, ()),
+            "join": (join_job, ())}
 
 
 def two_rank_jobs():
@@ -450,7 +473,8 @@ def two_rank_jobs():
     # refusal there may leave gloo's connections unusable for what follows
     return {"reducer": (reducer_job, ()), "broadcast": (broadcast_job, ()),
             "adasum": (adasum_job, (2,)), "optimizer": (optimizer_job, ()),
-            "sharded": (sharded_job, ()), "hooks": (train, (hook_runs(2),))}
+            "sharded": (sharded_job, ()), "join": (join_job, ()),
+            "hooks": (train, (hook_runs(2),))}
 
 
 def tree_jobs():

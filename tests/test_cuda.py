@@ -23,7 +23,9 @@ their full sizes, the DDP hooks and AdaSum's tree (``CUDA_ONLY_JOBS``,
 - ``fusedreduce.hooks`` on DDP over both, against DDP's own all-reduce and
   torch's ``allreduce_hook``;
 - AdaSum's tree on two gloo ranks with CUDA tensors (gloo cannot send or
-  receive CUDA tensors; the tree stages its messages through host memory).
+  receive CUDA tensors; the tree stages its messages through host memory);
+- uneven inputs under ``Join([optimizer])``, unsharded and sharded (``Join``'s
+  own all-reduces on the GPU under NCCL).
 
 Expected values come from the float64 references of reference.py, computed on
 the CPU. The flatten kernels are compared bit for bit (flatten_cases.py says
@@ -44,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from cuda_runs import (ADASUM_BACKENDS, ADASUM_CAPS, BF16, F16, F32, F64, MIXED,
+from cuda_runs import (ADASUM_BACKENDS, ADASUM_CAPS, BF16, F16, F32, F64, MIXED, STEPS,
                        REDUCER_CONFIGS, Net, adasum_gradients, broadcast_values, gradients,
                        hook_runs, one_rank_jobs, run_each, tree_jobs, two_rank_jobs)
 from adasum_cases import assert_within as assert_adasum_within
@@ -935,6 +937,23 @@ def test_the_reducer_gives_the_float64_mean(rank_results, device, run):
 def test_the_distributed_optimizer_broadcasts_and_steps_on_the_float64_mean(rank_results,
                                                                              device, run):
     check_optimizer(rank_results, run, device.type)
+
+
+@pytest.mark.device_aware
+@pytest.mark.parametrize("run", RUNS)
+def test_join_with_uneven_inputs_leaves_every_rank_the_same_weights(rank_results, device, run):
+    """``Join([optimizer])`` where rank r runs STEPS - r steps, unsharded and
+    sharded: every rank ends with the same weights, trained, on the device,
+    and the last joiner's step count."""
+    per_rank = job_results(rank_results, run, "join")
+    untrained = [p.detach() for p in Net(**MIXED, seed=0).parameters()]
+    for mode in ("replicated", "sharded"):
+        results = [r[mode] for r in per_rank]
+        assert_same_on_every_rank([r["params"] for r in results], f"join, {mode}")
+        assert [r["steps"] for r in results] == [STEPS] * len(results), mode
+        assert all(r["device"] == device.type for r in results), mode
+        assert any(not torch.equal(p.cpu(), q) for p, q in zip(results[0]["params"], untrained))
+        assert all(torch.isfinite(p).all() for p in results[0]["params"]), mode
 
 
 @pytest.mark.device_aware
