@@ -359,27 +359,6 @@ class ReducerSurface(uneven_inputs.JoinParticipant):
         """
         return uneven_inputs.reducer_join_hook(self, kwargs)
 
-    @property
-    def _announce(self) -> Optional[Callable[[], None]]:
-        """Called at the start of every communicating pass of the hooks,
-        before its collectives (``Join``'s notification), or None."""
-        return self._engine.overlap.announce
-
-    @_announce.setter
-    def _announce(self, value: Optional[Callable[[], None]]) -> None:
-        self._engine.overlap.announce = value
-
-    def _shadow_pass(self) -> None:
-        """The collectives of one communicating backward pass, with no
-        gradient of this rank (``BackwardOverlap.shadow_pass``): no warning
-        of missing gradients, which are all missing by design."""
-        engine = self._engine
-        warns, engine.warn_missing = engine.warn_missing, False
-        try:
-            engine.overlap.shadow_pass()
-        finally:
-            engine.warn_missing = warns
-
     #: DistributedOptimizer's rule (DDP's): a parameter no rank gave a
     #: gradient in a pass keeps none, so the optimizer skips it
     unused_grads_to_none = engine_member("unused_grads_to_none")

@@ -654,9 +654,7 @@ class DistributedOptimizer(uneven_inputs.JoinParticipant, torch.optim.Optimizer)
             >>> loss.backward(); opt.clip_grad_norm_(1.0); opt.step()   # doctest: +SKIP
         """
         max_norm = check_limit(max_norm, "max_norm")
-        uneven_inputs.refuse_in_sharded_join(
-            self, "clip_grad_norm_() (collective with shard=True)",
-            "clip with max_grad_norm= (the reduction's own clip, which a shadow pass runs too)")
+        uneven_inputs.refuse_in_sharded_join(self, "clip_grad_norm_() (collective with shard=True)")
         norm_type = check_norm_type(norm_type)
         check_error_if_nonfinite(error_if_nonfinite)
         if foreach is not None and not isinstance(foreach, bool):

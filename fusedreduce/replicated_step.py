@@ -33,8 +33,6 @@ class ReplicatedStep(ReplicatedCheckpoint):
     sharded = None
     layout = None
     param_gather_in_flight = False
-    #: the reducer's ``announce`` (``Join``'s notification), kept across rebuilds
-    announce = None
 
     def __init__(self, opt: torch.optim.Optimizer, options) -> None:
         self.options = options
@@ -45,7 +43,6 @@ class ReplicatedStep(ReplicatedCheckpoint):
         options = self.options
         reducer = options.reducer_class(self.trainable, **options.reducer_args)
         options.follow_unused(reducer)
-        reducer._announce = self.announce
         return reducer.register_hooks(options.backward_passes_per_step,
                                       gradient_as_bucket_view=options.gradient_as_bucket_view)
 

@@ -135,8 +135,7 @@ def _whole_norm(optimizer, params: Sequence[torch.Tensor], norm_type: float,
     dtype and on the device torch's would have, the same bits on every rank."""
     refuse_in_sharded_join(
         optimizer, "torch.nn.utils.clip_grad_norm_ (or get_total_norm) over its gradients "
-        "(collective with shard=True)",
-        "clip with max_grad_norm= (the reduction's own clip, which a shadow pass runs too)")
+        "(collective with shard=True)")
     if norm_type <= 0:
         raise RuntimeError(
             f"torch.nn.utils.clip_grad_norm_ with norm_type={norm_type} over the reduced "

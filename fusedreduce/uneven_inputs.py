@@ -118,10 +118,16 @@ class ShadowingJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         """The collectives of one communicating pass of the ranks with data
-        (and with ``shadow_step``, of their step)."""
+        (and with ``shadow_step``, of their step); no warning of missing
+        gradients, which are all missing by design."""
         reducer = self.reducer()
         reducer.consume()
-        reducer._shadow_pass()
+        engine = reducer._engine
+        warns, engine.warn_missing = engine.warn_missing, False
+        try:
+            engine.overlap.shadow_pass()
+        finally:
+            engine.warn_missing = warns
         if self.shadow_step is not None:
             self.shadow_step()
         reducer.consume()
@@ -139,10 +145,13 @@ class ShadowingJoinHook(JoinHook):
         self.final_sync(src, steps)
 
 
-def notify(participant) -> None:
-    """Tell ``Join`` that this rank has data for another pass (nothing
-    outside an enabled context)."""
-    Join.notify_join_context(participant)
+def announce_passes(reducer, participant) -> None:
+    """From now on, every communicating pass of ``reducer``'s hooks first
+    tells ``Join`` that this rank has data for it (nothing outside an
+    enabled context). Set at each ``Join``: the trained set, and with it the
+    reducer, cannot change inside one (``_check_between_steps``)."""
+    reducer._engine.overlap.announce = functools.partial(Join.notify_join_context,
+                                                         participant)
 
 
 def reducer_join_hook(reducer, kwargs: dict) -> ShadowingJoinHook:
@@ -161,7 +170,7 @@ def reducer_join_hook(reducer, kwargs: dict) -> ShadowingJoinHook:
             f"(reducer.register_hooks()): the ranks that ran out of data shadow the hooks' "
             f"backward passes; a reducer called directly is driven by the caller")
     check_join_kwargs(owner, kwargs, reducer.mean)
-    reducer._announce = functools.partial(notify, reducer)
+    announce_passes(reducer, reducer)
 
     def final_sync(src: int, steps: int) -> None:
         with torch.no_grad():
@@ -187,7 +196,7 @@ def optimizer_join_hook(opt, kwargs: dict) -> ShadowingJoinHook:
             "Join (uneven inputs): the parameters' gathers wait for the next forward, which a "
             "rank that ran out of data never runs. Pass overlap_param_gather=False under Join")
     check_join_kwargs("DistributedOptimizer", kwargs, opt.reduce_method == "mean")
-    opt._step.announce = opt.reducer._announce = functools.partial(notify, opt)
+    announce_passes(opt.reducer, opt)
 
     def final_sync(src: int, steps: int) -> None:
         opt._steps = steps
@@ -203,7 +212,11 @@ def optimizer_join_hook(opt, kwargs: dict) -> ShadowingJoinHook:
                              shadow_step)
 
 
-def refuse_in_sharded_join(opt, what: str, fix: str) -> None:
+#: what replaces a collective clip inside a sharded ``Join``
+CLIP_FIX = "clip with max_grad_norm= (the reduction's own clip, which a shadow pass runs too)"
+
+
+def refuse_in_sharded_join(opt, what: str, fix: str = CLIP_FIX) -> None:
     """A sharded step's collective that a rank that ran out of data cannot
     know of, refused inside ``Join`` on the ranks that make it.
 
