@@ -37,6 +37,7 @@ calls ``step()``) and without a collective of their own in between
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -115,6 +116,7 @@ class ShadowingJoinHook(JoinHook):
                  ) -> None:
         self.owner, self.reducer = owner, reducer
         self.final_sync, self.steps, self.shadow_step = final_sync, steps, shadow_step
+        leave_when_released(owner, self)
 
     def main_hook(self) -> None:
         """The collectives of one communicating pass of the ranks with data
@@ -143,6 +145,27 @@ class ShadowingJoinHook(JoinHook):
         src, steps = agreed.tolist()
         self.owner._join_config = disabled_join_config()
         self.final_sync(src, steps)
+
+
+def _leave(participant_ref, token) -> None:
+    participant = participant_ref()
+    if participant is not None and participant.__dict__.get("_join_token") is token:
+        participant._join_config = disabled_join_config()
+
+
+def leave_when_released(participant, hook: JoinHook) -> None:
+    """Take ``participant`` out of its ``Join`` context once ``hook`` (which
+    the context holds) is released, unless a newer context took it in.
+
+    torch's ``Join`` runs no post hook when its block raises, and
+    ``throw_on_early_termination`` ends every block with an exception, so
+    the context would otherwise stay enabled: each pass would go on
+    notifying and the per-step broadcasts would stay deferred (replicas'
+    buffers drifting apart). The context object is released when the
+    ``with`` statement and any handling of its exception end.
+    """
+    token = participant._join_token = object()
+    weakref.finalize(hook, _leave, weakref.ref(participant), token)
 
 
 def announce_passes(reducer, participant) -> None:

@@ -316,6 +316,64 @@ def test_join_throw_on_early_termination_with_our_optimizer_stops_every_rank_tog
     assert all(message is not None for _, message in results)
 
 
+def _epoch_after_a_throwing_join(rank, world_size, shard, join):
+    """A first epoch: with ``join``, under ``Join(throw_on_early_termination=True)``
+    (ranks with 2, 3 and 5 batches: every rank raises at the third step), else
+    two even steps; then two even steps outside any ``Join``. What the second
+    epoch does: the all-reduces it issued, the weights and the BatchNorm
+    statistics."""
+    model = _Model()
+    optimizer = fusedreduce.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), buffers=model.buffers(),
+        bcast_period=1, shard=shard)
+    data = torch.Generator().manual_seed(100 + rank)
+
+    def step():
+        optimizer.zero_grad()
+        x, y = torch.randn(4, 8, generator=data), torch.randint(0, 4, (4,), generator=data)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    if join:
+        try:
+            with Join([optimizer], throw_on_early_termination=True):
+                for _ in range((2, 3, 5)[rank]):
+                    step()
+        except RuntimeError:
+            pass
+    else:
+        for _ in range(2):
+            step()
+    all_reduce, issued = torch.distributed.all_reduce, []
+
+    def counted(*args, **kwargs):
+        issued.append(1)
+        return all_reduce(*args, **kwargs)
+
+    torch.distributed.all_reduce = counted
+    try:
+        for _ in range(2):
+            step()
+    finally:
+        torch.distributed.all_reduce = all_reduce
+    flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts])  # noqa: E731
+    return len(issued), flat(model.parameters()), flat(model.buffers())
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_training_after_a_join_that_threw_is_back_to_the_plain_step(shard):
+    # torch's Join runs no post hook when its block raises, which is how
+    # throw_on_early_termination ends it: the optimizer leaves the context
+    # when the context is released, so its passes stop notifying and the
+    # buffers= broadcast after each step runs again (the BatchNorm
+    # statistics, moved by each rank's own data, would differ otherwise)
+    after = run_ranks(_epoch_after_a_throwing_join, WORLD, shard, True)
+    plain = run_ranks(_epoch_after_a_throwing_join, WORLD, shard, False)
+    for i, what in ((1, "weights"), (2, "buffers")):
+        assert all(torch.equal(r[i], after[0][i]) for r in after), f"the ranks' {what} differ"
+    assert [r[0] for r in after] == [r[0] for r in plain]  # no notification left
+
+
 def _train_with_skipped_steps(rank, world_size, steps):
     """A GradScaler that skips the step of every rank with data at their
     second batch (its gradients are not finite there), with the per-step
