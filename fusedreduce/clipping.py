@@ -324,12 +324,14 @@ def raise_if_nonfinite(total: torch.Tensor, norm_type: float) -> None:
             f"GradScaler skips the step)")
 
 
-def stepping_grad_scaler(frames: int = 4) -> Optional["torch.amp.GradScaler"]:
-    """The ``torch.amp.GradScaler`` whose ``step()`` called the caller of the
-    function that calls this, if any: ``scaler.step(opt)`` reaches
-    ``opt.step()`` through its ``_maybe_opt_step`` (and torch's step
-    wrapper), a few frames up. Reads frames only: no sync, nothing changed."""
-    frame = sys._getframe(2)
+def stepping_grad_scaler(depth: int = 2, frames: int = 4) -> Optional["torch.amp.GradScaler"]:
+    """The ``torch.amp.GradScaler`` whose ``step()`` called ``opt.step()``, if
+    any: ``scaler.step(opt)`` reaches ``opt.step()`` through its
+    ``_maybe_opt_step`` (and torch's step wrapper), a few frames up.
+    ``depth``: how many frames up from here ``opt.step()``'s caller is (2:
+    this is called by ``step()`` itself); ``frames``: how many frames from
+    there are looked at. Reads frames only: no sync, nothing changed."""
+    frame = sys._getframe(depth)
     for _ in range(frames):
         if frame is None:
             return None

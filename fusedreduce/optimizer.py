@@ -23,20 +23,17 @@ from __future__ import annotations
 
 import functools
 import operator
-import warnings
 from datetime import timedelta
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-from . import optimizer_checkpoint as checkpoints, uneven_inputs
+from . import optimizer_checkpoint as checkpoints, step_checks, uneven_inputs
 from .adasum_delta import AdaSumByDeltaWeight
 from .broadcast import broadcast_tensors
 from .buckets import FlatBuffers
-from .clipping import (check_error_if_nonfinite, check_limit, check_norm_type,
-                       refuse_scaled_clip, stepping_grad_scaler)
-from .kernels import refuse_in_capture
+from .clipping import check_error_if_nonfinite, check_limit, check_norm_type
 from .optimizer_options import build_step, check_options, check_ranks_agree
 from .param_swap import instance_of_both, params_of
 from .sharded import ShardLayout
@@ -724,41 +721,15 @@ class DistributedOptimizer(uneven_inputs.JoinParticipant, torch.optim.Optimizer)
             ...     opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); return loss
             >>> loss = opt.step(closure)                          # doctest: +SKIP
         """
-        if self.bcast_period > 0:
-            first = next((p for g in self.param_groups for p in g["params"]), None)
-            if first is not None:
-                refuse_in_capture(
-                    first.device,
-                    f"a step with bcast_period={self.bcast_period} (which steps broadcast is "
-                    f"counted on the host, so every replay would repeat the captured step's "
-                    f"choice)",
-                    "pass bcast_period=0 or -1, and call broadcast_parameters() between "
-                    "replays when the replicas should be re-synchronised")
-        if self._scaler_unchecked and self.reducer.reduced:
-            self._scaler_unchecked = False
-            refuse_scaled_clip(stepping_grad_scaler(), self.reducer.max_grad_norm,
-                               self.reducer.loss_scale, "DistributedOptimizer")
         syncs_buffers = self.bcast_period != -1 and self._buffer_sync.communicates
-        if syncs_buffers:
-            refuse_in_capture(
-                self._buffer_sync.buffer.device,
-                "a step that broadcasts buffers= (rank 0's buffers after every step)",
-                "pass bcast_period=-1 to the optimizer you capture, and call "
-                "broadcast_buffers() between replays")
-        if self.shard and uneven_inputs.in_join(self):
-            # frames are read only here: reading a frame's locals keeps them alive
-            scaler = stepping_grad_scaler()
-            if scaler is not None and scaler.is_enabled():
-                uneven_inputs.refuse_in_sharded_join(
-                    self, "a step by a GradScaler",
-                    "the others' scaler may skip a step or unscale by a factor it never sees: "
-                    "train in bf16 or fp32 without a scaler, or pass shard=False under Join")
-        self._check_reduced_once()
+        step_checks.refuse_before_step(self, syncs_buffers)
+        step_checks.check_reduced_once(self)
         self._follow_requires_grad()
         if closure is None and checkpoints.is_checkpoint_initialisation(self, self.reducer):
             checkpoints.initialise_state(self, self._step, super())
             return None
-        loss = self._step.step(self, super(), closure, self._check_reduced)
+        loss = self._step.step(self, super(), closure,
+                               functools.partial(step_checks.check_reduced, self))
         self.reducer.consume()
         self._steps += 1
         if uneven_inputs.in_join(self):
@@ -811,45 +782,6 @@ class DistributedOptimizer(uneven_inputs.JoinParticipant, torch.optim.Optimizer)
         backward starts a new accumulation."""
         super().zero_grad(set_to_none)
         self.reducer.consume()
-
-    def _check_reduced_once(self) -> None:
-        """Backward passes that reduced again over gradients no step took:
-        right where that gives the reduced sum (a warning, once: each
-        reduction is a collective), refused where it does not."""
-        reducer = self.reducer
-        if not (reducer.reduced_again and reducer.reduced):
-            return  # (a last pass that did not reduce is _check_reduced's error)
-        fix = (f"pass backward_passes_per_step equal to the backward passes of each step "
-               f"(it is {self.backward_passes_per_step}), or run all but the last of them "
-               f"inside optimizer.no_sync()")
-        if reducer.stacks_exactly:
-            if not self._warned_reduced_again:
-                self._warned_reduced_again = True
-                warnings.warn(f"backward passes reduced the gradients more than once before "
-                              f"this step(): the result is their reduced sum, but each "
-                              f"reduction is a collective; {fix}", stacklevel=3)
-            return
-        if self.shard:
-            why = "with shard=True each rank's .grad holds only its part of the reduced gradients"
-        elif self.reduce_method == "adasum":
-            why = ("reduce_method='adasum' combines the gradients; combining combined ones is "
-                   "another result")
-        else:
-            why = (f"reduce_method={self.reduce_method!r} does not divide by the world size, so "
-                   f"the next sum counts them once per rank")
-        raise RuntimeError(
-            f"a backward pass reduced the gradients again before step() took the previous "
-            f"reduction (more backward passes since the last step() or zero_grad() than "
-            f"backward_passes_per_step): {why}, so the gradients are not the passes' reduced "
-            f"sum. Nothing was stepped; {fix}")
-
-    def _check_reduced(self) -> None:
-        has_grads = any(p.grad is not None for p in self._all_params())
-        if has_grads and not self.reducer.reduced:
-            raise RuntimeError(
-                "step() called on gradients that were not reduced across ranks: call it "
-                f"after every {self.backward_passes_per_step} backward pass(es), outside "
-                f"no_sync()")
 
     def no_sync(self):
         """A context in which backward passes accumulate gradients locally."""

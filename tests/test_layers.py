@@ -95,6 +95,7 @@ LAYERS = {
     "replicated_step": "user APIs",
     "sharded_step": "user APIs",
     "optimizer_options": "user APIs",
+    "step_checks": "user APIs",
     "adasum_delta": "user APIs",
     "optimizer": "user APIs",
     "local_ranks": "user APIs",
