@@ -28,7 +28,7 @@ import torch
 
 from ._checks import check_instance, check_int
 from .checkpoint_group import checkpoint_group, meet_for, rank_in
-from .param_swap import params_of, swapped
+from .param_swap import params_of, swapped, wrapped_class
 from .process_group import verify_same_on_all_ranks
 from .sharded_checkpoint import (ShardSource, check_shapes, make_piece, pieces_by_index,
                                  read_shards, sharded_state, state_over, whole_state_dict)
@@ -88,7 +88,7 @@ def check_loadable(opt, state_dict: dict) -> None:
     # an elementwise optimizer's tensors are per element of their parameter;
     # others keep state of other shapes (LBFGS: flat directions over every
     # parameter, under the first), which their own load takes as it is
-    per_element = opt.shard or type(opt).__bases__[-1] in ELEMENTWISE_OPTIMIZERS
+    per_element = opt.shard or wrapped_class(opt) in ELEMENTWISE_OPTIMIZERS
     for key, entry in state_dict["state"].items():
         p = params.get(key)
         if p is None:

@@ -44,6 +44,12 @@ def instance_of_both(wrapper: type, optimizer) -> object:
     return object.__new__(combined)
 
 
+def wrapped_class(combined) -> type:
+    """The wrapped optimizer's class of an instance ``instance_of_both`` made
+    (``torch.optim.AdamW`` for a wrapped AdamW)."""
+    return type(combined).__bases__[-1]
+
+
 def params_of(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
     """Every parameter of ``optimizer``'s groups, in group order."""
     return [p for g in optimizer.param_groups for p in g["params"]]
