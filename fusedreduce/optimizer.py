@@ -743,7 +743,7 @@ class DistributedOptimizer(uneven_inputs.JoinParticipant, torch.optim.Optimizer)
     def _shadow_step(self) -> None:
         """The step of a sharded rank that ran out of data (``Join``): its
         part stepped on the gradients its shadow pass reduced, and gathered."""
-        self._step.step(self, super(), None, lambda: None)
+        self._step.step(self, super(), None, lambda: None, shadow=True)
         self._steps += 1
 
     def init_state(self) -> None:

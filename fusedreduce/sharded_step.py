@@ -24,6 +24,7 @@ from .param_swap import params_of
 from .sharded import ShardLayout
 from .sharded_optimizer import ShardedGradReducer, ShardedParameters
 from .torch_clip import track as track_torch_clip
+from .uneven_inputs import agree_hyperparameters, in_join
 
 
 class ShardedStep(ShardedCheckpoint):
@@ -108,14 +109,18 @@ class ShardedStep(ShardedCheckpoint):
         self._take_shards(opt, full_state)
 
     def step(self, opt: torch.optim.Optimizer, wrapped, closure,
-             check_reduced: Callable[[], None]):
+             check_reduced: Callable[[], None], shadow: bool = False):
         """The closure's backward, then this rank's part stepped
-        (``ShardedParameters.step``) and gathered into the parameters."""
+        (``ShardedParameters.step``) and gathered into the parameters.
+        Inside ``Join`` the ranks first agree on the groups' hyperparameters
+        (``shadow``: this rank ran out of data and takes the others')."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         check_reduced()
+        if in_join(opt):
+            agree_hyperparameters(opt, has_data=not shadow)
         self.sharded.finish_gather()
         self.sharded.refresh_masters()
         self.sharded.step(opt, wrapped.step)

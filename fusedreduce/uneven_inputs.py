@@ -32,7 +32,9 @@ gradients its pass received and joins the gather: the others must step
 after every communicating pass, without a ``GradScaler`` (refused when it
 calls ``step()``) and without a collective of their own in between
 (torch's clip over the shares, ``clip_grad_norm_()``: refused; clip with
-``max_grad_norm=``, which the shadow pass runs too).
+``max_grad_norm=``, which the shadow pass runs too). Before each such step
+the rank that ran out takes the hyperparameters the others set for it
+(``agree_hyperparameters``): their LR schedule goes on without it.
 """
 from __future__ import annotations
 
@@ -226,6 +228,8 @@ def optimizer_join_hook(opt, kwargs: dict) -> ShadowingJoinHook:
         if not opt.shard:  # a sharded rank that ran out stepped its part all along
             opt.broadcast_parameters(src)
             broadcast_optimizer_state(opt, src, opt.group)
+        else:  # with the others' hyperparameters; the last joiner's as the state's
+            agree_hyperparameters(opt, has_data=dist.get_rank(opt.join_process_group) == src)
         sync = opt._buffer_sync
         if sync.communicates:
             with torch.no_grad():
@@ -233,6 +237,66 @@ def optimizer_join_hook(opt, kwargs: dict) -> ShadowingJoinHook:
     shadow_step = opt._shadow_step if opt.shard else None
     return ShadowingJoinHook(opt, lambda: opt.reducer, final_sync, lambda: opt._steps,
                              shadow_step)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _hyperparameter_slots(opt):
+    """The numeric hyperparameters of ``opt``'s groups, in order:
+    ``(group, key, index)`` with ``index`` None for a number or a one-element
+    tensor, and the position inside a tuple or list (``betas``)."""
+    slots = []
+    for group in opt.param_groups:
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if _is_number(value) or (isinstance(value, torch.Tensor) and value.numel() == 1
+                                     and value.is_floating_point()):
+                slots.append((group, key, None))
+            elif (isinstance(value, (tuple, list)) and value
+                  and all(_is_number(v) for v in value)):
+                slots.extend((group, key, i) for i in range(len(value)))
+    return slots
+
+
+def agree_hyperparameters(opt, has_data: bool) -> None:
+    """Before a sharded step inside ``Join``: a rank that ran out of data takes
+    the hyperparameters (``lr``, ``betas``, ``weight_decay``, ...) that the
+    ranks with data set for this step (an LR schedule goes on in their loop,
+    not in its), so its part of the parameters steps as under DDP, where a
+    rank with data steps them all. One small all-reduce (max; the ranks
+    without data contribute -inf), collective: every rank's step inside the
+    context makes it, in the same place.
+    """
+    slots = _hyperparameter_slots(opt)
+    if not slots:
+        return
+    if has_data:
+        mine = []
+        for group, key, index in slots:
+            value = group[key] if index is None else group[key][index]
+            mine.append(float(value))
+    else:
+        mine = [float("-inf")] * len(slots)
+    agreed = torch.tensor(mine, dtype=torch.float64, device=opt.join_device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=opt.group)
+    if has_data:
+        return
+    values = agreed.tolist()
+    tuples = {}
+    for (group, key, index), value in zip(slots, values):
+        old = group[key]
+        if index is not None:
+            tuples.setdefault((id(group), key), (group, key, list(old)))[2][index] = \
+                type(old[index])(value)
+        elif isinstance(old, torch.Tensor):
+            old.fill_(value)
+        else:
+            group[key] = type(old)(value)
+    for group, key, items in tuples.values():
+        group[key] = type(group[key])(items)
 
 
 #: what replaces a collective clip inside a sharded ``Join``

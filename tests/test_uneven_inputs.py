@@ -185,9 +185,11 @@ AS_DDP = ("default", "find_unused_parameters", "clipping", "bucket views", "shar
           "shard, ZeRO-2, clipping")
 
 
-def _train_ours(rank, world_size, way, options, steps, epochs=1):
-    """Train under Join with ``way`` ("optimizer", "reducer" or DDP's "ddp");
-    this rank's weights, buffers, optimizer state, step count."""
+def _train_ours(rank, world_size, way, options, steps, epochs=1, schedule=False):
+    """Train under Join with ``way`` ("optimizer", "reducer" or DDP's "ddp"),
+    with ``schedule`` an LR scheduler that halves the rate after each step
+    (stepped in the loop, as training scripts do); this rank's weights,
+    buffers, optimizer state, step count and learning rate."""
     unused = options.get("find_unused_parameters", False)
     model = _Model(unused)
     options = dict(options)
@@ -214,6 +216,7 @@ def _train_ours(rank, world_size, way, options, steps, epochs=1):
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), param_pack_thd=200 * 4,
             **options)
         joinables = [optimizer]
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5) if schedule else None
     data = torch.Generator().manual_seed(100 + rank)
     for epoch in range(epochs):
         # the first epoch's batches are uneven; later ones even, outside Join
@@ -227,11 +230,13 @@ def _train_ours(rank, world_size, way, options, steps, epochs=1):
                 if way != "optimizer" and clip is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
     flat = lambda ts: torch.cat([t.detach().reshape(-1).double() for t in ts])  # noqa: E731
     state = [v for s in optimizer.state.values() for v in s.values()
              if isinstance(v, torch.Tensor)]
     return (flat(model.parameters()), flat(model.buffers()), flat(state) if state else None,
-            getattr(optimizer, "_steps", None))
+            getattr(optimizer, "_steps", None), optimizer.param_groups[0]["lr"])
 
 
 def _same_on_every_rank(results, buffers, sharded=False):
@@ -273,6 +278,21 @@ def test_join_with_our_optimizer_on_two_ranks_is_bitwise_ddp():
     ddp = run_ranks(_train_ours, 2, "ddp", {}, steps)
     assert torch.equal(ours[1][0], ddp[1][0])
     assert torch.equal(ours[0][0], ddp[0][0])  # DDP also gives the last joiner's weights
+
+
+@pytest.mark.parametrize("option", ["shard", "shard, ZeRO-2, clipping"])
+def test_a_sharded_rank_that_ran_out_steps_its_part_at_the_others_learning_rate(option):
+    # an LR schedule goes on in the loop of the ranks with data only; a rank
+    # that ran out steps its part of the parameters at every pass of theirs,
+    # so it must take the rate they set (DDP's rank with data steps them all).
+    # Found on nanoGPT's train.py (cosine schedule set each iteration) on
+    # per-rank shards: 1e-4 off DDP's weights after two steps past the join
+    ours = run_ranks(_train_ours, WORLD, "optimizer", OPTIONS[option], STEPS, 1, True)
+    ddp = run_ranks(_train_ours, WORLD, "ddp", OPTIONS[option], STEPS, 1, True)
+    _same_on_every_rank(ours, False, sharded=True)
+    torch.testing.assert_close(ours[-1][0], ddp[-1][0], rtol=0, atol=1e-6)
+    # and every rank ends with the last joiner's rate, as its state
+    assert [r[4] for r in ours] == [0.1 * 0.5 ** max(STEPS)] * WORLD
 
 
 def test_join_with_our_reducer_leaves_every_rank_the_last_joiners_weights():
