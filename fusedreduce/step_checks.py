@@ -77,9 +77,18 @@ def check_reduced_once(opt) -> None:
     if reducer.stacks_exactly:
         if not opt._warned_reduced_again:
             opt._warned_reduced_again = True
+            if uneven_inputs.in_join(opt):
+                # a rank that ran out shadows each reduction with zeros, not
+                # with the reduced gradients the earlier passes left
+                result = ("inside a Join context the result is not their reduced sum once "
+                          "a rank has run out of data: it contributes zeros to each "
+                          "reduction, so the earlier passes' reduced gradients are divided "
+                          "by the world size again (as under DDP's join() without "
+                          "no_sync())")
+            else:
+                result = "the result is their reduced sum, but each reduction is a collective"
             warnings.warn(f"backward passes reduced the gradients more than once before "
-                          f"this step(): the result is their reduced sum, but each "
-                          f"reduction is a collective; {fix}", stacklevel=4)
+                          f"this step(): {result}; {fix}", stacklevel=4)
         return
     if opt.shard:
         why = "with shard=True each rank's .grad holds only its part of the reduced gradients"

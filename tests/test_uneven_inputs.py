@@ -16,6 +16,7 @@ with what works, instead of failing on a missing method.
 """
 import contextlib
 import hashlib
+import warnings
 
 import pytest
 import torch
@@ -293,6 +294,48 @@ def test_a_sharded_rank_that_ran_out_steps_its_part_at_the_others_learning_rate(
     torch.testing.assert_close(ours[-1][0], ddp[-1][0], rtol=0, atol=1e-6)
     # and every rank ends with the last joiner's rate, as its state
     assert [r[4] for r in ours] == [0.1 * 0.5 ** max(STEPS)] * WORLD
+
+
+def _passes_not_declared(rank, world_size, way, steps):
+    """Two reducing backward passes per step under Join (the optimizer told
+    one; DDP without no_sync()); the weights and the warnings about them."""
+    model = _Model()
+    if way == "ddp":
+        net = DistributedDataParallel(model, bucket_cap_mb=200 * 4 / 2 ** 20)
+        optimizer, joinable = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), net
+    else:
+        net = model
+        optimizer = fusedreduce.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), param_pack_thd=200 * 4)
+        joinable = optimizer
+    data = torch.Generator().manual_seed(100 + rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Join([joinable]):
+            for _ in range(steps[rank]):
+                optimizer.zero_grad()
+                for _ in range(2):
+                    x = torch.randn(4, 8, generator=data)
+                    y = torch.randint(0, 4, (4,), generator=data)
+                    nn.functional.cross_entropy(net(x), y).backward()
+                optimizer.step()
+    said = [str(w.message) for w in caught if "reduced the gradients" in str(w.message)]
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), said
+
+
+def test_extra_reductions_inside_join_warn_that_they_do_not_sum_right():
+    # outside Join an extra reduction before a step gives the passes' reduced
+    # sum; inside it a rank that ran out adds zeros, not the reduced gradients
+    # of the earlier passes, which are divided by the world size again: DDP's
+    # result without no_sync(), which the warning must not call right
+    # (nanoGPT with per-rank shards, backward_passes_per_step forgotten: 3e-4
+    # off its accumulating run after a rank ran out)
+    steps = (1, 3)
+    ours = run_ranks(_passes_not_declared, 2, "optimizer", steps)
+    ddp = run_ranks(_passes_not_declared, 2, "ddp", steps)
+    torch.testing.assert_close(ours[1][0], ddp[1][0], rtol=0, atol=1e-6)
+    for _, said in ours:
+        assert len(said) == 1 and "inside a Join context the result is not" in said[0], said
 
 
 def test_join_with_our_reducer_leaves_every_rank_the_last_joiners_weights():
