@@ -123,7 +123,11 @@ class ShadowingJoinHook(JoinHook):
     def main_hook(self) -> None:
         """The collectives of one communicating pass of the ranks with data
         (and with ``shadow_step``, of their step); no warning of missing
-        gradients, which are all missing by design."""
+        gradients, which are all missing by design. The pass leaves no
+        gradient: this rank's ``.grad`` are None after it, as a DDP rank's
+        after its join (untouched there since the loop zeroed them), so a
+        loop that zeroes after ``step()`` does not add the others' last
+        reduced gradients to its next step after the context."""
         reducer = self.reducer()
         reducer.consume()
         engine = reducer._engine
@@ -134,6 +138,8 @@ class ShadowingJoinHook(JoinHook):
             engine.warn_missing = warns
         if self.shadow_step is not None:
             self.shadow_step()
+        for p in engine.overlap.parameters:
+            p.grad = None
         reducer.consume()
 
     def post_hook(self, is_last_joiner: bool) -> None:
