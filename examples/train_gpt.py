@@ -33,6 +33,15 @@ script's ``optimizer.state_dict()`` inside ``if master_process:``, to show
 what that does: with ``shard=True`` rank 0 raises a RuntimeError naming the
 call and the fix after ``--checkpoint-timeout`` seconds.
 
+``--uneven`` gives the ranks different amounts of data, as per-rank shards
+of a corpus do: rank r runs out r quarters of the iterations and one
+micro-step early (in the middle of an accumulation window), and the loop runs inside DDP's
+``model.join()`` or, for the ``DistributedOptimizer`` ways, torch's
+``Join([optimizer])``; the checkpoint is then written once after it. The
+sharded ways under ``Join`` need ``--no-scaler`` and ``--clip fused``: a rank
+that ran out steps its part of the parameters without seeing a scaler's skips
+or torch's clip.
+
 Rank 0 prints, per way, the final loss, how far its losses came from DDP's,
 a digest of the final weights and whether the ranks' weights are bitwise
 equal; ``--json`` writes every loss too.
@@ -42,6 +51,7 @@ from __future__ import annotations
 import argparse
 import ast
 import codecs
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -53,6 +63,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms import Join
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
@@ -146,29 +157,45 @@ def train(way: str, args, text: torch.Tensor, vocabulary: int, directory: str) -
             checkpoint_timeout=args.checkpoint_timeout if way in ("sharded", "zero2") else None)
     scaler = torch.amp.GradScaler("cpu", enabled=args.scaler)
     losses = []
-    for iteration in range(args.iterations):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(iteration, args)
-        if args.checkpoint_every and iteration and iteration % args.checkpoint_every == 0:
-            save_checkpoint(way, args, model, optimizer, master_process, directory)
-        if fused_clip:  # the limit is for the unscaled norm: tell the clip the scale
-            optimizer.loss_scale = scaler.scale(torch.ones(()))
-        total = 0.0
-        for micro_step in range(args.accumulation):
-            if way in ("ddp", "hook"):
-                module.require_backward_grad_sync = micro_step == args.accumulation - 1
-            start = torch.randint(len(text) - args.context - 1, (args.batch,))
-            window = torch.stack([text[s:s + args.context + 1] for s in start.tolist()])
-            loss = module(window[:, :-1], window[:, 1:]) / args.accumulation
-            total += loss.item()
-            scaler.scale(loss).backward()
-        if not fused_clip:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(total)
+    micro_steps = args.iterations * args.accumulation  # this rank's data
+    if args.uneven:  # per-rank shards: rank r runs out in the middle of a window
+        early = rank * (args.iterations // 4 * args.accumulation + 1)
+        micro_steps = max(0, micro_steps - early)
+    uneven = contextlib.nullcontext()
+    if args.uneven:
+        uneven = module.join() if way in ("ddp", "hook") else Join([optimizer])
+    with uneven:
+        for iteration in range(args.iterations):
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(iteration, args)
+            if args.checkpoint_every and iteration and iteration % args.checkpoint_every == 0 \
+                    and not args.uneven:
+                save_checkpoint(way, args, model, optimizer, master_process, directory)
+            if fused_clip:  # the limit is for the unscaled norm: tell the clip the scale
+                optimizer.loss_scale = scaler.scale(torch.ones(()))
+            total, ran_out = 0.0, False
+            for micro_step in range(args.accumulation):
+                if iteration * args.accumulation + micro_step == micro_steps:
+                    ran_out = True
+                    break
+                if way in ("ddp", "hook"):
+                    module.require_backward_grad_sync = micro_step == args.accumulation - 1
+                start = torch.randint(len(text) - args.context - 1, (args.batch,))
+                window = torch.stack([text[s:s + args.context + 1] for s in start.tolist()])
+                loss = module(window[:, :-1], window[:, 1:]) / args.accumulation
+                total += loss.item()
+                scaler.scale(loss).backward()
+            if ran_out:
+                break
+            if not fused_clip:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(total)
+    if args.uneven and args.checkpoint_every:  # every rank is here: the calls may be collective
+        save_checkpoint(way, args, model, optimizer, master_process, directory)
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     digest = hashlib.sha256(weights.numpy().tobytes()).hexdigest()[:16]
     everyone = [None] * world_size
@@ -246,12 +273,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="keep optimizer.state_dict() inside 'if master_process:'")
     parser.add_argument("--checkpoint-timeout", type=float, default=None, metavar="SECONDS",
                         help="the sharded ways' checkpoint_timeout (default: the library's)")
+    parser.add_argument("--uneven", action="store_true",
+                        help="rank r runs out of data r quarters of the iterations and one "
+                             "micro-step early; "
+                             "the loop runs under model.join() / Join([optimizer])")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     args.way = [w.strip() for w in args.way.split(",") if w.strip()]
     unknown = sorted(set(args.way) - set(WAYS))
     if unknown or not args.way:
         parser.error(f"--way: unknown {unknown}; choose from {','.join(WAYS)}")
+    sharded = sorted(set(args.way) & {"sharded", "zero2"})
+    if args.uneven and sharded and (args.scaler or args.clip != "fused"):
+        parser.error(f"--uneven with {','.join(sharded)} needs --no-scaler and --clip fused: "
+                     f"under Join a rank that ran out steps its part of the parameters without "
+                     f"seeing a GradScaler's skips, and torch's clip over the shares is a "
+                     f"collective it cannot know of")
     return args
 
 
