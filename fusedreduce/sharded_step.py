@@ -24,7 +24,7 @@ from .param_swap import params_of
 from .sharded import ShardLayout
 from .sharded_optimizer import ShardedGradReducer, ShardedParameters
 from .torch_clip import track as track_torch_clip
-from .uneven_inputs import agree_hyperparameters, in_join
+from .uneven_inputs import agree_hyperparameters, in_join, someone_ran_out
 
 
 class ShardedStep(ShardedCheckpoint):
@@ -112,14 +112,15 @@ class ShardedStep(ShardedCheckpoint):
              check_reduced: Callable[[], None], shadow: bool = False):
         """The closure's backward, then this rank's part stepped
         (``ShardedParameters.step``) and gathered into the parameters.
-        Inside ``Join`` the ranks first agree on the groups' hyperparameters
-        (``shadow``: this rank ran out of data and takes the others')."""
+        Inside ``Join``, once a rank has run out of data, the ranks first
+        agree on the groups' hyperparameters (``shadow``: this rank ran out
+        and takes the others')."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         check_reduced()
-        if in_join(opt):
+        if in_join(opt) and (shadow or someone_ran_out(opt)):
             agree_hyperparameters(opt, has_data=not shadow)
         self.sharded.finish_gather()
         self.sharded.refresh_masters()

@@ -176,13 +176,35 @@ def leave_when_released(participant, hook: JoinHook) -> None:
     weakref.finalize(hook, _leave, weakref.ref(participant), token)
 
 
+def _notify(participant) -> None:
+    """``Join``'s notification of one communicating pass; its work is kept
+    (``someone_ran_out`` reads its count)."""
+    participant._join_notice = Join.notify_join_context(participant)
+
+
 def announce_passes(reducer, participant) -> None:
     """From now on, every communicating pass of ``reducer``'s hooks first
     tells ``Join`` that this rank has data for it (nothing outside an
     enabled context). Set at each ``Join``: the trained set, and with it the
     reducer, cannot change inside one (``_check_between_steps``)."""
-    reducer._engine.overlap.announce = functools.partial(Join.notify_join_context,
-                                                         participant)
+    participant._join_notice = None
+    reducer._engine.overlap.announce = functools.partial(_notify, participant)
+
+
+def someone_ran_out(participant) -> bool:
+    """On a rank with data: whether another rank had run out of data by the
+    last communicating pass, so that it shadows that pass (and, sharded, its
+    step). ``Join``'s notification is an all-reduce of ones that those ranks
+    answer with zeros, so its sum counts the ranks with data. True where
+    that count is unknown (``participant`` is not the context's first, which
+    does not notify): every rank with data decides alike either way. The
+    count is read once per pass.
+    """
+    work, participant._join_notice = participant.__dict__.get("_join_notice"), None
+    if work is None:
+        return True
+    work.wait()
+    return int(work.result()[0].item()) < dist.get_world_size(participant.join_process_group)
 
 
 def reducer_join_hook(reducer, kwargs: dict) -> ShadowingJoinHook:
@@ -273,8 +295,9 @@ def agree_hyperparameters(opt, has_data: bool) -> None:
     ranks with data set for this step (an LR schedule goes on in their loop,
     not in its), so its part of the parameters steps as under DDP, where a
     rank with data steps them all. One small all-reduce (max; the ranks
-    without data contribute -inf), collective: every rank's step inside the
-    context makes it, in the same place.
+    without data contribute -inf), collective: made at each step after a
+    pass that a rank which ran out shadows (``someone_ran_out``), and at the
+    end of the context.
     """
     slots = _hyperparameter_slots(opt)
     if not slots:
