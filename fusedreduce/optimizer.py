@@ -15,16 +15,17 @@ the original.
 ``DistributedOptimizer`` is a shell: its options are checked and its step
 strategy built in ``optimizer_options``; the strategy (``replicated_step``,
 ``sharded_step``) owns the reducer, the step body, clipping and the
-sharded mode's parameters; ``optimizer_checkpoint`` holds the state dicts
-and checkpoint files. What stays here is what every mode shares: the class
-swap, the broadcasts, the refusals of ``step()`` and its counting.
+sharded mode's parameters; ``optimizer_checkpoint`` holds the state dicts,
+the checkpoint files and the checkpoint methods (``CheckpointMethods``);
+``step_checks`` what ``step()`` refuses. What stays here is what every
+mode shares: the class swap, the broadcasts, ``step()`` and its counting.
 """
 from __future__ import annotations
 
 import functools
 import operator
 from datetime import timedelta
-from typing import Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,6 @@ from .clipping import check_error_if_nonfinite, check_limit, check_norm_type
 from .optimizer_options import build_step, check_options, check_ranks_agree
 from .param_swap import instance_of_both, params_of
 from .sharded import ShardLayout
-from .sharded_checkpoint import ShardSource
 
 __all__ = ["AdaSumByDeltaWeight", "DistributedOptimizer"]
 
@@ -47,7 +47,8 @@ _KEPT = ("group", "reduce_method", "bcast_period", "backward_passes_per_step",
          "overlap_param_gather")
 
 
-class DistributedOptimizer(uneven_inputs.JoinParticipant, torch.optim.Optimizer):
+class DistributedOptimizer(uneven_inputs.JoinParticipant, checkpoints.CheckpointMethods,
+                           torch.optim.Optimizer):
     """Make ``optimizer`` step on gradients reduced across the process group.
 
     The returned object *is* an instance of the wrapped optimizer's class (it
@@ -746,36 +747,6 @@ class DistributedOptimizer(uneven_inputs.JoinParticipant, torch.optim.Optimizer)
         self._step.step(self, super(), None, lambda: None, shadow=True)
         self._steps += 1
 
-    def init_state(self) -> None:
-        """Make the optimizer state now, as ``torch.distributed.checkpoint``
-        does before its first save or load: the state of one step on zero
-        gradients at learning rate 0, for every trainable parameter that has
-        none (with ``shard=True``, this rank's part: the parameters it owns
-        elements of). Parameters that have state keep it.
-
-        Not a step: the parameters (and ``shard=True``'s masters), the
-        ``.grad`` tensors and the learning rates are as before the call, and
-        it is not counted. Not collective: nothing is communicated, each
-        rank makes its own part, so it may be called on some ranks only.
-        The state is DCP's: AdamW's ``step`` reads 1 and its moments 0, as
-        for a plain torch optimizer after ``get_state_dict``, so a training
-        step taken from it is AdamW's second (as after DCP): call it where
-        DCP would make the state (before a save or a load), not before a
-        run from scratch. Once the state is there, ``get_state_dict`` /
-        ``set_state_dict`` take no step of their own; they still do where
-        ``optimizer.state`` stays empty (an optimizer that keeps none, such
-        as SGD without momentum, or a sharded rank that owns nothing), and
-        ``step()`` makes the state there the same way. It raises no error
-        of its own (the wrapped optimizer's step may).
-
-        Examples:
-            >>> opt = DistributedOptimizer(torch.optim.AdamW(model.parameters()),  # doctest: +SKIP
-            ...                            shard=True)
-            >>> opt.init_state()                                      # doctest: +SKIP
-            >>> model_state, opt_state = get_state_dict(model, opt)  # no step inside  # doctest: +SKIP
-        """
-        checkpoints.init_state(self, self._step, super())
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``; reduced gradients that no step
         took (a step a GradScaler skipped) are discarded with it, so the next
@@ -814,139 +785,3 @@ class DistributedOptimizer(uneven_inputs.JoinParticipant, torch.optim.Optimizer)
             ...         loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
         """
         return uneven_inputs.optimizer_join_hook(self, kwargs)
-
-    # ------------------------------------------------------------ checkpoints
-    def state_dict(self, *, to: Optional[int] = None,
-                   cpu_offload: bool = False) -> Optional[dict]:
-        """``torch.optim.Optimizer.state_dict``, always in the unsharded form.
-
-        With ``shard=True`` this is **collective**: every rank of the group
-        must call it, and each gets the same full dict, with the keys and
-        shapes the wrapped optimizer would have without fusedreduce (plus,
-        for 16-bit parameters that have state, their fp32 master copy under
-        ``"master_weight"``). Call it on every rank and save on one:
-        ``if rank == 0: opt.state_dict()`` raises a ``RuntimeError`` on rank
-        0 once ``checkpoint_timeout`` (constructor; default 60 s) has passed
-        without the other ranks calling it, and leaves their training
-        untouched: the call first meets the other ranks on a gloo group of
-        its own, and everything it sends goes through that group, never the
-        training group. ``to=k`` materialises the dict on group rank ``k``
-        only (the others get None), saving the others' memory. Without sharding the
-        state is already whole on every rank and nothing is communicated;
-        ``to=k`` still gives None on the other ranks, so that
-        ``if state is not None: torch.save(state, path)`` saves once in
-        both modes.
-
-        The tensors sit where the wrapped optimizer keeps them unsharded:
-        per-element state on its parameter's device, a non-capturable
-        ``step`` on the host. With ``shard=True`` they are fresh tensors
-        (never the live state). ``cpu_offload=True`` puts every tensor on
-        the host, as torch's ``StateDictOptions(cpu_offload=True)`` does
-        (tensors already there are returned as they are); with
-        ``shard=True`` the whole state is then put together on the host and
-        never sits in device memory. The ranks' parts travel through host
-        memory (under NCCL too), in rounds of at most
-        ``GATHER_CHUNK_BYTES`` per rank (``fusedreduce.sharded_optimizer``).
-
-        Args:
-            to: the group rank that gets the dict (the others get None);
-                None: every rank.
-            cpu_offload: every tensor on the host.
-
-        Raises:
-            ValueError: ``to`` is not a rank of the group.
-            TypeError: ``cpu_offload`` is not a bool.
-            RuntimeError: with ``shard=True``, the ranks pass different
-                ``to`` (raised on every rank, before the state is gathered);
-                or not every rank called it within ``checkpoint_timeout``, or
-                a rank has left the job (``DistributedOptimizer.state_dict()
-                with shard=True is collective: ...``, with the fix, raised on
-                the ranks that called it; the checkpoint's connections are
-                closed after it, so later collective checkpoint calls fail
-                too, while training goes on).
-
-        Examples:
-            >>> state = opt.state_dict(to=0, cpu_offload=True)  # on every rank  # doctest: +SKIP
-            >>> if state is not None: torch.save(state, "opt.pt")  # rank 0 only  # doctest: +SKIP
-        """
-        checkpoints.check_state_dict_args(to, cpu_offload, self.reducer.world_size)
-        return self._step.state_dict(self, super(), to, cpu_offload)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """``torch.optim.Optimizer.load_state_dict`` from the unsharded form
-        that ``state_dict()`` returns (or a plain optimizer's), at any world
-        size, sharded or not; the loaded hyperparameters win over the
-        constructor's, as in torch. With ``shard=True`` each rank keeps its
-        part (a master copy comes from ``"master_weight"`` when present, else
-        from the parameter), and the dict is cut down to that part before
-        anything moves: a dict on the host (``state_dict(cpu_offload=True)``,
-        or ``torch.load(..., map_location="cpu")``) puts 1/N of the state
-        on the device, never the whole. Every rank loads the same dict.
-
-        Raises:
-            ValueError: the dict's groups or per-element state do not match the
-                parameters (a state dict of another model); nothing is changed.
-        """
-        checkpoints.check_loadable(self, state_dict)
-        self.finish_param_gather()
-        self._step.load_checked(self, super(), self._step.own_part(state_dict))
-
-    def sharded_state_dict(self) -> dict:
-        """The state this rank holds, for a checkpoint saved one file per
-        rank: not collective, and nothing is gathered, so no rank holds more
-        than its own part. With ``shard=True`` it is this rank's part of the
-        state (and of the 16-bit parameters' masters); without sharding, the
-        state of every ``world_size``-th parameter from this rank's group
-        rank on (the state is whole on every rank then). Per-element state is
-        kept as ranges of each parameter's elements, so the save loads at any
-        world size, sharded or not (``load_sharded_state_dict``), and
-        ``fusedreduce.consolidate_sharded_state_dict`` turns all ranks'
-        dicts into the whole ``state_dict()`` form in one process.
-
-        The tensors are fresh copies on the host (never the live state,
-        which later steps update in place); save the dict with
-        ``torch.save``.
-
-        Returns:
-            ``{"format", "version", "rank", "world_size", "shapes",
-            "param_groups", "state"}``: ``param_groups`` as in
-            ``state_dict()``, ``state`` this rank's elements of each
-            parameter's state, packed into a few tensors (one per state key
-            and dtype; ``fusedreduce.sharded_checkpoint``); with
-            ``error_feedback``, also ``"error_feedback"``: this rank's
-            residuals (``DistributedGradReducer.error_feedback_state()``),
-            which ``load_sharded_state_dict`` puts back when the run has
-            the layout they were saved in, and otherwise warns that error
-            feedback starts at zero.
-
-        Examples:
-            >>> torch.save(opt.sharded_state_dict(), f"ckpt/optim.{dist.get_rank()}.pt")  # doctest: +SKIP
-            >>> opt.load_sharded_state_dict([f"ckpt/optim.{r}.pt" for r in range(8)])  # doctest: +SKIP
-        """
-        self.finish_param_gather()
-        return checkpoints.sharded_state_dict(self, self._step, super(), self._steps)
-
-    def load_sharded_state_dict(self, shards: Sequence[ShardSource]) -> None:
-        """Load a checkpoint that every rank saved with ``sharded_state_dict()``,
-        at this world size (the same or another), sharded or not. Each rank
-        reads only the elements it holds now: with files, opened with
-        ``mmap=True``, the rest is not read from disk. Not collective; every
-        rank passes the whole save. The loaded hyperparameters win over the
-        constructor's, as in ``load_state_dict``.
-
-        Args:
-            shards: every saved rank's dict, or the path of the file each was
-                saved to, in any order.
-
-        Raises:
-            TypeError: ``shards`` is not a list or tuple, or an item is
-                neither a dict nor a path.
-            ValueError: the items are not one complete save of this
-                optimizer's parameters (a rank missing or twice, shards of
-                different saves, another model's shapes or groups); nothing
-                is changed.
-
-        Examples:
-            >>> opt.load_sharded_state_dict([f"ckpt/optim.{r}.pt" for r in range(8)])  # doctest: +SKIP
-        """
-        checkpoints.load_sharded_state_dict(self, self._step, super(), shards)
