@@ -203,8 +203,9 @@ def someone_ran_out(participant) -> bool:
     work, participant._join_notice = participant.__dict__.get("_join_notice"), None
     if work is None:
         return True
-    work.wait()
-    return int(work.result()[0].item()) < dist.get_world_size(participant.join_process_group)
+    # the future's value, not the deprecated Work.result(), which warns
+    count = work.get_future().wait()[0]
+    return int(count.item()) < dist.get_world_size(participant.join_process_group)
 
 
 def reducer_join_hook(reducer, kwargs: dict) -> ShadowingJoinHook:

@@ -239,7 +239,8 @@ def norm_variants():
             compute = "fp64" if buffer == "fp64" else "fp32"
             yield (f"row_powers {label}", buffer, norm._row_powers_kernel,
                    {"base": f"*{buffer}", "table": "*i64", "work": "*i64", "partials": "*fp64",
-                    "n_buffers": "i32", "p": "fp32", "NORM": "constexpr", "COMPUTE": "constexpr",
+                    "n_buffers": "i32", "p_high": "i32", "p_low": "i32",
+                    "NORM": "constexpr", "COMPUTE": "constexpr",
                     "ROW": "constexpr", "ROWS": "constexpr"},
                    {"NORM": code, "COMPUTE": getattr(triton.language, {"fp64": "float64",
                                                                        "fp32": "float32"}[compute]),
@@ -253,7 +254,7 @@ def norm_variants():
                    norm._finish_kernel,
                    {"partials": "*fp64", "ranges": "*i64", "powers": "*fp64", "post": "*fp64",
                     "total_out": "*fp64" if norm64 else "*fp32", "scales_out": "*fp64",
-                    "n_buffers": "i32", "p": "fp32", "max_high": "i32", "max_low": "i32",
+                    "n_buffers": "i32", "p_high": "i32", "p_low": "i32", "max_high": "i32", "max_low": "i32",
                     "loss_ptr": "*fp32", "loss_high": "i32", "loss_low": "i32",
                     "NORM": "constexpr", "SUM_PARTIALS": "constexpr", "FINISH": "constexpr",
                     "LOSS": "constexpr", "LOSS_TENSOR": "constexpr", "NORM64": "constexpr",

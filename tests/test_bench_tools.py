@@ -126,6 +126,33 @@ def test_the_device_timer_leaves_out_host_time_and_keeps_device_time():
 
 
 @pytest.mark.timeout(TIMEOUT)
+def test_join_cost_times_each_method_plain_and_under_join(tmp_path):
+    # two gloo ranks here; a GPU session runs one NCCL rank
+    import json
+    path = tmp_path / "join_cost.json"
+    process = subprocess.run(
+        [sys.executable, "-m", "fusedreduce.bench.join_cost", "--size", "60K", "--batch", "2",
+         "--image", "32", "--world-size", "2", "--blocks", "2", "--block-steps", "2",
+         "--device", "cpu", "--json", str(path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert process.returncode == 0, process.stderr
+    # Join's notification count is read through the work's future: the
+    # deprecated Work.result() warns in every user's log
+    assert "Work::result" not in process.stderr, process.stderr
+    from fusedreduce.bench.join_cost import METHODS
+    record = json.loads(path.read_text())
+    assert set(record["rows"]) == set(METHODS)
+    for method, row in record["rows"].items():
+        assert [len(record["samples"][method][k]) for k in ("plain", "join")] == [2, 2]
+        assert row["plain_ms"] > 0 and row["join_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["join_ms"] / row["plain_ms"])
+        assert any(line.split()[:1] == [method] for line in process.stdout.splitlines())
+    bad = subprocess.run([sys.executable, "-m", "fusedreduce.bench.join_cost", "--blocks", "0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert bad.returncode == 2 and "--blocks must be at least 1" in bad.stderr
+
+
+@pytest.mark.timeout(TIMEOUT)
 def test_one_gpu_step_times_every_api_on_one_rank(tmp_path):
     # on the CPU here (gloo, one rank); the same command on a GPU runs NCCL
     import json
@@ -268,7 +295,8 @@ def test_every_step_of_the_gpu_session_script_names_what_exists():
     assert listed.returncode == 0, listed.stderr
     steps = dict(line.split(": ", 1) for line in listed.stdout.splitlines())
     assert list(steps)[:2] == ["capture", "clipping_properties"]
-    assert {"norm_share", "one_gpu_step", "clip", "gpu_check", "cuda_suite"} <= set(steps)
+    assert {"norm_share", "one_gpu_step", "join_cost", "clip", "gpu_check",
+            "cuda_suite"} <= set(steps)
     modules = {}
     for name, command in steps.items():
         words = shlex.split(command)

@@ -65,7 +65,7 @@ def _max_nan(a, b):
 @triton.jit
 def _row_power(x, p, NORM: tl.constexpr):
     """One row's sum of ``|x| ** p`` (max ``|x|`` for ``NORM == 0``), ``x``
-    already absolute and widened."""
+    already absolute and widened, ``p`` in ``x``'s dtype."""
     if NORM == 0:
         # tl.max may drop a NaN; the max norm must not
         nan = tl.sum(tl.where(x != x, 1, 0), axis=0) > 0
@@ -79,8 +79,10 @@ def _row_power(x, p, NORM: tl.constexpr):
         return tl.sum(tl.exp2(p * tl.log2(x)), axis=0)
 
 
-@triton.jit
-def _row_powers_kernel(base, table, work, partials, n_buffers, p,
+# p comes as the words of its float64 bits: a float argument is fp32 in a
+# compiled kernel, and fp64's |x| ** p and total ** (1 / p) need p's own bits
+@triton.jit(do_not_specialize=["p_high", "p_low"])
+def _row_powers_kernel(base, table, work, partials, n_buffers, p_high, p_low,
                        NORM: tl.constexpr, COMPUTE: tl.constexpr, ROW: tl.constexpr,
                        ROWS: tl.constexpr):
     item = tl.load(work + tl.program_id(0))
@@ -90,6 +92,7 @@ def _row_powers_kernel(base, table, work, partials, n_buffers, p,
     numel = tl.load(table + n_buffers + buf)
     first = tl.load(table + 2 * n_buffers + buf)
     lanes = tl.arange(0, ROW)
+    p = scale_from_words(p_high, p_low).to(COMPUTE)
     total = tl.zeros([1], dtype=tl.float64)
     for r in range(ROWS):  # a constexpr bound: the same loop compiled and interpreted
         idx = (piece * ROWS + r) * ROW + lanes
@@ -105,13 +108,16 @@ def _row_powers_kernel(base, table, work, partials, n_buffers, p,
 # the loss scale's and the limit's words change with them: specialising on
 # their values (== 1, divisible by 16) would compile another variant when one
 # lands there
-@triton.jit(do_not_specialize=["max_high", "max_low", "loss_high", "loss_low"])
-def _finish_kernel(partials, ranges, powers, post, total_out, scales_out, n_buffers, p,
+@triton.jit(do_not_specialize=["p_high", "p_low", "max_high", "max_low", "loss_high",
+                               "loss_low"])
+def _finish_kernel(partials, ranges, powers, post, total_out, scales_out, n_buffers,
+                   p_high, p_low,
                    max_high, max_low, loss_ptr, loss_high, loss_low,
                    NORM: tl.constexpr, SUM_PARTIALS: tl.constexpr, FINISH: tl.constexpr,
                    LOSS: tl.constexpr, LOSS_TENSOR: tl.constexpr, NORM64: tl.constexpr,
                    BLOCK: tl.constexpr):
     lanes = tl.arange(0, BLOCK)
+    p = scale_from_words(p_high, p_low)
     acc = tl.zeros([BLOCK], dtype=tl.float64)
     # while loops, not range(): Triton's interpreter before 3.7 cannot take
     # runtime values as range bounds under numpy 2; the compiled loops are the same
@@ -248,10 +254,10 @@ def _layout_of(buffers: Sequence[torch.Tensor], share: Tuple[int, int] = (0, 1))
 
 def _row_powers(buffers, layout: _Layout, partials: torch.Tensor, norm_type: float) -> None:
     code = norm_code(norm_type)
-    p = 0.0 if code != NORM_P else float(norm_type)
+    p_high, p_low = scale_words(0.0 if code != NORM_P else float(norm_type))
     for base_index, n, table, work, programs, compute in layout.groups:
         launch_for(_row_powers_kernel, (programs,), num_warps=NUM_WARPS)(
-            buffers[base_index], table, work, partials, n, p, code, compute, NORM_ROW,
+            buffers[base_index], table, work, partials, n, p_high, p_low, code, compute, NORM_ROW,
             ROWS_PER_PROGRAM)
 
 
@@ -261,7 +267,7 @@ def _finish(partials, layout, powers, postscales, max_norm, norm_type, loss_scal
     device = powers.device
     n = powers.numel()
     code = norm_code(norm_type)
-    p = 1.0 if code != NORM_P else float(norm_type)
+    p_high, p_low = scale_words(1.0 if code != NORM_P else float(norm_type))
     total = scales = None
     if finish:
         post = postscale_vectors(tuple(postscales), device)[1]  # signed
@@ -283,7 +289,7 @@ def _finish(partials, layout, powers, postscales, max_norm, norm_type, loss_scal
     launch_for(_finish_kernel, (1,), num_warps=NUM_WARPS)(
         partials if partials is not None else powers,
         layout.ranges if layout is not None else powers, powers, post,
-        total if finish else powers, scales if finish else powers, n, p, max_high, max_low,
+        total if finish else powers, scales if finish else powers, n, p_high, p_low, max_high, max_low,
         loss_ptr, high, low, code, sum_partials, finish, loss_scale is not None, loss_tensor,
         norm_dtype == torch.float64, FINISH_BLOCK)
     return total, scales

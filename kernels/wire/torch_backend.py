@@ -129,7 +129,11 @@ def _encode(v: torch.Tensor, codes: torch.Tensor, scales: Optional[torch.Tensor]
     # exactly for the blocks without an inf or NaN
     absmax = rows.abs().amax(1)
     finite = torch.isfinite(absmax)
-    s = torch.where(finite, absmax / level, float("nan"))
+    # a Python number as divisor makes CUDA's division a product with its
+    # rounded reciprocal, off the exact quotient by an ulp; a device tensor
+    # divides exactly, as the CPU and the Triton kernel do
+    divisor = level if v.device.type == "cpu" else absmax.new_full((), level)
+    s = torch.where(finite, absmax / divisor, float("nan"))
     # an all-zero block (s = 0) divides by 1: codes 0, not 0/0
     q = rows / torch.where(s > 0, s, 1.0).unsqueeze(1)
     if codes.dtype == torch.int8:
