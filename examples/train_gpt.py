@@ -37,10 +37,10 @@ call and the fix after ``--checkpoint-timeout`` seconds.
 of a corpus do: rank r runs out r quarters of the iterations and one
 micro-step early (in the middle of an accumulation window), and the loop runs inside DDP's
 ``model.join()`` or, for the ``DistributedOptimizer`` ways, torch's
-``Join([optimizer])``; the checkpoint is then written once after it. The
-sharded ways under ``Join`` need ``--no-scaler`` and ``--clip fused``: a rank
-that ran out steps its part of the parameters without seeing a scaler's skips
-or torch's clip.
+``Join([optimizer], grad_scaler=scaler)``; the checkpoint is then written
+once after it. The sharded ways under ``Join`` need ``--clip fused``: a rank
+that ran out steps its part of the parameters at every pass of the others,
+and torch's clip over the shares is a collective it cannot know of.
 
 Rank 0 prints, per way, the final loss, how far its losses came from DDP's,
 a digest of the final weights and whether the ranks' weights are bitwise
@@ -163,7 +163,8 @@ def train(way: str, args, text: torch.Tensor, vocabulary: int, directory: str) -
         micro_steps = max(0, micro_steps - early)
     uneven = contextlib.nullcontext()
     if args.uneven:
-        uneven = module.join() if way in ("ddp", "hook") else Join([optimizer])
+        uneven = module.join() if way in ("ddp", "hook") else \
+            Join([optimizer], grad_scaler=scaler)
     with uneven:
         for iteration in range(args.iterations):
             for group in optimizer.param_groups:
@@ -284,11 +285,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown or not args.way:
         parser.error(f"--way: unknown {unknown}; choose from {','.join(WAYS)}")
     sharded = sorted(set(args.way) & {"sharded", "zero2"})
-    if args.uneven and sharded and (args.scaler or args.clip != "fused"):
-        parser.error(f"--uneven with {','.join(sharded)} needs --no-scaler and --clip fused: "
-                     f"under Join a rank that ran out steps its part of the parameters without "
-                     f"seeing a GradScaler's skips, and torch's clip over the shares is a "
-                     f"collective it cannot know of")
+    if args.uneven and sharded and args.clip != "fused":
+        parser.error(f"--uneven with {','.join(sharded)} needs --clip fused: under Join a rank "
+                     f"that ran out steps its part of the parameters at every pass of the "
+                     f"others, and torch's clip over the shares is a collective it cannot "
+                     f"know of")
     return args
 
 

@@ -489,6 +489,20 @@ class DistributedOptimizer(uneven_inputs.JoinParticipant, checkpoints.Checkpoint
         return self._step.param_gather_in_flight
 
     @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Whether ``GradScaler.step`` hands ``step()`` its scale and inf
+        check (``grad_scale``, ``found_inf``) instead of skipping it: where
+        the wrapped optimizer takes them (a fused Adam), and inside ``Join``
+        with ``shard=True``, where every rank must reach ``step()``
+        (``join_scaling``)."""
+        return bool(self.__dict__.get("_step_supports_amp_scaling", False)) or (
+            self.shard and uneven_inputs.in_join(self))
+
+    @_step_supports_amp_scaling.setter
+    def _step_supports_amp_scaling(self, value: bool) -> None:
+        self.__dict__["_step_supports_amp_scaling"] = value
+
+    @property
     def loss_scale(self):
         """With ``max_grad_norm`` under a GradScaler: the scale the gradients
         carry (set it before each backward to
@@ -731,6 +745,8 @@ class DistributedOptimizer(uneven_inputs.JoinParticipant, checkpoints.Checkpoint
             return None
         loss = self._step.step(self, super(), closure,
                                functools.partial(step_checks.check_reduced, self))
+        if self.shard and self._step.skipped:
+            return loss  # a GradScaler's skip inside Join: as if never called
         self.reducer.consume()
         self._steps += 1
         if uneven_inputs.in_join(self):
@@ -745,7 +761,8 @@ class DistributedOptimizer(uneven_inputs.JoinParticipant, checkpoints.Checkpoint
         """The step of a sharded rank that ran out of data (``Join``): its
         part stepped on the gradients its shadow pass reduced, and gathered."""
         self._step.step(self, super(), None, lambda: None, shadow=True)
-        self._steps += 1
+        if not self._step.skipped:
+            self._steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``; reduced gradients that no step
@@ -766,15 +783,23 @@ class DistributedOptimizer(uneven_inputs.JoinParticipant, checkpoints.Checkpoint
         divides by the whole world size: DDP's default), and does not step;
         with ``shard=True`` it steps its part of the parameters on what the
         pass reduced and joins their gather, so the other ranks must not use
-        a ``GradScaler`` or a collective clip (``RuntimeError`` when they
-        do; ``max_grad_norm=`` works). When every rank has run out, every
-        rank takes the step count and ``buffers=`` of the last one to join,
-        and without ``shard`` its parameters and optimizer state. Inside the
+        a collective clip (``RuntimeError`` when they do; ``max_grad_norm=``
+        works), and it skips, unscales and clips as the others' GradScaler
+        does. When every rank has run out, every rank takes the step count,
+        ``buffers=`` and GradScaler state of the last one to join, and
+        without ``shard`` its parameters and optimizer state. Inside the
         context the per-step broadcasts (``bcast_period``, ``buffers=``)
         wait for that final one.
 
+        ``Join([opt], grad_scaler=scaler)`` names the ``torch.amp.GradScaler``
+        that steps ``opt``; without it a rank knows its scaler from its own
+        steps inside the context, so a rank that has no batch at all then
+        cannot follow a scaled ``max_grad_norm`` clip (``RuntimeError`` on that
+        rank) and keeps its scaler as it was.
+
         Raises:
-            TypeError: ``shard=True`` with ``overlap_param_gather=True``.
+            TypeError: ``shard=True`` with ``overlap_param_gather=True``;
+                ``grad_scaler`` not a ``torch.amp.GradScaler``.
             ValueError: ``divide_by_initial_world_size=False`` with
                 ``reduce_method='mean'``.
 

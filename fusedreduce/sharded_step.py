@@ -24,6 +24,7 @@ from .param_swap import params_of
 from .sharded import ShardLayout
 from .sharded_optimizer import ShardedGradReducer, ShardedParameters
 from .torch_clip import track as track_torch_clip
+from .join_scaling import FollowedScaler, ScalerHand, scaler_slots
 from .uneven_inputs import agree_hyperparameters, in_join, someone_ran_out
 
 
@@ -35,6 +36,10 @@ class ShardedStep(ShardedCheckpoint):
     construction, the parameters are taken over by ``start`` (after the
     broadcast that makes them equal: the masters are taken from them).
     """
+
+    #: whether the last ``step`` skipped, as a GradScaler that found an inf
+    #: skips it (inside ``Join``, where every rank must reach ``step``)
+    skipped = False
 
     def __init__(self, opt: torch.optim.Optimizer, options) -> None:
         self.options = options
@@ -113,19 +118,38 @@ class ShardedStep(ShardedCheckpoint):
         """The closure's backward, then this rank's part stepped
         (``ShardedParameters.step``) and gathered into the parameters.
         Inside ``Join``, once a rank has run out of data, the ranks first
-        agree on the groups' hyperparameters (``shadow``: this rank ran out
-        and takes the others')."""
+        agree on the groups' hyperparameters and their GradScaler's state
+        (``shadow``: this rank ran out and takes the others'); a step whose
+        GradScaler found an inf is skipped there on every rank, and the
+        gradients are unscaled here (``join_scaling``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         check_reduced()
-        if in_join(opt) and (shadow or someone_ran_out(opt)):
-            agree_hyperparameters(opt, has_data=not shadow)
-        self.sharded.finish_gather()
-        self.sharded.refresh_masters()
-        self.sharded.step(opt, wrapped.step)
-        self.sharded.gather(defer=self.options.overlap_param_gather)
+        self.skipped = False
+        scaling = None
+        if in_join(opt):
+            scaling = None if shadow else ScalerHand(opt)
+        try:
+            if scaling is not None or shadow:
+                if shadow or someone_ran_out(opt):
+                    values = agree_hyperparameters(
+                        opt, has_data=not shadow, extra=scaler_slots(opt, scaling, opt.join_device))
+                    if shadow:
+                        scaling = FollowedScaler(opt, values)
+                        scaling.update()
+                if scaling.skips():
+                    self.skipped = True
+                    return loss
+                scaling.unscale()
+            self.sharded.finish_gather()
+            self.sharded.refresh_masters()
+            self.sharded.step(opt, wrapped.step)
+            self.sharded.gather(defer=self.options.overlap_param_gather)
+        finally:
+            if scaling is not None:
+                scaling.restore()
         return loss
 
     def clip_grad_norm_(self, with_grads: List[torch.Tensor], max_norm: float, norm_type: float,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 
-from . import uneven_inputs
+from . import join_scaling, uneven_inputs
 from .clipping import refuse_scaled_clip, stepping_grad_scaler
 from .kernels import refuse_in_capture
 from .param_swap import params_of
@@ -50,14 +50,10 @@ def refuse_before_step(opt, syncs_buffers: bool) -> None:
             "a step that broadcasts buffers= (rank 0's buffers after every step)",
             "pass bcast_period=-1 to the optimizer you capture, and call "
             "broadcast_buffers() between replays")
-    if opt.shard and uneven_inputs.in_join(opt):
-        # frames are read only here: reading a frame's locals keeps them alive
-        scaler = stepping_grad_scaler(_STEP_CALLER)
-        if scaler is not None and scaler.is_enabled():
-            uneven_inputs.refuse_in_sharded_join(
-                opt, "a step by a GradScaler",
-                "the others' scaler may skip a step or unscale by a factor it never sees: "
-                "train in bf16 or fp32 without a scaler, or pass shard=False under Join")
+    if uneven_inputs.in_join(opt):
+        # the scaler a rank follows once it runs out (frames are read inside
+        # Join only: reading a frame's locals keeps them alive)
+        join_scaling.record_scaler(opt, _STEP_CALLER)
 
 
 def check_reduced_once(opt) -> None:

@@ -29,8 +29,8 @@ one: a rank that ran out of data could not tell when they happen.
 With ``shard=True`` a rank that ran out owns part of the parameters and
 their state, so after each shadow pass it steps that part on the reduced
 gradients its pass received and joins the gather: the others must step
-after every communicating pass, without a ``GradScaler`` (refused when it
-calls ``step()``) and without a collective of their own in between
+after every communicating pass (a ``GradScaler``'s skips and scale reach
+it through ``join_scaling``) and without a collective of their own in between
 (torch's clip over the shares, ``clip_grad_norm_()``: refused; clip with
 ``max_grad_norm=``, which the shadow pass runs too). Before each such step
 the rank that ran out takes the hyperparameters the others set for it
@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
+from . import join_scaling
 from .broadcast import broadcast_optimizer_state, broadcast_tensors
 from .process_group import comm_device
 
@@ -111,13 +112,15 @@ class ShadowingJoinHook(JoinHook):
         steps: returns this rank's step count (0 where steps are not counted).
         shadow_step: run after each shadow pass where this rank steps its
             part of the parameters (``shard=True``), or None.
+        before_pass: run before each shadow pass, or None.
     """
 
     def __init__(self, owner, reducer: Callable, final_sync: Callable[[int, int], None],
-                 steps: Callable[[], int], shadow_step: Optional[Callable[[], None]] = None
-                 ) -> None:
+                 steps: Callable[[], int], shadow_step: Optional[Callable[[], None]] = None,
+                 before_pass: Optional[Callable[[], None]] = None) -> None:
         self.owner, self.reducer = owner, reducer
         self.final_sync, self.steps, self.shadow_step = final_sync, steps, shadow_step
+        self.before_pass = before_pass
         leave_when_released(owner, self)
 
     def main_hook(self) -> None:
@@ -130,6 +133,8 @@ class ShadowingJoinHook(JoinHook):
         reduced gradients to its next step after the context."""
         reducer = self.reducer()
         reducer.consume()
+        if self.before_pass is not None:
+            self.before_pass()
         engine = reducer._engine
         warns, engine.warn_missing = engine.warn_missing, False
         try:
@@ -250,6 +255,13 @@ def optimizer_join_hook(opt, kwargs: dict) -> ShadowingJoinHook:
             "Join (uneven inputs): the parameters' gathers wait for the next forward, which a "
             "rank that ran out of data never runs. Pass overlap_param_gather=False under Join")
     check_join_kwargs("DistributedOptimizer", kwargs, opt.reduce_method == "mean")
+    opt.__dict__.pop("_join_scaler", None)
+    scaler = kwargs.get("grad_scaler")
+    if scaler is not None:
+        if not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"Join(..., grad_scaler=) must be a torch.amp.GradScaler, "
+                            f"not {type(scaler).__name__}")
+        join_scaling.record_scaler(opt, 0, scaler)
     announce_passes(opt.reducer, opt)
 
     def final_sync(src: int, steps: int) -> None:
@@ -259,13 +271,14 @@ def optimizer_join_hook(opt, kwargs: dict) -> ShadowingJoinHook:
             broadcast_optimizer_state(opt, src, opt.group)
         else:  # with the others' hyperparameters; the last joiner's as the state's
             agree_hyperparameters(opt, has_data=dist.get_rank(opt.join_process_group) == src)
+        join_scaling.sync_scaler(opt, src, opt.group)
         sync = opt._buffer_sync
         if sync.communicates:
             with torch.no_grad():
                 broadcast_tensors(sync.tensors, src, group=opt.group, names=sync.names())
     shadow_step = opt._shadow_step if opt.shard else None
     return ShadowingJoinHook(opt, lambda: opt.reducer, final_sync, lambda: opt._steps,
-                             shadow_step)
+                             shadow_step, functools.partial(join_scaling.before_shadow_pass, opt))
 
 
 def _is_number(value) -> bool:
@@ -290,7 +303,8 @@ def _hyperparameter_slots(opt):
     return slots
 
 
-def agree_hyperparameters(opt, has_data: bool) -> None:
+def agree_hyperparameters(opt, has_data: bool,
+                          extra: Optional[torch.Tensor] = None) -> Optional[list]:
     """Before a sharded step inside ``Join``: a rank that ran out of data takes
     the hyperparameters (``lr``, ``betas``, ``weight_decay``, ...) that the
     ranks with data set for this step (an LR schedule goes on in their loop,
@@ -298,11 +312,13 @@ def agree_hyperparameters(opt, has_data: bool) -> None:
     rank with data steps them all. One small all-reduce (max; the ranks
     without data contribute -inf), collective: made at each step after a
     pass that a rank which ran out shadows (``someone_ran_out``), and at the
-    end of the context.
+    end of the context. ``extra``: more float64 values on ``opt.join_device``
+    agreed in the same all-reduce (``join_scaling.scaler_slots``), returned
+    where this rank ran out (None where it has data).
     """
     slots = _hyperparameter_slots(opt)
-    if not slots:
-        return
+    if not slots and extra is None:
+        return None
     if has_data:
         mine = []
         for group, key, index in slots:
@@ -311,10 +327,13 @@ def agree_hyperparameters(opt, has_data: bool) -> None:
     else:
         mine = [float("-inf")] * len(slots)
     agreed = torch.tensor(mine, dtype=torch.float64, device=opt.join_device)
+    if extra is not None:
+        agreed = torch.cat([agreed, extra])
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=opt.group)
     if has_data:
-        return
+        return None
     values = agreed.tolist()
+    values, rest = values[:len(slots)], values[len(slots):]
     tuples = {}
     for (group, key, index), value in zip(slots, values):
         old = group[key]
@@ -327,6 +346,7 @@ def agree_hyperparameters(opt, has_data: bool) -> None:
             group[key] = type(old)(value)
     for group, key, items in tuples.values():
         group[key] = type(group[key])(items)
+    return rest
 
 
 #: what replaces a collective clip inside a sharded ``Join``

@@ -80,6 +80,7 @@ LAYERS = {
     "owned_writeback": "engine",
     "replicated_writeback": "engine",
     "uneven_inputs": "engine",
+    "join_scaling": "engine",
     # what users construct and call
     "reducer": "user APIs",
     "adasum_reducer": "user APIs",

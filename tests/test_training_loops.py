@@ -84,11 +84,12 @@ def test_the_gpt_loop_on_uneven_shards_under_join_trains_as_ddps_join(tmp_path):
     assert all(run["ranks_equal"] for run in runs.values()), table
     assert runs["hook"]["digest"] == runs["ddp"]["digest"], table
     assert runs["optimizer"]["digest"] == runs["ddp"]["digest"], table
-    # sharded under Join: no GradScaler and the reduction's own clip; a rank
-    # that ran out steps its part at the learning rate the others' schedule
-    # set (at its own stale one the weights drift 3e-3 from DDP's)
-    runs, table = _train(tmp_path, "uneven_sharded", "--uneven", "--no-scaler", "--clip",
-                         "fused", "--way", "ddp,sharded,zero2")
+    # sharded under Join: the reduction's own clip, under the script's
+    # GradScaler; a rank that ran out steps its part at the learning rate the
+    # others' schedule set (at its own stale one the weights drift 3e-3 from
+    # DDP's), unscaled by their scaler's scale and clipped at it
+    runs, table = _train(tmp_path, "uneven_sharded", "--uneven", "--clip", "fused",
+                         "--way", "ddp,sharded,zero2")
     assert all(run["ranks_equal"] for run in runs.values()), table
     for way in ("sharded", "zero2"):
         _assert_trains_as(runs[way], runs["ddp"], table)

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fusedreduce
 from fusedreduce import hooks
+from fusedreduce.local_ranks import RankFailure
 from harness import rank_errors, run_ranks
 
 WORLD = 3
@@ -552,7 +553,7 @@ def _sharded_collective_in_join(rank, world_size, what):
     model = _Model()
     optimizer = fusedreduce.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                                  shard=True)
-    scaler = torch.amp.GradScaler("cpu", enabled=what == "GradScaler")
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
     before = [p.detach().clone() for p in model.parameters()]
     with Join([optimizer]):
         loss = nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 3]))
@@ -569,7 +570,6 @@ def _sharded_collective_in_join(rank, world_size, what):
 
 
 @pytest.mark.parametrize("what, names", [
-    ("GradScaler", "a step by a GradScaler"),
     ("torch's clip", "torch.nn.utils.clip_grad_norm_"),
     ("the optimizer's clip", "clip_grad_norm_()"),
 ])
@@ -648,3 +648,116 @@ def test_an_exception_inside_join_reaches_the_caller_on_every_rank():
     # exception, so it propagates (no rank is left shadowing)
     for kind, message in rank_errors(_exception_in_join, 2):
         assert (kind, message) == ("ValueError", "intentional error")
+
+
+def _train_scaled(rank, world_size, way, options, steps, inf_at, explicit=False):
+    """Train under Join with a GradScaler whose scale grows every two good
+    steps and backs off where the last rank's loss is infinite (step
+    ``inf_at``, after other ranks ran out); ``way`` "ddp" clips after
+    ``unscale_`` with torch's clip where ``options`` has ``max_grad_norm``,
+    ours sets ``loss_scale`` before each backward (the clipping guide's
+    way). This rank's weights, scale, growth tracker and step count."""
+    model = _Model()
+    options = dict(options)
+    clip = options.get("max_grad_norm")
+    if way == "ddp":
+        net = DistributedDataParallel(model, bucket_cap_mb=200 * 4 / 2 ** 20)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        joinables = [net]
+    else:
+        net = model
+        optimizer = fusedreduce.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), param_pack_thd=200 * 4,
+            **options)
+        joinables = [optimizer]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=2)
+    kwargs = {"grad_scaler": scaler} if explicit and way != "ddp" else {}
+    data = torch.Generator().manual_seed(100 + rank)
+    with Join(joinables, **kwargs):
+        for i in range(steps[rank]):
+            optimizer.zero_grad()
+            x, y = torch.randn(4, 8, generator=data), torch.randint(0, 4, (4,), generator=data)
+            loss = nn.functional.cross_entropy(net(x), y)
+            if i == inf_at and rank == world_size - 1:
+                loss = loss * float("inf")
+            if way != "ddp" and clip is not None:
+                optimizer.loss_scale = scaler.scale(torch.ones(()))
+            scaler.scale(loss).backward()
+            if way == "ddp" and clip is not None:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            scaler.step(optimizer)
+            scaler.update()
+    return (torch.cat([p.detach().reshape(-1).double() for p in model.parameters()]),
+            scaler.get_scale(),
+            0 if scaler._growth_tracker is None else int(scaler._growth_tracker),
+            getattr(optimizer, "_steps", None))
+
+
+SCALED = {
+    "not sharded": {},
+    "shard": {"shard": True},
+    "shard, clipping": {"shard": True, "max_grad_norm": 0.05},
+    "shard, ZeRO-2, clipping": {"shard": True, "shard_gradients": True, "max_grad_norm": 0.05},
+}
+
+
+@pytest.mark.parametrize("option, explicit", [
+    ("not sharded", False), ("not sharded", True), ("shard", False), ("shard", True),
+    ("shard, clipping", True), ("shard, ZeRO-2, clipping", True)])
+def test_join_under_a_gradscaler_trains_as_ddps_join_and_leaves_every_scaler_alike(option,
+                                                                                    explicit):
+    # the last rank's loss is infinite at its 4th step, when only it has data:
+    # its scaler skips that step and backs off, and grows the scale every two
+    # good steps; a sharded rank that ran out steps its part at every pass, so
+    # it must skip, unscale and (for the clip) scale as the others do. Rank 0
+    # has no batch at all: it knows the scaler only from Join's grad_scaler=
+    # (``explicit``), the others also from their steps inside the context
+    options = SCALED[option]
+    ours = run_ranks(_train_scaled, WORLD, "optimizer", options, STEPS, 3, explicit)
+    ddp = run_ranks(_train_scaled, WORLD, "ddp", options, STEPS, 3)
+    assert all(torch.equal(r[0], ours[0][0]) for r in ours), "the ranks' weights differ"
+    assert torch.isfinite(ours[0][0]).all()
+    torch.testing.assert_close(ours[-1][0], ddp[-1][0], rtol=0, atol=1e-6)
+    # 5 steps: grown after the 2nd, backed off at the 4th (skipped), one good since
+    assert ddp[-1][1:3] == (2.0 ** 4, 1)
+    followed = ours if explicit else ours[1:]  # rank 0 stepped none without grad_scaler=
+    assert [r[1:3] for r in followed] == [(2.0 ** 4, 1)] * len(followed)
+    if not explicit:
+        assert ours[0][1:3] == (2.0 ** 4, 0)  # untouched: never scaled a loss
+    assert [r[3] for r in ours] == [max(STEPS) - 1] * WORLD  # the skipped step is not counted
+
+
+def test_a_scaled_clip_shadowed_without_the_scaler_is_refused_naming_grad_scaler():
+    # rank 0 has no batch: without Join's grad_scaler= it cannot know the scale
+    # the others divide the clip's norm by, and says so
+    with pytest.raises(RankFailure, match="grad_scaler=scaler"):
+        run_ranks(_train_scaled, WORLD, "optimizer", SCALED["shard, clipping"], STEPS, 3)
+
+
+def _even_scaled(rank, world_size, join):
+    model = _Model()
+    optimizer = fusedreduce.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), shard=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=2)
+    data = torch.Generator().manual_seed(100 + rank)
+    with Join([optimizer]) if join else contextlib.nullcontext():
+        for i in range(4):
+            optimizer.zero_grad()
+            x, y = torch.randn(4, 8, generator=data), torch.randint(0, 4, (4,), generator=data)
+            loss = nn.functional.cross_entropy(model(x), y) * (float("inf") if i == 1 else 1.0)
+            scaler.scale(loss).backward()
+            if i == 2:
+                scaler.unscale_(optimizer)  # step() then gets no scale to divide by
+            scaler.step(optimizer)
+            scaler.update()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), scaler.get_scale()
+
+
+def test_a_sharded_step_under_join_and_a_gradscaler_is_the_step_outside_join():
+    # no rank runs out: GradScaler hands step() its scale and check instead of
+    # skipping it, and step() skips and unscales as GradScaler would, bit for bit
+    inside = run_ranks(_even_scaled, 2, True)
+    outside = run_ranks(_even_scaled, 2, False)
+    for a, b in zip(inside, outside):
+        assert torch.equal(a[0], b[0]) and a[1] == b[1]
