@@ -1,7 +1,8 @@
 """What a training step costs under ``Join``, beside the same step outside it.
 
     python -m fusedreduce.bench.join_cost [--size 25.6M] [--batch 32] [--image 128]
-        [--world-size 1] [--blocks 6] [--block-steps 10] [--device auto|cuda|cpu] [--json PATH]
+        [--world-size 1] [--blocks 6] [--block-steps 10] [--scaler] [--device auto|cuda|cpu]
+        [--json PATH]
 
 ``Join`` (torch's uneven-inputs context, docs/guides/optimizer.md) adds to
 each step while every rank still has data, the steady state of an epoch:
@@ -25,7 +26,11 @@ is in the block's time, spread over its steps), ``--blocks`` of each; the
 table gives the median block's ms per step, plain and joined, and their
 ratio. On a GPU the step is synchronised only at the block's ends, as a
 training loop is, so a host that waits inside the step shows. One GPU runs
-one NCCL rank (``--world-size 1``); on the CPU, gloo ranks.
+one NCCL rank (``--world-size 1``); on the CPU, gloo ranks. With
+``--scaler`` a ``torch.amp.GradScaler`` steps every method
+(``Join([optimizer], grad_scaler=scaler)`` for ours): inside a sharded
+``Join`` the scaler then hands ``step()`` its scale and inf check, which
+``step()`` reads to the host, instead of skipping it (``join_scaling``).
 """
 from __future__ import annotations
 
@@ -41,10 +46,9 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from fusedreduce import DistributedOptimizer
-from fusedreduce.local_ranks import run_on_local_ranks
-
 from . import common, output_files
 from .models import resnet50_for_size
+from .ranks import run_on_ranks
 
 METHODS = ("ddp", "distributed_optimizer", "sharded_optimizer")
 BUCKET_CAP_MB = 25.0
@@ -57,6 +61,7 @@ def _build(method: str, config: dict, device: torch.device, batch, labels):
     torch.manual_seed(0)  # every method starts from the same weights
     model = resnet50_for_size(config["size"]).to(device)
     params = list(model.parameters())
+    scaler = torch.amp.GradScaler(device.type, enabled=config["scaler"])
     if method == "ddp":
         net = DistributedDataParallel(
             model, bucket_cap_mb=BUCKET_CAP_MB,
@@ -71,12 +76,13 @@ def _build(method: str, config: dict, device: torch.device, batch, labels):
                                          shard=method == "sharded_optimizer")
 
         def joined():
-            return Join([optimizer])
+            return Join([optimizer], grad_scaler=scaler if config["scaler"] else None)
 
     def step():
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(net(batch), labels).backward()
-        optimizer.step()
+        scaler.scale(torch.nn.functional.cross_entropy(net(batch), labels)).backward()
+        scaler.step(optimizer)
+        scaler.update()
     return step, joined
 
 
@@ -131,6 +137,8 @@ def main(argv=None) -> int:
                         help="ranks (NCCL needs one GPU each; gloo shares the CPU)")
     parser.add_argument("--blocks", type=int, default=6, help="blocks of each kind per method")
     parser.add_argument("--block-steps", type=int, default=10, help="steps per block")
+    parser.add_argument("--scaler", action="store_true",
+                        help="a GradScaler steps every method")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--json", type=output_files.output_file,
                         metavar="PATH", help="write the configuration and figures")
@@ -144,13 +152,15 @@ def main(argv=None) -> int:
         parser.error(f"--world-size {args.world_size}: NCCL needs a GPU per rank, "
                      f"{torch.cuda.device_count()} here")
     config = {"size": args.size[0], "batch": args.batch, "image": args.image,
-              "blocks": args.blocks, "block_steps": args.block_steps, "backend": backend}
-    records = run_on_local_ranks(rank_body, args.world_size, config, backend=backend,
-                                 timeout=3600)
-    record = records[0]
+              "blocks": args.blocks, "block_steps": args.block_steps, "backend": backend,
+              "scaler": args.scaler}
+    # gloo ranks share the cores (ranks.run_on_ranks): more torch threads
+    # than cores would make the ranks' waits for each other the figure
+    record = run_on_ranks(rank_body, args.world_size, config)[0]
     print(f"# {args.world_size} rank(s) ({backend}) on {record['device']}: ResNet-50 of "
           f"{args.size[0]:,} parameters, batch {args.batch}x3x{args.image}x{args.image}, fp32, "
-          f"SGD; rank 0's median of {args.blocks} blocks of {args.block_steps} steps each")
+          f"SGD{', GradScaler' if args.scaler else ''}; rank 0's median of {args.blocks} "
+          f"blocks of {args.block_steps} steps each")
     print(f"{'method':24s} {'plain ms':>9s} {'Join ms':>9s} {'Join / plain':>13s}")
     rows = {}
     for method, got in record["samples"].items():

@@ -133,7 +133,7 @@ def test_join_cost_times_each_method_plain_and_under_join(tmp_path):
     process = subprocess.run(
         [sys.executable, "-m", "fusedreduce.bench.join_cost", "--size", "60K", "--batch", "2",
          "--image", "32", "--world-size", "2", "--blocks", "2", "--block-steps", "2",
-         "--device", "cpu", "--json", str(path)],
+         "--scaler", "--device", "cpu", "--json", str(path)],
         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
     assert process.returncode == 0, process.stderr
     # Join's notification count is read through the work's future: the
@@ -141,6 +141,7 @@ def test_join_cost_times_each_method_plain_and_under_join(tmp_path):
     assert "Work::result" not in process.stderr, process.stderr
     from fusedreduce.bench.join_cost import METHODS
     record = json.loads(path.read_text())
+    assert record["config"]["scaler"] is True and "GradScaler" in process.stdout
     assert set(record["rows"]) == set(METHODS)
     for method, row in record["rows"].items():
         assert [len(record["samples"][method][k]) for k in ("plain", "join")] == [2, 2]
