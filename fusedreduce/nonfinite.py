@@ -90,16 +90,20 @@ class OwnedNonfinite:
         nonfinite = (~torch.isfinite(values) | (values.abs() >= self._bounds)).any()
         return nonfinite.to(torch.int32)
 
-    def plant_nan(self) -> None:
-        """A NaN in one element of a ``.grad`` that this rank does not own: it
-        tells GradScaler of another rank's non-finite gradient without
-        changing this rank's step."""
+    def plant_nan(self, found: torch.Tensor) -> None:
+        """Where ``found`` (a 0-d bool tensor), a NaN in one element of a
+        ``.grad`` that this rank does not own: it tells GradScaler of another
+        rank's non-finite gradient without changing this rank's step. Where
+        such a ``.grad`` exists the NaN is chosen on the device (no host read,
+        so on a GPU the host goes on issuing work); only where none does
+        (``shard_gradients`` released them all) is ``found`` read, to make a
+        ``.grad`` for it."""
         for index, element in self._sites:
             grad = self.parameters[index].grad
             if grad is not None:
-                grad[element] = float("nan")
+                grad[element] = torch.where(found.to(grad.device), float("nan"), grad[element])
                 return
-        if self._sites:
+        if self._sites and bool(found):
             self._nan_without_grad(self.parameters, self._sites)
 
 

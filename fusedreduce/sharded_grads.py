@@ -224,12 +224,12 @@ class ShardedGradReducer(ReducerSurface):
         nonfinite = self._nonfinite.flag(parts, scales)
         if engine.parameters:
             refuse_in_capture(engine.parameters[0].device,
-                              "a shard=True backward (the ranks' non-finite count is read to "
-                              "the host, so that GradScaler skips the step on every rank)",
+                              "a shard=True backward (sharded steps run eagerly: with "
+                              "shard_gradients the ranks' non-finite count can be read to the "
+                              "host, and no sharded capture is tested)",
                               "capture an unsharded step; shard=True runs eagerly")
         ranks = engine.settle_unused(nonfinite)
         self._write_back.after_settling(pending, scales)
-        found = bool(ranks > 0)
-        engine.found_nonfinite = torch.tensor(found)
-        if found:
-            self._nonfinite.plant_nan()
+        found = ranks > 0
+        engine.found_nonfinite = found
+        self._nonfinite.plant_nan(found)
