@@ -328,12 +328,14 @@ def test_an_inf_reaches_a_rank_that_keeps_no_grad_of_its_parameter():
 _HOST_READS = ("__bool__", "item", "tolist", "__int__", "__float__")
 
 
-def _host_reads_in_a_backward(rank, world_size, options):
+def _host_reads_in_a_step(rank, world_size, options):
     """The Python-level host reads of tensors (``bool``, ``item``,
-    ``tolist``, ``int``, ``float``) that one steady-state backward makes:
-    on a GPU each waits for the device, so the host stops issuing work."""
+    ``tolist``, ``int``, ``float``) that one steady-state backward and step
+    make: on a GPU each waits for the device, so the host stops issuing
+    work."""
     model = _model()
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **options)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               **options)
     for step in range(2):  # the first backward sets up what later ones reuse
         opt.zero_grad()
         _loss(model, rank, step).backward()
@@ -353,20 +355,20 @@ def _host_reads_in_a_backward(rank, world_size, options):
         for name in _HOST_READS:
             setattr(torch.Tensor, name, counting(name))
         loss.backward()
+        opt.step()
     finally:
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
-    opt.step()
     return reads
 
 
 @pytest.mark.parametrize("options, most", [({}, 0), ({"shard": True}, 0),
                                            ({"shard": True, "shard_gradients": True}, 1)],
                          ids=["unsharded", "ZeRO-1", "ZeRO-2"])
-def test_a_steady_state_backward_reads_nothing_to_the_host(options, most):
+def test_a_steady_state_backward_and_step_read_nothing_to_the_host(options, most):
     # the non-finite check of the owned parts settles on the device: another
     # rank's inf plants its NaN through torch.where, not a host read. ZeRO-2
     # keeps one where no .grad it holds has an element it does not own: a
     # .grad must then be made for the NaN, or not
-    for reads in run_ranks(_host_reads_in_a_backward, 2, options):
+    for reads in run_ranks(_host_reads_in_a_step, 2, options):
         assert len(reads) <= most, reads
