@@ -98,6 +98,24 @@ def check_join_kwargs(owner: str, kwargs: dict, divides: bool) -> None:
             f"cannot be honoured; leave it out")
 
 
+def take_grad_scaler(participant, owner: str, kwargs: dict) -> None:
+    """``Join(..., grad_scaler=scaler)``: the ``torch.amp.GradScaler`` that
+    ``participant``'s rank follows once it ran out, and whose state every
+    rank takes from the last joiner at the end (``join_scaling``).
+
+    Raises:
+        TypeError: ``grad_scaler`` is not a ``torch.amp.GradScaler``.
+    """
+    participant.__dict__.pop("_join_scaler", None)
+    scaler = kwargs.get("grad_scaler")
+    if scaler is None:
+        return
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"{owner} under Join(..., grad_scaler=): a torch.amp.GradScaler, "
+                        f"not {type(scaler).__name__}")
+    join_scaling.record_scaler(participant, 0, scaler)
+
+
 class ShadowingJoinHook(JoinHook):
     """The join hook of a reducer's owner.
 
@@ -229,12 +247,14 @@ def reducer_join_hook(reducer, kwargs: dict) -> ShadowingJoinHook:
             f"(reducer.register_hooks()): the ranks that ran out of data shadow the hooks' "
             f"backward passes; a reducer called directly is driven by the caller")
     check_join_kwargs(owner, kwargs, reducer.mean)
+    take_grad_scaler(reducer, owner, kwargs)
     announce_passes(reducer, reducer)
 
     def final_sync(src: int, steps: int) -> None:
         with torch.no_grad():
             broadcast_tensors([p.data for p in reducer.parameters], src, group=reducer.group,
                               names=[f"parameters[{i}]" for i in range(len(reducer.parameters))])
+        join_scaling.sync_scaler(reducer, src, reducer.group)
     return ShadowingJoinHook(reducer, lambda: reducer, final_sync, lambda: 0)
 
 
@@ -255,13 +275,7 @@ def optimizer_join_hook(opt, kwargs: dict) -> ShadowingJoinHook:
             "Join (uneven inputs): the parameters' gathers wait for the next forward, which a "
             "rank that ran out of data never runs. Pass overlap_param_gather=False under Join")
     check_join_kwargs("DistributedOptimizer", kwargs, opt.reduce_method == "mean")
-    opt.__dict__.pop("_join_scaler", None)
-    scaler = kwargs.get("grad_scaler")
-    if scaler is not None:
-        if not isinstance(scaler, torch.amp.GradScaler):
-            raise TypeError(f"Join(..., grad_scaler=) must be a torch.amp.GradScaler, "
-                            f"not {type(scaler).__name__}")
-        join_scaling.record_scaler(opt, 0, scaler)
+    take_grad_scaler(opt, "DistributedOptimizer", kwargs)
     announce_passes(opt.reducer, opt)
 
     def final_sync(src: int, steps: int) -> None:

@@ -761,3 +761,48 @@ def test_a_sharded_step_under_join_and_a_gradscaler_is_the_step_outside_join():
     outside = run_ranks(_even_scaled, 2, False)
     for a, b in zip(inside, outside):
         assert torch.equal(a[0], b[0]) and a[1] == b[1]
+
+
+def _reducer_scaled(rank, world_size, explicit):
+    """Our reducer's hooks under Join with a GradScaler that grows its scale
+    every two steps; this rank's scale and growth tracker."""
+    model = _Model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reducer = fusedreduce.DistributedGradReducer(list(model.parameters())).register_hooks()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=2)
+    data = torch.Generator().manual_seed(100 + rank)
+    with Join([reducer], **({"grad_scaler": scaler} if explicit else {})):
+        for _ in range(STEPS[rank]):
+            optimizer.zero_grad()
+            x, y = torch.randn(4, 8, generator=data), torch.randint(0, 4, (4,), generator=data)
+            scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    return scaler.get_scale(), 0 if scaler._growth_tracker is None else int(scaler._growth_tracker)
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_join_with_our_reducer_and_grad_scaler_leaves_every_scaler_the_last_joiners(explicit):
+    # 5 good steps on the last rank: the scale doubled after the 2nd and the
+    # 4th. Without grad_scaler= each rank keeps its own (as DDP's join() does)
+    scalers = run_ranks(_reducer_scaled, WORLD, explicit)
+    if explicit:
+        assert scalers == [(2.0 ** 6, 1)] * WORLD
+    else:
+        assert scalers == [(2.0 ** 4, 0), (2.0 ** 5, 1), (2.0 ** 6, 1)]
+
+
+def _join_with_grad_scaler(rank, world_size, way):
+    model = _Model()
+    if way == "reducer":
+        joinable = fusedreduce.DistributedGradReducer(list(model.parameters())).register_hooks()
+    else:
+        joinable = fusedreduce.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with Join([joinable], grad_scaler=2.0 ** 16):
+        pass
+
+
+@pytest.mark.parametrize("way", ["reducer", "optimizer"])
+def test_a_grad_scaler_that_is_not_one_is_refused_by_name(way):
+    for kind, message in rank_errors(_join_with_grad_scaler, 2, way):
+        assert kind == "TypeError" and "grad_scaler" in message and "float" in message, message
