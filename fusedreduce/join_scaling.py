@@ -15,7 +15,7 @@ multiplied:
 - at the steps where the ranks agree on the hyperparameters (a rank ran
   out), the ranks with data add their scaler's state (``scaler_slots``):
   its scale, growth tracker, inf check and growth parameters;
-- the rank that ran out (``follow_scaler``) unscales by that scale, skips
+- the rank that ran out (``FollowedScaler``) unscales by that scale, skips
   where the others skip, and updates its own scaler as their
   ``update()`` will, so that its scale, and with it a fused clip's
   ``loss_scale``, stays theirs.
@@ -32,6 +32,7 @@ from collections import defaultdict
 from typing import List, Optional
 
 import torch
+
 from .broadcast import broadcast_tensors
 from .clipping import stepping_grad_scaler
 
@@ -44,8 +45,12 @@ SCALER_SLOTS = 8
 def record_scaler(opt, depth: int, scaler=None) -> None:
     """Remember the enabled GradScaler stepping ``opt`` (``depth`` frames up
     from here to ``step()``'s caller), or ``scaler`` (``Join``'s
-    ``grad_scaler=``): the one this rank follows once it ran out."""
+    ``grad_scaler=``): the one this rank follows once it ran out. The frames
+    are read only until a scaler is recorded (once per context)."""
     if scaler is None:
+        ref = opt.__dict__.get("_join_scaler")
+        if ref is not None and ref() is not None:
+            return
         scaler = stepping_grad_scaler(depth + 1)
     if scaler is not None and scaler.is_enabled():
         opt._join_scaler = weakref.ref(scaler)
@@ -82,7 +87,6 @@ class ScalerHand:
         self.opt = opt
         self.grad_scale = opt.__dict__.pop("grad_scale", None)
         self.found_inf = opt.__dict__.pop("found_inf", None)
-        self._found: Optional[bool] = None
 
     def restore(self) -> None:
         if self.found_inf is not None:
@@ -94,9 +98,7 @@ class ScalerHand:
 
     def skips(self) -> bool:
         """Whether GradScaler's check found an inf or NaN (one host read)."""
-        if self._found is None:
-            self._found = self.handed and bool(self.found_inf.item() > 0)
-        return self._found
+        return self.handed and bool(self.found_inf.item() > 0)
 
     def unscale(self) -> None:
         if self.grad_scale is not None:
@@ -126,9 +128,8 @@ def scaler_slots(opt, hand: Optional[ScalerHand], device: torch.device) -> torch
     if scaler is None:
         return torch.full((SCALER_SLOTS,), float("-inf"), dtype=torch.float64, device=device)
     clipped = clip_scale(opt)
-    state = torch.stack([scaler._scale.reshape(()).double(),
-                         scaler._growth_tracker.reshape(()).double(),
-                         hand.found_inf.reshape(()).double()]).to(device)
+    state = torch.cat([_scale_and_tracker(scaler, device),
+                       hand.found_inf.reshape(1).to(device, torch.float64)])
     head = torch.ones(1, dtype=torch.float64, device=device)
     tail = torch.tensor([scaler._growth_factor, scaler._backoff_factor,
                          float(scaler._growth_interval), float("-inf")],
@@ -215,6 +216,12 @@ def before_shadow_pass(opt) -> None:
         follow_loss_scale(opt, scaler._scale)
 
 
+def _scale_and_tracker(scaler, device: torch.device) -> torch.Tensor:
+    """The scaler's scale and growth tracker, two float64 values on ``device``."""
+    return torch.stack([scaler._scale.reshape(()).double(),
+                        scaler._growth_tracker.reshape(()).double()]).to(device)
+
+
 def sync_scaler(opt, src: int, group) -> None:
     """Every rank's recorded scaler takes the scale and growth tracker of
     ``group``'s rank ``src`` (collective: one broadcast of three numbers; a
@@ -222,9 +229,8 @@ def sync_scaler(opt, src: int, group) -> None:
     scaler = recorded_scaler(opt)
     device = opt.join_device
     if scaler is not None:
-        state = torch.stack([torch.ones((), dtype=torch.float64, device=scaler._scale.device),
-                             scaler._scale.reshape(()).double(),
-                             scaler._growth_tracker.reshape(()).double()]).to(device)
+        state = torch.cat([torch.ones(1, dtype=torch.float64, device=device),
+                           _scale_and_tracker(scaler, device)])
     else:
         state = torch.full((3,), float("-inf"), dtype=torch.float64, device=device)
     broadcast_tensors([state], src, group=group, names=["the GradScaler's scale"])

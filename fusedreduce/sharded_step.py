@@ -19,12 +19,12 @@ from typing import Callable, List, Optional
 import torch
 
 from .buckets import FlatBuffers, storage_bytes
+from .join_scaling import FollowedScaler, ScalerHand, scaler_slots
 from .optimizer_checkpoint import ShardedCheckpoint, state_gather
 from .param_swap import params_of
 from .sharded import ShardLayout
 from .sharded_optimizer import ShardedGradReducer, ShardedParameters
 from .torch_clip import track as track_torch_clip
-from .join_scaling import FollowedScaler, ScalerHand, scaler_slots
 from .uneven_inputs import agree_hyperparameters, in_join, someone_ran_out
 
 
@@ -128,11 +128,10 @@ class ShardedStep(ShardedCheckpoint):
                 loss = closure()
         check_reduced()
         self.skipped = False
-        scaling = None
-        if in_join(opt):
-            scaling = None if shadow else ScalerHand(opt)
+        joined = in_join(opt)  # a shadow step runs inside Join too
+        scaling = ScalerHand(opt) if joined and not shadow else None
         try:
-            if scaling is not None or shadow:
+            if joined:
                 if shadow or someone_ran_out(opt):
                     values = agree_hyperparameters(
                         opt, has_data=not shadow, extra=scaler_slots(opt, scaling, opt.join_device))
