@@ -180,7 +180,8 @@ NOTES = {
                "fusedreduce_host: host time of a steady-state call on the Triton path, "
                "the kernel's execution excluded; fusedreduce_host_moved: the same, every "
                "call's tensors at other addresses (gradients set to None), two sets in "
-               "turn; fusedreduce_host_new: at addresses the launch has not kept",
+               "turn; fusedreduce_host_new: at addresses the launch has not kept; "
+               "fusedreduce_host_prepared: a prepared handle's call (no layout check)",
     "reduce": "mean of every rank's gradients; GB/s: gradient bytes / time (algbw); "
               "x per_tensor: its time over the method's",
     "step": "forward + backward + gradient reduction; GB/s: gradient bytes / step time; "

@@ -439,6 +439,8 @@ def verdict_rows(checks: Sequence[dict], bench: Sequence[dict]) -> List[dict]:
             moved = next((r for r in group if r["method"] == kernels_bench.HOST_MOVED_METHOD),
                          None)
             new = next((r for r in group if r["method"] == kernels_bench.HOST_NEW_METHOD), None)
+            prepared = next((r for r in group
+                             if r["method"] == kernels_bench.HOST_PREPARED_METHOD), None)
             baselines = [r for r in group if r["role"] == "baseline"]
             if ours:
                 best = min(baselines, key=lambda r: r["time_ms"])
@@ -448,7 +450,8 @@ def verdict_rows(checks: Sequence[dict], bench: Sequence[dict]) -> List[dict]:
                            x_best_torch=best["time_ms"] / ours["time_ms"],
                            host_us=host["host_us"] if host else None,
                            host_moved_us=moved["host_us"] if moved else None,
-                           host_new_us=new["host_us"] if new else None)
+                           host_new_us=new["host_us"] if new else None,
+                           host_prepared_us=prepared["host_us"] if prepared else None)
             rows.append(row)
     return rows
 
@@ -459,7 +462,8 @@ VERDICT_COLUMNS: List[common.Column] = [
     ("elements", "n_elements", ",d"), ("GB/s", "gbps", ".4g"), ("x copy", "x_copy", ".2f"),
     ("best torch", "best_torch", ""), ("its x copy", "best_torch_x_copy", ".2f"),
     ("x best torch", "x_best_torch", ".2f"), ("host us", "host_us", ".1f"),
-    ("host us, moved", "host_moved_us", ".1f"), ("host us, new", "host_new_us", ".1f")]
+    ("host us, moved", "host_moved_us", ".1f"), ("host us, new", "host_new_us", ".1f"),
+    ("host us, prepared", "host_prepared_us", ".1f")]
 
 
 def all_correct(checks: Sequence[dict]) -> bool:

@@ -31,6 +31,11 @@ and gives the buffer other memory at every call, cycling through
 memory is released after each step and allocated again (the move, one
 ``Tensor.set_``, is inside the timed call).
 
+A fifth, *prepared* (``PREPARED_SUFFIX``), times a prepared handle's call
+(``prepare_flatten`` / ``prepare_unflatten``, made once) on the same
+tensors: what a loop that declares its tensors fixed spends per call, with
+no layout check.
+
 ``python -m fusedreduce.bench.host_cost CASES_JSON`` is the child's entry
 point: it prints ``{case key: [ms, ...]}`` as JSON (a moved case's key ends
 in ``MOVED_SUFFIX``, a new-addresses case's in ``NEW_SUFFIX``).
@@ -57,6 +62,8 @@ NEW_SUFFIX = "|new"
 NEW_SETS = 8
 #: each key's suffix and how many address sets its calls cycle through
 ADDRESS_SETS = {"": 1, MOVED_SUFFIX: 2, NEW_SUFFIX: NEW_SETS}
+#: what ends a key of calls through a prepared handle (the same tensors)
+PREPARED_SUFFIX = "|prepared"
 #: the same cases as a reader names them (``versus_revision``'s rows)
 ADDRESS_LABELS = {"": "", MOVED_SUFFIX: ", moved", NEW_SUFFIX: ", new addresses"}
 #: ``versus_revision``'s row of calls whose buffer has other memory every call
@@ -80,14 +87,15 @@ def _time_calls(fn, calls: int) -> List[float]:
 
 def time_host(tensors: Sequence, out, dsts: Sequence, direction: str, scale: float,
               calls: int = CALLS, kernels=None, address_sets: int = 1,
-              buffer_sets: int = 1) -> List[float]:
+              buffer_sets: int = 1, prepared: bool = False) -> List[float]:
     """Per-call host times in ms of the Triton path on these buffers (see the module
     docstring). ``kernels``: the kernel package to time (default ``fusedreduce.kernels``;
     ``versus_revision`` passes another revision's). ``address_sets``: how many
     sets of tensors (the given ones and copies elsewhere) the calls cycle
     through; 1: the same tensors every call. ``buffer_sets``: how many
     allocations ``out`` cycles through, moved before each call (``out`` is
-    back in its own memory after)."""
+    back in its own memory after). ``prepared``: call a handle made once
+    (the same tensors every call; not with the two above)."""
     if kernels is None:
         from fusedreduce import kernels
 
@@ -102,7 +110,14 @@ def time_host(tensors: Sequence, out, dsts: Sequence, direction: str, scale: flo
         if buffer_sets > 1:
             out.set_(next(storages), 0, out.shape, out.stride())
 
-    if direction == "flatten":
+    if prepared:
+        if address_sets > 1 or buffer_sets > 1:
+            raise ValueError("a prepared handle keeps its tensors and buffer: "
+                             "address_sets and buffer_sets must be 1")
+        call = (kernels.prepare_flatten(mine, out, backend="triton") if direction == "flatten"
+                else kernels.prepare_unflatten(out, mine, backend="triton"))
+        call = (lambda handle=call: handle(scale))
+    elif direction == "flatten":
         def call():
             place()
             kernels.flatten_cast_scale(next(sides), out, scale=scale, backend="triton")
@@ -137,6 +152,8 @@ def _child(spec: dict) -> Dict[str, List[float]]:
     import torch
     from triton.runtime.interpreter import InterpretedFunction
 
+    from fusedreduce import kernels
+
     from .common import DTYPES
     from .models import TENSOR_LISTS
 
@@ -155,6 +172,9 @@ def _child(spec: dict) -> Dict[str, List[float]]:
                 for suffix, sets in ADDRESS_SETS.items():
                     results[key + suffix] = time_host(tensors, out, dsts, direction, scale,
                                                       spec["calls"], address_sets=sets)
+                if hasattr(kernels, "prepare_flatten"):  # not in libraries before the handles
+                    results[key + PREPARED_SUFFIX] = time_host(
+                        tensors, out, dsts, direction, scale, spec["calls"], prepared=True)
     return results
 
 

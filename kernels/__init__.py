@@ -52,10 +52,11 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _checks, _prepared
+from . import _checks, _handles, _prepared
 from ._backends import (backend_for, check_backend, resolve_backend, triton_available,
                         triton_unavailable_reason)
 from ._checks import capturing, check_disjoint, check_scale, metadata_guard, refuse_in_capture
+from ._handles import PreparedFlatten, PreparedUnflatten
 from ._common import (ADASUM_CHUNK, ADASUM_FP32_LIMIT, ADASUM_NORM_FLOOR, ALIGN_BYTES,
                       NORM_ROW, SIXTEEN_BIT_DTYPES, SUPPORTED_DTYPES, WIRE_BLOCK, WIRE_DTYPES,
                       adasum_chunk_counts as _chunk_counts, packed_boundaries, scratch_buffer)
@@ -67,6 +68,10 @@ from ._wire import dequantize_sum, quantize_flatten, wire_scale_count
 __all__ = [
     "flatten_cast_scale",
     "unflatten_cast_scale",
+    "prepare_flatten",
+    "prepare_unflatten",
+    "PreparedFlatten",
+    "PreparedUnflatten",
     "adasum_stats",
     "adasum_chunk_stats",
     "adasum_reduce_chunks",
@@ -168,31 +173,85 @@ def flatten_cast_scale(
     scale = _checks.scale_argument(scale)
     launch = _prepared.lookup_launch("flatten", backend, out, tensors, offsets)
     if launch is None:
-        tensors = _checks.check_tensors(tensors, "tensors")
-        starts, size = _checks.segment_starts(tensors, offsets, "tensors")
-        if out is None:
-            _checks.check_dtype(dtype, "dtype")
-            device = tensors[0].device if tensors else torch.device("cpu")
-            if tensors:
-                _checks.check_not_meta(tensors[0], "tensors[0]")
-        else:
-            _checks.check_out(out, tensors, size, exact=offsets is None)
-            _checks.check_disjoint(out, "out", tensors, "tensors")
-            dtype, device = out.dtype, out.device
-        chosen = backend_for(backend, device)
-        _checks.check_scale_device(scale, device)
-        kept = out is not None
-        if out is None:
-            out = torch.empty(size, dtype=dtype, device=device)
-        launch = chosen.prepare_flatten(tensors, starts, _checks.extents(starts, out.numel()),
-                                        out)
-        if kept:  # a buffer made here is never passed again: nothing to keep
-            _prepared.keep_launch("flatten", backend, chosen.name, out, tensors, offsets,
-                                  starts, launch)
+        tensors, out, launch, _ = _prepare_flatten(tensors, out, dtype, offsets, backend,
+                                                   keep=out is not None, scale=scale)
     else:
         _checks.check_scale_device(scale, out.device)
     flag = launch(tensors, out, scale, check_finite)
     return (out, flag) if check_finite else out
+
+
+def _prepare_flatten(tensors, out, dtype, offsets, backend: str, keep: bool, scale=1.0):
+    """Validate a flatten call (with its ``scale``) and prepare its launch
+    (kept for later calls with ``keep``): ``(tensors, out, launch, backend
+    name)``, ``out`` made here when None."""
+    tensors = _checks.check_tensors(tensors, "tensors")
+    starts, size = _checks.segment_starts(tensors, offsets, "tensors")
+    if out is None:
+        _checks.check_dtype(dtype, "dtype")
+        device = tensors[0].device if tensors else torch.device("cpu")
+        if tensors:
+            _checks.check_not_meta(tensors[0], "tensors[0]")
+    else:
+        _checks.check_out(out, tensors, size, exact=offsets is None)
+        _checks.check_disjoint(out, "out", tensors, "tensors")
+        dtype, device = out.dtype, out.device
+    chosen = backend_for(backend, device)
+    _checks.check_scale_device(scale, device)
+    if out is None:
+        out = torch.empty(size, dtype=dtype, device=device)
+    launch = chosen.prepare_flatten(tensors, starts, _checks.extents(starts, out.numel()), out)
+    if keep:  # a buffer made here is never passed again: nothing to keep
+        _prepared.keep_launch("flatten", backend, chosen.name, out, tensors, offsets, starts,
+                              launch)
+    return tensors, out, launch, chosen.name
+
+
+def prepare_flatten(
+    tensors: Sequence[torch.Tensor],
+    out: Optional[torch.Tensor] = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    offsets: Optional[Sequence[int]] = None,
+    backend: str = "auto",
+) -> PreparedFlatten:
+    """A handle that runs ``flatten_cast_scale(tensors, out, ...)`` again and
+    again with no per-tensor work: for a loop that always gathers the same
+    tensors (gradients that stay where they are, a fixed list of buffers).
+
+    Everything is validated here, as ``flatten_cast_scale`` validates its
+    first call; ``handle(scale=1.0, check_finite=False)`` then fills ``out``
+    from the tensors' current values and returns what ``flatten_cast_scale``
+    returns. The handle keeps the tensors and the buffer (``handle.tensors``,
+    ``handle.out``): the tensor objects must keep their storage (no ``set_``,
+    ``resize_`` or ``.data =`` on them). A call checks only what its launch
+    needs to stay in bounds: ``out``'s address and, on Triton (whose launch
+    table holds the tensors' addresses), the tensors' addresses; a moved one
+    raises. Gradients set to None and made again each step are new tensors:
+    call ``flatten_cast_scale`` for them (it recognises them each call).
+
+    Args:
+        tensors, out, dtype, offsets, backend: as ``flatten_cast_scale``;
+            ``out=None`` makes the buffer once, here.
+
+    Returns:
+        A ``PreparedFlatten``.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as ``flatten_cast_scale``, here;
+            the handle's own errors at each call are listed on
+            ``PreparedFlatten.__call__``.
+
+    Examples:
+        >>> grads = [torch.ones(2, 3, dtype=torch.float16), torch.full((4,), 2.0)]
+        >>> flatten = prepare_flatten(grads, torch.empty(10))
+        >>> _ = grads[1].fill_(3.0)
+        >>> flatten(scale=0.5).tolist()
+        [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 1.5, 1.5, 1.5, 1.5]
+    """
+    tensors, out, launch, name = _prepare_flatten(tensors, out, dtype, offsets, backend,
+                                                  keep=False)
+    return _handles.make_flatten_handle(tensors, out, launch, name)
 
 
 def unflatten_cast_scale(
@@ -239,21 +298,70 @@ def unflatten_cast_scale(
     scale = _checks.scale_argument(scale)
     launch = _prepared.lookup_launch("unflatten", backend, flat, tensors, offsets)
     if launch is None:
-        _checks.check_flat(flat, "flat")
-        tensors = _checks.check_tensors(tensors, "tensors")
-        if tensors and tensors[0].device != flat.device:
-            raise ValueError(f"tensors are on {tensors[0].device} but flat is on {flat.device}")
-        starts, size = _checks.segment_starts(tensors, offsets, "tensors")
-        if flat.numel() < size:
-            raise ValueError(f"flat has {flat.numel()} elements but the segments need {size}")
-        _checks.check_disjoint(flat, "flat", tensors, "tensors")
-        _checks.check_outputs_disjoint(tensors, "tensors")
-        chosen = backend_for(backend, flat.device)
-        launch = chosen.prepare_unflatten(flat, tensors, starts)
-        _prepared.keep_launch("unflatten", backend, chosen.name, flat, tensors, offsets, starts,
-                              launch, outputs=True)
+        tensors, launch, _ = _prepare_unflatten(flat, tensors, offsets, backend, keep=True)
     _checks.check_scale_device(scale, flat.device)
     launch(flat, tensors, scale, bool(accumulate))
+
+
+def _prepare_unflatten(flat, tensors, offsets, backend: str, keep: bool):
+    """Validate an unflatten call and prepare its launch (kept for later
+    calls with ``keep``): ``(tensors, launch, backend name)``."""
+    _checks.check_flat(flat, "flat")
+    tensors = _checks.check_tensors(tensors, "tensors")
+    if tensors and tensors[0].device != flat.device:
+        raise ValueError(f"tensors are on {tensors[0].device} but flat is on {flat.device}")
+    starts, size = _checks.segment_starts(tensors, offsets, "tensors")
+    if flat.numel() < size:
+        raise ValueError(f"flat has {flat.numel()} elements but the segments need {size}")
+    _checks.check_disjoint(flat, "flat", tensors, "tensors")
+    _checks.check_outputs_disjoint(tensors, "tensors")
+    chosen = backend_for(backend, flat.device)
+    launch = chosen.prepare_unflatten(flat, tensors, starts)
+    if keep:
+        _prepared.keep_launch("unflatten", backend, chosen.name, flat, tensors, offsets, starts,
+                              launch, outputs=True)
+    return tensors, launch, chosen.name
+
+
+def prepare_unflatten(
+    flat: torch.Tensor,
+    tensors: Sequence[torch.Tensor],
+    *,
+    offsets: Optional[Sequence[int]] = None,
+    backend: str = "auto",
+) -> PreparedUnflatten:
+    """A handle that runs ``unflatten_cast_scale(flat, tensors, ...)`` again
+    and again with no per-tensor work: for a loop that always writes the same
+    tensors (fp32 master weights back into the model's 16-bit parameters,
+    a reduced buffer into gradients that stay where they are).
+
+    Everything is validated here, as ``unflatten_cast_scale`` validates its
+    first call; ``handle(scale=1.0, accumulate=False)`` then writes ``flat``'s
+    current values. The contract and the per-call checks are
+    ``prepare_flatten``'s, with ``flat`` for ``out``.
+
+    Args:
+        flat, tensors, offsets, backend: as ``unflatten_cast_scale``.
+
+    Returns:
+        A ``PreparedUnflatten``.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as ``unflatten_cast_scale``,
+            here; the handle's own errors at each call are listed on
+            ``PreparedUnflatten.__call__``.
+
+    Examples:
+        >>> params = [torch.zeros(2, 2, dtype=torch.float16), torch.zeros(3)]
+        >>> master = torch.arange(7.0)
+        >>> write_back = prepare_unflatten(master, params)
+        >>> master += 1
+        >>> write_back()
+        >>> params[1]
+        tensor([5., 6., 7.])
+    """
+    tensors, launch, name = _prepare_unflatten(flat, tensors, offsets, backend, keep=False)
+    return _handles.make_unflatten_handle(flat, tensors, launch, name)
 
 
 def adasum_chunk_counts(segments: Sequence[int]) -> List[int]:

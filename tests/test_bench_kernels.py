@@ -15,13 +15,17 @@ from fusedreduce.bench.models import (n_elements, resnet50_classes, resnet50_sha
 # scale is 1/8, so torch_scale_then_foreach (scale != 1) does
 CPU_METHODS = {"flatten": {"copy", "naive", "views_then_scale", "torch_foreach", "torch_cat",
                            "torch_chunk_cat",
-                           "fusedreduce", "fusedreduce_fresh_out", "fusedreduce_int8",
+                           "fusedreduce", "fusedreduce_prepared", "fusedreduce_fresh_out",
+                           "fusedreduce_int8",
                            "fusedreduce_float8", "fusedreduce_host",
-                           "fusedreduce_host_moved", "fusedreduce_host_new"},
+                           "fusedreduce_host_moved", "fusedreduce_host_new",
+                           "fusedreduce_host_prepared"},
                "unflatten": {"copy", "naive", "scale_then_views", "torch_foreach",
-                             "torch_scale_then_foreach", "fusedreduce", "fusedreduce_host", "fusedreduce_host_moved",
-                             "fusedreduce_host_new"}}
-HOST_ROWS = {"fusedreduce_host", "fusedreduce_host_moved", "fusedreduce_host_new"}
+                             "torch_scale_then_foreach", "fusedreduce", "fusedreduce_prepared",
+                             "fusedreduce_host", "fusedreduce_host_moved",
+                             "fusedreduce_host_new", "fusedreduce_host_prepared"}}
+HOST_ROWS = {"fusedreduce_host", "fusedreduce_host_moved", "fusedreduce_host_new",
+             "fusedreduce_host_prepared"}
 
 
 quick_run = quick_run_fixture(

@@ -142,7 +142,9 @@ def test_the_verdict_quotes_ours_beside_torchs_best_at_the_largest_size(capsys, 
                       _bench_record(direction, "float16", "fusedreduce_host_moved", "host",
                                     0.06, size),
                       _bench_record(direction, "float16", "fusedreduce_host_new", "host",
-                                    0.07, size)]
+                                    0.07, size),
+                      _bench_record(direction, "float16", "fusedreduce_host_prepared", "host",
+                                    0.02, size)]
     bench.append(_bench_record("flatten", "float16", "fusedreduce", "ours", 9.0, scale=1.0))
     rows = gpu_check.verdict_rows(checks, bench)
     row = next(r for r in rows if (r["kernel"], r["dtype"]) == ("flatten", "float16"))
@@ -151,7 +153,7 @@ def test_the_verdict_quotes_ours_beside_torchs_best_at_the_largest_size(capsys, 
     assert math.isclose(row["x_copy"], 0.8) and math.isclose(row["best_torch_x_copy"], 1 / 1.6)
     assert math.isclose(row["x_best_torch"], 1.6 / 1.25)
     assert math.isclose(row["host_us"], 40.0) and math.isclose(row["host_moved_us"], 60.0)
-    assert math.isclose(row["host_new_us"], 70.0)
+    assert math.isclose(row["host_new_us"], 70.0) and math.isclose(row["host_prepared_us"], 20.0)
     assert next(r for r in rows if r["kernel"] == "adasum_stats")["gbps"] is None
 
     machine = gpu_check.environment(CPU)

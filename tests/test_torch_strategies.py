@@ -22,6 +22,7 @@ from hypothesis import given, settings, strategies as st
 
 from fusedreduce.kernels import _checks, _prepared, flatten_cast_scale, unflatten_cast_scale
 from fusedreduce.kernels.flatten import strategy_choice, torch_backend
+from fusedreduce.kernels.flatten.scratch_runs import WholeScratch
 from fusedreduce.kernels.flatten.torch_backend import (ACCUMULATE, STRATEGIES,
                                                        STRATEGY_VARIABLE, Choice)
 from flatten_cases import (DTYPES, Spec, assert_same_bits, build, layouts, lay_out,
@@ -158,7 +159,9 @@ def test_torch_ops_are_offered_and_forced_on_a_training_layout(src, dst, scale, 
 
 
 @pytest.mark.parametrize("flat_dtype, dst, scale, offered", [
-    (F32, F16, 0.125, set()),  # a copy then a scale would round twice
+    # a copy then a scale would round twice: foreach is one mul of the whole
+    # buffer into an fp32 scratch, then one copy out of it
+    (F32, F16, 0.125, {"foreach"}),
     (F32, BF16, 1.0, {"foreach", "per_tensor"}),
     # destinations in the buffer's dtype: the products in a scratch, then copies
     (F32, F32, 1 / 3, {"foreach", "concat", "per_tensor", "scratch"}),
@@ -184,11 +187,28 @@ def test_torch_ops_are_offered_and_forced_on_an_unflatten(flat_dtype, dst, scale
 
 
 def test_16_bit_destinations_with_a_scale_are_not_offered_a_copy_then_a_scale():
-    # copy then scale would round twice (to fp16, then the fp16 product)
+    # copy then scale would round twice (to fp16, then the fp16 product): the
+    # scaled foreach multiplies first, in fp32, and copies the products
     tensors = [torch.zeros(5, dtype=F16)]
     launch = unflatten_launch(torch.zeros(5), tensors)
-    assert list(launch.choice.candidates[False]) == ["routes"]
+    assert list(launch.choice.candidates[False]) == ["routes", "foreach"]
+    assert isinstance(launch.choice.candidates[False]["foreach"], WholeScratch)
     assert "foreach" in launch.choice.candidates[True]
+
+
+def test_the_whole_buffer_scratch_gives_its_memory_back_and_takes_it_again():
+    tensors = [torch.full(shape, math.nan, dtype=BF16) for shape in SHAPES]
+    flat = make_flat(tensors, F32, 0.3, None)
+    expected = reference_unflatten(flat, tensors, 0.3, False)
+    whole = unflatten_launch(flat, tensors).choice.candidates[False]["foreach"]
+    held = whole._storage.nbytes()
+    assert held == flat.numel() * 4
+    whole.release()
+    assert whole._storage.nbytes() == 0
+    whole(tensors, 0.3)
+    assert whole._storage.nbytes() == held
+    for i, (t, want) in enumerate(zip(tensors, expected)):
+        assert_same_bits(t, want, f"destination {i}")
 
 
 @pytest.mark.parametrize("routes_s, other_s, kept", [(1.0, 0.9, "foreach"),
@@ -402,3 +422,24 @@ def test_an_unknown_forced_strategy_is_refused_naming_the_variable_before_writin
         assert torch_backend.forced_strategy() == "foreach"
     with forcing("auto"):
         assert torch_backend.forced_strategy() is None
+
+
+def test_launches_leave_autograd_what_no_grad_would_leave():
+    # the launches run under inference mode: in-place writes must still bump
+    # version counters (a saved tensor overwritten is caught by backward) and
+    # nothing handed back may be an inference tensor
+    param = torch.nn.Parameter(torch.zeros(5))
+    weight = torch.ones(5, requires_grad=True)
+    loss = (weight * param).sum()  # saves param for backward
+    version = param._version
+    unflatten_cast_scale(torch.arange(5.0), [param], scale=2.0, backend="torch")
+    assert param._version > version and not param.is_inference()
+    assert param.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    out = torch.empty(3)
+    flat, found = flatten_cast_scale([torch.ones(3).half()], out, scale=0.5, check_finite=True,
+                                     backend="torch")
+    assert flat is out and not out.is_inference() and not found.is_inference()
+    assert out._version > 0 and not bool(found)
+    found |= torch.ones((), dtype=torch.bool)  # an ordinary tensor takes in-place ops

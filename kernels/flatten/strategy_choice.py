@@ -18,7 +18,8 @@ from typing import Callable, Dict, Optional
 STRATEGY_VARIABLE = "FUSEDREDUCE_TORCH_STRATEGY"
 #: the strategies: ``routes`` (``CopyPlan``, always offered), ``foreach`` (one
 #: ``_foreach_copy_``, then one ``mul_`` of the whole buffer or one
-#: ``_foreach_mul_`` of the outputs), ``concat`` (``torch.cat(out=)`` /
+#: ``_foreach_mul_`` of the outputs; a scaled unflatten into 16 bits: one
+#: ``mul`` of the whole buffer into a kept scratch, then the copy), ``concat`` (``torch.cat(out=)`` /
 #: ``torch.split_with_sizes_copy(out=)``, packed contiguous layouts),
 #: ``per_tensor`` (one ``copy_`` per tensor, then the same scaling),
 #: ``scratch`` (a scaled unflatten into the buffer's own dtype, or a scaled
