@@ -443,3 +443,11 @@ def test_launches_leave_autograd_what_no_grad_would_leave():
     assert flat is out and not out.is_inference() and not found.is_inference()
     assert out._version > 0 and not bool(found)
     found |= torch.ones((), dtype=torch.bool)  # an ordinary tensor takes in-place ops
+
+
+def test_without_torchs_inference_guard_the_public_context_gives_the_same_bits(monkeypatch):
+    tensors = [torch.randn(shape).half() for shape in SHAPES]
+    want = flatten_cast_scale(tensors, scale=0.375, backend="torch")
+    monkeypatch.setattr(torch_backend, "_INFERENCE_GUARD", None)
+    assert isinstance(torch_backend._inference_mode(), torch.inference_mode)
+    assert_same_bits(flatten_cast_scale(tensors, scale=0.375, backend="torch"), want, "flat")
