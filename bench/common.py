@@ -18,7 +18,7 @@ from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Tuple,
 
 import torch
 
-from .output_files import open_output
+from .output_files import open_output, output_file
 from .timing import summary_ms
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -74,6 +74,20 @@ def positive_number(kind: type = float, *, zero: bool = False) -> Callable[[str]
                 f"{'integer' if kind is int else 'finite number'}, got {text!r}")
         return value
     return parse
+
+
+def add_step_options(parser: argparse.ArgumentParser) -> None:
+    """The options every one-model step tool (``one_gpu_step``, ``join_cost``)
+    takes: the ResNet-50's parameter count, its batch and image side (each at
+    least 1: a parser error otherwise), the device and a JSON path."""
+    parser.add_argument("--size", type=parse_sizes, default=[25_600_000],
+                        help="the model's parameter count, e.g. 25.6M (default)")
+    parser.add_argument("--batch", type=positive_number(int), default=32)
+    parser.add_argument("--image", type=positive_number(int), default=128,
+                        help="image side in pixels")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--json", type=output_file, metavar="PATH",
+                        help="write the configuration and figures")
 
 
 def parse_counts(text: str) -> List[int]:

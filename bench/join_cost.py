@@ -129,21 +129,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusedreduce.bench.join_cost",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", type=common.parse_sizes, default=[25_600_000],
-                        help="the model's parameter count, e.g. 25.6M (default)")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--image", type=int, default=128, help="image side in pixels")
+    common.add_step_options(parser)
     parser.add_argument("--world-size", type=int, default=1,
                         help="ranks (NCCL needs one GPU each; gloo shares the CPU)")
     parser.add_argument("--blocks", type=int, default=6, help="blocks of each kind per method")
     parser.add_argument("--block-steps", type=int, default=10, help="steps per block")
     parser.add_argument("--scaler", action="store_true",
                         help="a GradScaler steps every method")
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument("--json", type=output_files.output_file,
-                        metavar="PATH", help="write the configuration and figures")
     args = parser.parse_args(argv)
-    for name in ("world_size", "blocks", "block_steps", "batch", "image"):
+    for name in ("world_size", "blocks", "block_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     on_gpu = common.one_device(args.device).type == "cuda"

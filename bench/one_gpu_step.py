@@ -225,14 +225,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusedreduce.bench.one_gpu_step",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", type=common.parse_sizes, default=[25_600_000],
-                        help="the model's parameter count, e.g. 25.6M (default)")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--image", type=int, default=128, help="image side in pixels")
-    parser.add_argument("--steps", type=int, default=15, help="timed steps per method")
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument("--json", type=output_files.output_file,
-                                  metavar="PATH", help="write the configuration and figures")
+    common.add_step_options(parser)
+    parser.add_argument("--steps", type=common.positive_number(int), default=15,
+                        help="timed steps per method")
     args = parser.parse_args(argv)
     on_gpu = common.one_device(args.device).type == "cuda"
     config = {"size": args.size[0], "batch": args.batch, "image": args.image,

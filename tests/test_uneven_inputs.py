@@ -187,37 +187,40 @@ AS_DDP = ("default", "find_unused_parameters", "clipping", "bucket views", "shar
           "shard, ZeRO-2, clipping")
 
 
+def _set_up(way, model, options):
+    """``(net, optimizer, joinables)`` for ``way``: DDP ("ddp", its bucket
+    options from ``options``), a reducer with hooks ("reducer") or
+    ``DistributedOptimizer(**options)`` ("optimizer"), each with the same
+    200-element buckets and SGD; ``buffers="model"`` in ``options`` means
+    ``model.buffers()``."""
+    options = dict(options)
+    if options.get("buffers") == "model":
+        options["buffers"] = model.buffers()
+    if way == "ddp":
+        net = DistributedDataParallel(
+            model, bucket_cap_mb=200 * 4 / 2 ** 20,
+            find_unused_parameters=options.get("find_unused_parameters", False),
+            gradient_as_bucket_view=bool(options.get("gradient_as_bucket_view")))
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        return net, optimizer, [net]
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if way == "reducer":
+        reducer = fusedreduce.DistributedGradReducer(
+            list(model.parameters()), bucket_cap_mb=200 * 4 / 2 ** 20).register_hooks()
+        return model, sgd, [reducer]
+    optimizer = fusedreduce.DistributedOptimizer(sgd, param_pack_thd=200 * 4, **options)
+    return model, optimizer, [optimizer]
+
+
 def _train_ours(rank, world_size, way, options, steps, epochs=1, schedule=False):
     """Train under Join with ``way`` ("optimizer", "reducer" or DDP's "ddp"),
     with ``schedule`` an LR scheduler that halves the rate after each step
     (stepped in the loop, as training scripts do); this rank's weights,
     buffers, optimizer state, step count and learning rate."""
-    unused = options.get("find_unused_parameters", False)
-    model = _Model(unused)
-    options = dict(options)
-    if options.get("buffers") == "model":
-        options["buffers"] = model.buffers()
+    model = _Model(options.get("find_unused_parameters", False))
+    net, optimizer, joinables = _set_up(way, model, options)
     passes = options.get("backward_passes_per_step", 1)
     clip = options.get("max_grad_norm")
-    if way == "ddp":
-        net = DistributedDataParallel(model, bucket_cap_mb=200 * 4 / 2 ** 20,
-                                      find_unused_parameters=unused,
-                                      gradient_as_bucket_view=bool(options.get(
-                                          "gradient_as_bucket_view")))
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-        joinables = [net]
-    elif way == "reducer":
-        net = model
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        reducer = fusedreduce.DistributedGradReducer(
-            list(model.parameters()), bucket_cap_mb=200 * 4 / 2 ** 20).register_hooks()
-        joinables = [reducer]
-    else:
-        net = model
-        optimizer = fusedreduce.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), param_pack_thd=200 * 4,
-            **options)
-        joinables = [optimizer]
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5) if schedule else None
     data = torch.Generator().manual_seed(100 + rank)
     for epoch in range(epochs):
@@ -658,18 +661,8 @@ def _train_scaled(rank, world_size, way, options, steps, inf_at, explicit=False)
     ours sets ``loss_scale`` before each backward (the clipping guide's
     way). This rank's weights, scale, growth tracker and step count."""
     model = _Model()
-    options = dict(options)
+    net, optimizer, joinables = _set_up(way, model, options)
     clip = options.get("max_grad_norm")
-    if way == "ddp":
-        net = DistributedDataParallel(model, bucket_cap_mb=200 * 4 / 2 ** 20)
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-        joinables = [net]
-    else:
-        net = model
-        optimizer = fusedreduce.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), param_pack_thd=200 * 4,
-            **options)
-        joinables = [optimizer]
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=2)
     kwargs = {"grad_scaler": scaler} if explicit and way != "ddp" else {}
     data = torch.Generator().manual_seed(100 + rank)
