@@ -48,16 +48,26 @@ class _Handle:
     """What both handles share: the kept tensors, buffer and launch, and the
     per-call check of where they are."""
 
-    __slots__ = ("tensors", "buffer", "_launch", "_buffer_ptr", "_ptrs", "_op")
+    __slots__ = ("tensors", "buffer", "_launch", "_buffer_ptr", "_ptrs", "_op", "_backend")
 
     def __init__(self, op: str, tensors: Tuple[torch.Tensor, ...], buffer: torch.Tensor,
-                 launch: Callable, holds_addresses: bool) -> None:
+                 launch: Callable, backend_name: str) -> None:
         self._op = op
+        self._backend = backend_name
         self.tensors = tensors
         self.buffer = buffer
         self._launch = launch
         self._buffer_ptr = buffer.data_ptr()
-        self._ptrs = list(map(_data_ptr, tensors)) if holds_addresses else None
+        # the torch fallback hands the tensor objects to torch's ops; other
+        # backends' launches hold their addresses
+        self._ptrs = None if backend_name == "torch" else list(map(_data_ptr, tensors))
+
+    def __repr__(self) -> str:
+        b = self.buffer
+        n = len(self.tensors)
+        return (f"{type(self).__name__}({n} tensor{'' if n == 1 else 's'}, "
+                f"{'out' if self._op == 'flatten' else 'flat'}={str(b.dtype)[6:]}"
+                f"[{b.numel()}] on {b.device}, backend={self._backend!r})")
 
     def _check_places(self, buffer_name: str) -> None:
         if self.buffer.data_ptr() != self._buffer_ptr:
@@ -156,11 +166,10 @@ class PreparedUnflatten(_Handle):
 
 def make_flatten_handle(tensors, out: torch.Tensor, launch: Callable,
                         backend_name: str) -> PreparedFlatten:
-    return PreparedFlatten("flatten", tuple(tensors), out, launch, backend_name != "torch")
+    return PreparedFlatten("flatten", tuple(tensors), out, launch, backend_name)
 
 
 def make_unflatten_handle(flat: torch.Tensor, tensors, launch: Callable,
                           backend_name: str) -> PreparedUnflatten:
-    return PreparedUnflatten("unflatten", tuple(tensors), flat, launch,
-                             backend_name != "torch")
+    return PreparedUnflatten("unflatten", tuple(tensors), flat, launch, backend_name)
 

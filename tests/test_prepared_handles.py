@@ -225,3 +225,12 @@ def test_a_handle_keeps_its_own_tuple_of_the_tensors():
     assert isinstance(flatten.tensors, tuple) and list(flatten.tensors) == grads
     grads.append(torch.ones(4, device=grads[0].device))  # the caller's list changes, not ours
     assert flatten().shape == (17,)
+
+
+def test_a_handle_says_what_it_holds():
+    grads = _grads()
+    flatten = prepare_flatten(grads, torch.empty(17, device=grads[0].device), backend="torch")
+    assert repr(flatten) == (f"PreparedFlatten(2 tensors, out=float32[17] on "
+                             f"{grads[0].device}, backend='torch')")
+    write_back = prepare_unflatten(flatten.out, grads, backend="torch")
+    assert repr(write_back).startswith("PreparedUnflatten(2 tensors, flat=float32[17]")
