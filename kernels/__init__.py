@@ -231,8 +231,11 @@ def prepare_flatten(
     call ``flatten_cast_scale`` for them (it recognises them each call).
 
     Args:
-        tensors, out, dtype, offsets, backend: as ``flatten_cast_scale``;
-            ``out=None`` makes the buffer once, here.
+        tensors: as ``flatten_cast_scale``; the handle keeps them.
+        out: as ``flatten_cast_scale``; None makes the buffer once, here.
+        dtype: the buffer's dtype when ``out`` is None.
+        offsets: as ``flatten_cast_scale``.
+        backend: as ``flatten_cast_scale``.
 
     Returns:
         A ``PreparedFlatten``.
@@ -341,7 +344,10 @@ def prepare_unflatten(
     ``prepare_flatten``'s, with ``flat`` for ``out``.
 
     Args:
-        flat, tensors, offsets, backend: as ``unflatten_cast_scale``.
+        flat: as ``unflatten_cast_scale``; the handle keeps it.
+        tensors: the destinations, as ``unflatten_cast_scale``; the handle keeps them.
+        offsets: as ``unflatten_cast_scale``.
+        backend: as ``unflatten_cast_scale``.
 
     Returns:
         A ``PreparedUnflatten``.
