@@ -114,9 +114,11 @@ def time_host(tensors: Sequence, out, dsts: Sequence, direction: str, scale: flo
         if address_sets > 1 or buffer_sets > 1:
             raise ValueError("a prepared handle keeps its tensors and buffer: "
                              "address_sets and buffer_sets must be 1")
-        call = (kernels.prepare_flatten(mine, out, backend="triton") if direction == "flatten"
-                else kernels.prepare_unflatten(out, mine, backend="triton"))
-        call = (lambda handle=call: handle(scale))
+        handle = (kernels.prepare_flatten(mine, out, backend="triton") if direction == "flatten"
+                  else kernels.prepare_unflatten(out, mine, backend="triton"))
+
+        def call():
+            handle(scale)
     elif direction == "flatten":
         def call():
             place()

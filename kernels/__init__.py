@@ -52,7 +52,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _checks, _handles, _prepared
+from . import _checks, _prepared
 from ._backends import (backend_for, check_backend, resolve_backend, triton_available,
                         triton_unavailable_reason)
 from ._checks import capturing, check_disjoint, check_scale, metadata_guard, refuse_in_capture
@@ -254,7 +254,7 @@ def prepare_flatten(
     """
     tensors, out, launch, name = _prepare_flatten(tensors, out, dtype, offsets, backend,
                                                   keep=False)
-    return _handles.make_flatten_handle(tensors, out, launch, name)
+    return PreparedFlatten(tensors, out, launch, name)
 
 
 def unflatten_cast_scale(
@@ -367,7 +367,7 @@ def prepare_unflatten(
         tensor([5., 6., 7.])
     """
     tensors, launch, name = _prepare_unflatten(flat, tensors, offsets, backend, keep=False)
-    return _handles.make_unflatten_handle(flat, tensors, launch, name)
+    return PreparedUnflatten(tensors, flat, launch, name)
 
 
 def adasum_chunk_counts(segments: Sequence[int]) -> List[int]:

@@ -38,21 +38,16 @@ from . import _checks
 _data_ptr = torch.Tensor.data_ptr
 
 
-def _check_flag(value, name: str) -> bool:
-    if type(value) is not bool:
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
-
-
 class _Handle:
     """What both handles share: the kept tensors, buffer and launch, and the
-    per-call check of where they are."""
+    per-call check of the scale, the flag and where they all are. ``_op``
+    and ``_buffer_name`` are each kind's."""
 
-    __slots__ = ("tensors", "buffer", "_launch", "_buffer_ptr", "_ptrs", "_op", "_backend")
+    __slots__ = ("tensors", "buffer", "_launch", "_buffer_ptr", "_ptrs", "_backend")
+    _op = _buffer_name = ""
 
-    def __init__(self, op: str, tensors: Tuple[torch.Tensor, ...], buffer: torch.Tensor,
+    def __init__(self, tensors: Tuple[torch.Tensor, ...], buffer: torch.Tensor,
                  launch: Callable, backend_name: str) -> None:
-        self._op = op
         self._backend = backend_name
         self.tensors = tensors
         self.buffer = buffer
@@ -66,14 +61,19 @@ class _Handle:
         b = self.buffer
         n = len(self.tensors)
         return (f"{type(self).__name__}({n} tensor{'' if n == 1 else 's'}, "
-                f"{'out' if self._op == 'flatten' else 'flat'}={str(b.dtype)[6:]}"
-                f"[{b.numel()}] on {b.device}, backend={self._backend!r})")
+                f"{self._buffer_name}={str(b.dtype)[6:]}[{b.numel()}] on {b.device}, "
+                f"backend={self._backend!r})")
 
-    def _check_places(self, buffer_name: str) -> None:
+    def _ready(self, scale, flag, flag_name: str):
+        """The checked scale, once the flag is a bool and nothing has moved."""
+        scale = _checks.scale_argument(scale)
+        _checks.check_scale_device(scale, self.buffer.device)
+        if type(flag) is not bool:
+            raise TypeError(f"{flag_name} must be a bool, got {type(flag).__name__}")
         if self.buffer.data_ptr() != self._buffer_ptr:
             raise RuntimeError(
-                f"this {self._op} handle's {buffer_name} is no longer where it was prepared "
-                f"(its storage was moved or resized): make a new handle with "
+                f"this {self._op} handle's {self._buffer_name} is no longer where it was "
+                f"prepared (its storage was moved or resized): make a new handle with "
                 f"prepare_{self._op}, or call {self._op}_cast_scale, which follows it")
         if self._ptrs is not None and list(map(_data_ptr, self.tensors)) != self._ptrs:
             moved = next(i for i, (t, p) in enumerate(zip(self.tensors, self._ptrs))
@@ -83,6 +83,7 @@ class _Handle:
                 f"prepared (its storage was replaced): make a new handle with "
                 f"prepare_{self._op}, or call {self._op}_cast_scale, which follows moved "
                 f"tensors")
+        return scale
 
 
 class PreparedFlatten(_Handle):
@@ -99,6 +100,7 @@ class PreparedFlatten(_Handle):
     """
 
     __slots__ = ()
+    _op, _buffer_name = "flatten", "out"
 
     @property
     def out(self) -> torch.Tensor:
@@ -117,10 +119,7 @@ class PreparedFlatten(_Handle):
             RuntimeError: ``out``, or on Triton a tensor, moved since
                 preparation. Nothing is written when an error is raised.
         """
-        scale = _checks.scale_argument(scale)
-        _checks.check_scale_device(scale, self.buffer.device)
-        _check_flag(check_finite, "check_finite")
-        self._check_places("out")
+        scale = self._ready(scale, check_finite, "check_finite")
         flag = self._launch(self.tensors, self.buffer, scale, check_finite)
         return (self.buffer, flag) if check_finite else self.buffer
 
@@ -140,6 +139,7 @@ class PreparedUnflatten(_Handle):
     """
 
     __slots__ = ()
+    _op, _buffer_name = "unflatten", "flat"
 
     @property
     def flat(self) -> torch.Tensor:
@@ -157,19 +157,5 @@ class PreparedUnflatten(_Handle):
             RuntimeError: ``flat``, or on Triton a tensor, moved since
                 preparation. Nothing is written when an error is raised.
         """
-        scale = _checks.scale_argument(scale)
-        _checks.check_scale_device(scale, self.buffer.device)
-        _check_flag(accumulate, "accumulate")
-        self._check_places("flat")
+        scale = self._ready(scale, accumulate, "accumulate")
         self._launch(self.buffer, self.tensors, scale, accumulate)
-
-
-def make_flatten_handle(tensors, out: torch.Tensor, launch: Callable,
-                        backend_name: str) -> PreparedFlatten:
-    return PreparedFlatten("flatten", tuple(tensors), out, launch, backend_name)
-
-
-def make_unflatten_handle(flat: torch.Tensor, tensors, launch: Callable,
-                          backend_name: str) -> PreparedUnflatten:
-    return PreparedUnflatten("unflatten", tuple(tensors), flat, launch, backend_name)
-

@@ -238,19 +238,32 @@ def test_unflatten_accumulate_matches_float64_reference_up_to_fma(backend, case)
     built = [build(d, d.dtype, case.scale, backend) for d in case.destinations]
     tensors = [b.tensor for b in built]
     padding = owners_snapshot(built)
+    expected, products = accumulate_expectation(case, flat, tensors)
+    unflatten_cast_scale(flat, tensors, scale=case.scale, accumulate=True, offsets=case.offsets,
+                         backend=backend)
+    assert_accumulated(case, built, expected, products, padding)
+
+
+def accumulate_expectation(case: UnflattenCase, flat, tensors):
+    """What an accumulating unflatten of ``case`` must write into ``tensors``
+    (the float64 reference), and ``|x * scale|`` per element for its bound
+    (float64 destinations: no rounding to speak of); read before the call."""
     expected = reference_unflatten(on_cpu(flat), cpu_list(tensors), case.scale, True,
                                    case.offsets)
-    # |x * scale| for the bound (float64 destinations: no rounding to speak of)
     products = reference_unflatten(on_cpu(flat), [torch.zeros(t.shape, dtype=torch.float64)
                                                   for t in tensors], case.scale, False,
                                    case.offsets)
-    unflatten_cast_scale(flat, tensors, scale=case.scale, accumulate=True, offsets=case.offsets,
-                         backend=backend)
-    for i, (t, want, p, owner_before) in enumerate(zip(tensors, expected, products, padding)):
-        bound = accumulate_bound(p, want, case.flat_dtype, t.dtype)
-        assert_within(t, want, bound, f"destination {i}")
-        built[i].view_of(owner_before).copy_(t)
-        assert_same_bits(built[i].owner, owner_before, f"storage of destination {i}")
+    return expected, products
+
+
+def assert_accumulated(case: UnflattenCase, built, expected, products, padding) -> None:
+    """Each destination within one fused or unfused multiply-add of the
+    reference, and nothing else of its storage changed."""
+    for i, (b, want, p, owner_before) in enumerate(zip(built, expected, products, padding)):
+        bound = accumulate_bound(p, want, case.flat_dtype, b.tensor.dtype)
+        assert_within(b.tensor, want, bound, f"destination {i}")
+        b.view_of(owner_before).copy_(b.tensor)
+        assert_same_bits(b.owner, owner_before, f"storage of destination {i}")
 
 
 @st.composite

@@ -21,13 +21,14 @@ from hypothesis import assume, given, strategies as st
 
 import device_mode
 from device_mode import on_cpu
-from flatten_cases import (DTYPES, accumulate_bound, assert_owners_unchanged, assert_same_bits,
-                           assert_within, build, cpu_list, device_known, gaps, offsets_after,
+from flatten_cases import (DTYPES, assert_owners_unchanged, assert_same_bits,
+                           build, cpu_list, device_known, gaps, offsets_after,
                            lay_out, owners_snapshot, scales, shifts, spec_lists)
 from fusedreduce.kernels import (PreparedFlatten, PreparedUnflatten, flatten_cast_scale,
                                  prepare_flatten, prepare_unflatten)
 from reference import reference_flatten, reference_nonfinite, reference_unflatten
-from test_kernels import make_flat, unflatten_cases
+from test_kernels import (accumulate_expectation, assert_accumulated, make_flat,
+                          unflatten_cases)
 
 pytestmark = [pytest.mark.device_aware,
               pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
@@ -106,17 +107,11 @@ def test_an_accumulating_unflatten_handle_matches_the_float64_reference_up_to_fm
     flat = make_flat(case, backend)
     built = [build(d, d.dtype, case.scale, backend) for d in case.destinations]
     tensors = [b.tensor for b in built]
-    expected = reference_unflatten(on_cpu(flat), cpu_list(tensors), case.scale, True,
-                                   case.offsets)
-    products = reference_unflatten(on_cpu(flat), [torch.zeros(t.shape, dtype=torch.float64)
-                                                  for t in tensors], case.scale, False,
-                                   case.offsets)
+    padding = owners_snapshot(built)
+    expected, products = accumulate_expectation(case, flat, tensors)
     prepare_unflatten(flat, tensors, offsets=case.offsets, backend=backend)(
         case.scale, accumulate=True)
-    for i, (t, want, p) in enumerate(zip(tensors, expected, products)):
-        # the same bound as the function's: one fused or unfused multiply-add
-        assert_within(t, want, accumulate_bound(p, want, case.flat_dtype, t.dtype),
-                      f"destination {i}")
+    assert_accumulated(case, built, expected, products, padding)
 
 
 def _grads():
@@ -151,32 +146,29 @@ def test_a_bad_preparation_is_refused_naming_the_argument_before_writing(make, e
 
 
 @pytest.mark.parametrize("call, error, fragment", [
-    (lambda h: h("2"), TypeError, "scale"),
-    (lambda h: h(math.nan), ValueError, "scale"),
-    (lambda h: h(math.inf), ValueError, "scale"),
-    (lambda h: h(torch.ones(2)), ValueError, "one element"),
-    (lambda h: h(torch.ones((), dtype=torch.int32)), TypeError, "float32 or float64"),
-    (lambda h: h(torch.ones((), device="meta")), ValueError, "scale tensor is on meta"),
-    (lambda h: h(1.0, **{h.flag: "False"}), TypeError, "must be a bool"),
-    (lambda h: h(1.0, **{h.flag: 1}), TypeError, "must be a bool"),
+    (lambda h, flag: h("2"), TypeError, "scale"),
+    (lambda h, flag: h(math.nan), ValueError, "scale"),
+    (lambda h, flag: h(math.inf), ValueError, "scale"),
+    (lambda h, flag: h(torch.ones(2)), ValueError, "one element"),
+    (lambda h, flag: h(torch.ones((), dtype=torch.int32)), TypeError, "float32 or float64"),
+    (lambda h, flag: h(torch.ones((), device="meta")), ValueError, "scale tensor is on meta"),
+    (lambda h, flag: h(1.0, **{flag: "False"}), TypeError, "must be a bool"),
+    (lambda h, flag: h(1.0, **{flag: 1}), TypeError, "must be a bool"),
 ])
 @pytest.mark.parametrize("direction", ["flatten", "unflatten"])
 def test_a_bad_call_is_refused_before_writing(direction, call, error, fragment):
     grads = _grads()
     out = torch.full((17,), math.nan, device=grads[0].device)
     if direction == "flatten":
-        handle = prepare_flatten(grads, out)
-        flag = "check_finite"
+        handle, flag = prepare_flatten(grads, out), "check_finite"
     else:
         out.fill_(1.0)
         for g in grads:
             g.fill_(math.nan)
-        handle = prepare_unflatten(out, grads)
-        flag = "accumulate"
-    caller = type("Caller", (), {"flag": flag, "__call__": lambda self, *a, **k: handle(*a, **k)})
+        handle, flag = prepare_unflatten(out, grads), "accumulate"
     before = [out.clone()] + [g.clone() for g in grads]
     with pytest.raises(error, match=fragment):
-        call(caller())
+        call(handle, flag)
     for t, b in zip([out] + grads, before):
         assert_same_bits(t, b, "after a refused call")
 

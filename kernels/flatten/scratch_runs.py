@@ -47,7 +47,28 @@ def segment_views(flat: torch.Tensor, starts, tensors):
     return views
 
 
-class ScratchRuns:
+class _ReleasableScratch:
+    """A kept scratch tensor whose memory can be given back between uses:
+    views of it hold its storage, not its memory, so ``release`` gives the
+    memory back and ``_take_memory`` (at the start of each use) takes it
+    again, the views still valid."""
+
+    def _hold(self, scratch: torch.Tensor) -> None:
+        self._storage = scratch.untyped_storage()
+        self._nbytes = self._storage.nbytes()
+
+    def release(self) -> None:
+        """Give the scratch's memory back (a strategy not chosen keeps none);
+        the next call takes it again."""
+        self._storage.resize_(0)
+
+    def _take_memory(self) -> None:
+        """The scratch's memory again, if ``release`` gave it back."""
+        if self._storage.nbytes() < self._nbytes:
+            self._storage.resize_(self._nbytes)
+
+
+class ScratchRuns(_ReleasableScratch):
     """``dst = cast(src * scale)`` for many pairs through a kept scratch in
     the compute dtype, run by run, where one ``torch.mul(src, scale,
     out=dst)`` per pair (a type-converting ``mul`` costs several microseconds
@@ -88,10 +109,7 @@ class ScratchRuns:
         alias = flat.detach()
         scratch = torch.empty(max((hi - lo for lo, hi, _ in runs), default=0),
                               dtype=scratch_dtype or flat.dtype, device=flat.device)
-        # the views below hold the storage, not its memory: ``release`` gives
-        # the memory back and a later call takes it again, the views still valid
-        self._storage = scratch.untyped_storage()
-        self._nbytes = self._storage.nbytes()
+        self._hold(scratch)
         self.runs = []
         for lo, hi, indices_ in runs:
             views = segment_views(scratch, [starts[i] - lo for i in indices_],
@@ -102,16 +120,6 @@ class ScratchRuns:
                 if indices_ == list(range(first, first + len(indices_))) else indices_
             self.runs.append((alias.narrow(0, lo, hi - lo), scratch.narrow(0, 0, hi - lo),
                               picked, views))
-
-    def release(self) -> None:
-        """Give the scratch's memory back (a strategy not chosen keeps none);
-        the next call takes it again."""
-        self._storage.resize_(0)
-
-    def _take_memory(self) -> None:
-        """The scratch's memory again, if ``release`` gave it back."""
-        if self._storage.nbytes() < self._nbytes:
-            self._storage.resize_(self._nbytes)
 
     def __call__(self, dsts, srcs, scale: float) -> None:
         self._take_memory()
@@ -136,28 +144,22 @@ class ScratchRuns:
             flat_run.copy_(scratch_run)
 
 
-class WholeScratch:
+class WholeScratch(_ReleasableScratch):
     """``dst = cast(flat_segment * scale)`` for every destination: the whole
     buffer multiplied into a kept scratch of its dtype (one ``mul``), then
     one ``_foreach_copy_`` out of the scratch's segments. The same products
     as ``ScratchRuns`` (one rounding into each destination), in two torch
     calls whatever the layout: the ``foreach`` strategy of a scaled
     unflatten into 16 bits, which a trial keeps where it beats the runs
-    (a buffer that fits in cache). ``release`` as ``ScratchRuns``'s."""
+    (a buffer that fits in cache)."""
 
     def __init__(self, flat: torch.Tensor, starts: Sequence[int], tensors):
         self.flat = flat.detach()
         self.scratch = torch.empty_like(self.flat)
-        self._storage = self.scratch.untyped_storage()
-        self._nbytes = self._storage.nbytes()
+        self._hold(self.scratch)
         self.views = segment_views(self.scratch, starts, tensors)
 
-    def release(self) -> None:
-        """Give the scratch's memory back; the next call takes it again."""
-        self._storage.resize_(0)
-
     def __call__(self, tensors, scale: float) -> None:
-        if self._storage.nbytes() < self._nbytes:
-            self._storage.resize_(self._nbytes)
+        self._take_memory()
         torch.mul(self.flat, scale, out=self.scratch)
         torch._foreach_copy_(tensors, self.views)
