@@ -80,6 +80,65 @@ class JoinParticipant:
         return dist.group.WORLD if self.group is None else self.group
 
 
+class JoiningOptimizer(JoinParticipant):
+    """What ``Join`` and a ``GradScaler`` see of ``DistributedOptimizer``:
+    its join hook, and whether ``GradScaler.step`` hands ``step()`` the
+    scale and inf check (inside a sharded ``Join`` every rank must reach
+    ``step()``). ``shard`` is the optimizer's."""
+
+    shard: bool
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Whether ``GradScaler.step`` hands ``step()`` its scale and inf
+        check (``grad_scale``, ``found_inf``) instead of skipping it: where
+        the wrapped optimizer takes them (a fused Adam), and inside ``Join``
+        with ``shard=True``, where every rank must reach ``step()``
+        (``join_scaling``)."""
+        return bool(self.__dict__.get("_step_supports_amp_scaling", False)) or (
+            self.shard and in_join(self))
+
+    @_step_supports_amp_scaling.setter
+    def _step_supports_amp_scaling(self, value: bool) -> None:
+        self.__dict__["_step_supports_amp_scaling"] = value
+
+    def join_hook(self, **kwargs):
+        """Take part in ``torch.distributed.algorithms.Join`` (uneven inputs:
+        ranks that run out of batches at different steps). A rank that ran
+        out runs, for each communicating backward pass of the others, the
+        same collectives with zeros and no parameter used (the mean still
+        divides by the whole world size: DDP's default), and does not step;
+        with ``shard=True`` it steps its part of the parameters on what the
+        pass reduced and joins their gather, so the other ranks must not use
+        a collective clip (``RuntimeError`` when they do; ``max_grad_norm=``
+        works), and it skips, unscales and clips as the others' GradScaler
+        does. When every rank has run out, every rank takes the step count,
+        ``buffers=`` and GradScaler state of the last one to join, and
+        without ``shard`` its parameters and optimizer state. Inside the
+        context the per-step broadcasts (``bcast_period``, ``buffers=``)
+        wait for that final one.
+
+        ``Join([opt], grad_scaler=scaler)`` names the ``torch.amp.GradScaler``
+        that steps ``opt``; without it a rank knows its scaler from its own
+        steps inside the context, so a rank that has no batch at all then
+        cannot follow a scaled ``max_grad_norm`` clip (``RuntimeError`` on that
+        rank) and keeps its scaler as it was.
+
+        Raises:
+            TypeError: ``shard=True`` with ``overlap_param_gather=True``;
+                ``grad_scaler`` not a ``torch.amp.GradScaler``.
+            ValueError: ``divide_by_initial_world_size=False`` with
+                ``reduce_method='mean'``.
+
+        Examples:
+            >>> from torch.distributed.algorithms import Join      # doctest: +SKIP
+            >>> with Join([opt]):                                   # doctest: +SKIP
+            ...     for x, y in loader:
+            ...         loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+        """
+        return optimizer_join_hook(self, kwargs)
+
+
 def check_join_kwargs(owner: str, kwargs: dict, divides: bool) -> None:
     """The ``Join(..., **kwargs)`` a participant accepts: DDP's
     ``divide_by_initial_world_size`` only as True (the zeros of the ranks
